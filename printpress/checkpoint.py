@@ -1,0 +1,285 @@
+"""Hugging Face checkpoint folders and hub ids <-> `DiffusionGemma`.
+
+The key map is the whole story: the text weights live under `model.decoder.` (the encoder's copies are
+tied to them and not stored), and each mode has its own `layer_scalar` buffer. Vision weights are skipped.
+Loading streams tensor by tensor into a model allocated once, directly in the target dtype and device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from printpress.config import GenerationConfig, ModelConfig, read_json
+from printpress.errors import CheckpointError
+from printpress.model import DiffusionGemma
+
+logger = logging.getLogger(__name__)
+
+DECODER = "model.decoder."
+ENCODER_LAYERS = "model.encoder.language_model.layers."
+ENCODER_TEXT = "model.encoder.language_model."
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig | None = None) -> torch.dtype:
+    """A torch dtype from a name; "auto" takes the checkpoint's own dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None:
+        return torch.float32
+    if dtype == "auto":
+        saved = (config.extra.get("dtype") or config.extra.get("torch_dtype")) if config else None
+        return DTYPES.get(saved, torch.float32)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; use one of float32, bfloat16, float16, auto")
+    return DTYPES[dtype]
+
+
+def checkpoint_key(name: str) -> str:
+    """The checkpoint key of a printpress state-dict entry."""
+    if name.endswith(".encoder_layer_scalar"):
+        return ENCODER_LAYERS + name[len("layers.") : -len("encoder_layer_scalar")] + "layer_scalar"
+    return DECODER + name
+
+
+def module_key(key: str) -> str | None:
+    """The printpress state-dict name of a checkpoint key, or None for keys we skip on purpose."""
+    if key.startswith(VISION_PREFIXES):
+        return None
+    if key.startswith(ENCODER_LAYERS) and key.endswith(".layer_scalar"):
+        return "layers." + key[len(ENCODER_LAYERS) : -len("layer_scalar")] + "encoder_layer_scalar"
+    if key.startswith(DECODER):
+        return key[len(DECODER) :]
+    if key.startswith(ENCODER_TEXT) or key == "lm_head.weight":
+        return None  # tied copies of decoder weights, written by some exporters
+    return "?" + key
+
+
+def resolve_folder(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local folder, or a hub id downloaded (config, weights, tokenizer) through huggingface_hub."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path}: expected a model folder, got a file")
+    text = str(path_or_id)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise CheckpointError(f"{text}: no such model folder (and not a hub id of the form owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        local = snapshot_download(text, revision=revision,
+                                  allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{text}: could not fetch from the Hugging Face hub ({type(exc).__name__}: {exc})") from None
+    return Path(local)
+
+
+def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:
+    """The weight files of a folder, checking that every shard the index names exists."""
+    if (folder / SAFE_INDEX).exists():
+        index = read_json(folder / SAFE_INDEX)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{folder / SAFE_INDEX}: no weight_map")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (folder / s).exists()]
+        if missing:
+            raise CheckpointError(f"{folder / SAFE_INDEX}: shard file(s) missing: {', '.join(missing)}")
+        return [folder / s for s in shards]
+    if (folder / SAFE_SINGLE).exists():
+        return [folder / SAFE_SINGLE]
+    pickles = [folder / n for n in PICKLE_NAMES if (folder / n).exists()]
+    if pickles:
+        if not allow_pickle:
+            raise CheckpointError(
+                f"{pickles[0]}: pickle checkpoints can run code when loaded; convert to safetensors, "
+                "or pass allow_pickle=True to load it with torch.load(weights_only=True)"
+            )
+        if pickles[0].name.endswith(".index.json"):
+            shards = sorted(set(read_json(pickles[0]).get("weight_map", {}).values()))
+            return [folder / s for s in shards]
+        return pickles[:1]
+    raise CheckpointError(f"{folder}: no model.safetensors, {SAFE_INDEX} or other weight file")
+
+
+@contextmanager
+def open_tensors(path: Path) -> Iterator[tuple[list[str], callable]]:
+    """Yield (keys, get) for one weight file; tensors are read one at a time."""
+    if path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                yield list(handle.keys()), handle.get_tensor
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for truncated or bad headers
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from None
+        return
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot load with torch.load(weights_only=True) ({exc})") from None
+    yield list(state.keys()), state.__getitem__
+
+
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> DiffusionGemma:
+    """A model whose parameters are allocated once, uninitialised, in `dtype` on `device`."""
+    with torch.device("meta"):
+        model = DiffusionGemma(config.text)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    # Non-persistent buffers (RoPE frequencies) are computed, not loaded: rebuild them for real.
+    for name, value in DiffusionGemma.rope_buffers(config.text).items():
+        setattr(model, name, value.to(device))
+    return model
+
+
+def load_model(
+    path_or_id: str | os.PathLike,
+    dtype: str | torch.dtype | None = "float32",
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+    revision: str | None = None,
+):
+    """Load (model, config, generation_config, tokenizer or None) from a folder or hub id."""
+    folder = resolve_folder(path_or_id, revision)
+    config = ModelConfig.from_file(folder / "config.json")
+    generation = GenerationConfig.from_dict(
+        read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {},
+        config.text,
+    )
+    target = resolve_dtype(dtype, config)
+    model = build_empty(config, target, device)
+    load_weights(model, weight_files(folder, allow_pickle))
+    model.eval()
+    return model, config, generation, load_tokenizer(folder)
+
+
+def load_weights(model: DiffusionGemma, files: list[Path]) -> None:
+    """Copy every tensor into place, refusing missing, unexpected and misshapen keys."""
+    params = dict(model.named_parameters())
+    params.update((n, b) for n, b in model.named_buffers() if not n.endswith("_inv_freq"))
+    loaded: set[str] = set()
+    skipped_vision = 0
+    for path in files:
+        with open_tensors(path) as (keys, get):
+            for key in keys:
+                name = module_key(key)
+                if name is None:
+                    skipped_vision += key.startswith(VISION_PREFIXES)
+                    continue
+                target = params.get(name)
+                if target is None:
+                    raise CheckpointError(f"{path.name}: unexpected tensor {key!r} (not part of a DiffusionGemma text model)")
+                tensor = get(key)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise CheckpointError(
+                        f"{path.name}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    )
+                with torch.no_grad():
+                    target.copy_(tensor)
+                loaded.add(name)
+                del tensor
+    missing = sorted(set(params) - loaded)
+    if missing:
+        where = files[0].name if len(files) == 1 else f"{files[0].parent.name}/ shards"
+        raise CheckpointError(f"{where}: missing tensor {checkpoint_key(missing[0])!r}"
+                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    if skipped_vision:
+        logger.warning("skipped %d vision-tower tensors: printpress runs the text model only", skipped_vision)
+
+
+def load_tokenizer(folder: Path):
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot read tokenizer ({exc})") from None
+
+
+def state_dict_for_save(model: DiffusionGemma) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, tensor in model.state_dict().items():
+        state[checkpoint_key(name)] = tensor.detach().contiguous()
+    return state
+
+
+def save_model(
+    model: DiffusionGemma,
+    config: ModelConfig,
+    folder: str | os.PathLike,
+    generation_config: GenerationConfig | None = None,
+    tokenizer=None,
+    max_shard_size: int | str = "2GB",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write an HF folder (config, generation config, safetensors, tokenizer) atomically.
+
+    Everything is written into a temporary sibling folder first and then renamed into place, so a killed
+    save never leaves a partial checkpoint behind.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    state = state_dict_for_save(model)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    saved_dtype = next(iter(state.values())).dtype
+    config_dict = config.to_dict()
+    config_dict["dtype"] = str(saved_dtype).removeprefix("torch.")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+        for filename, keys in split.filename_to_tensors.items():
+            save_file({k: state[k] for k in keys}, str(tmp / filename), metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+        generation = generation_config or GenerationConfig.from_dict({}, config.text)
+        (tmp / "generation_config.json").write_text(json.dumps(generation.to_dict(), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / "tokenizer.json"))
+        _replace_folder(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _replace_folder(new: Path, folder: Path) -> None:
+    """Move `new` to `folder`; an existing folder is swapped out and removed only after the move."""
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(new, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, folder)

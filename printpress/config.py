@@ -1,0 +1,318 @@
+"""Configs that read and write the Hugging Face `diffusion_gemma` schema.
+
+`config.json` holds a top-level `DiffusionGemmaConfig` with a nested `text_config`; printpress keeps the
+parsed text config as a dataclass and the rest of the file verbatim, so a folder written by printpress
+loads in transformers and a real checkpoint's vision settings survive a load/save round trip.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from printpress.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu", "silu")
+
+# A vision config small enough that transformers builds (and randomly initialises) its vision tower in
+# milliseconds when it loads a text-only folder written by printpress.
+STUB_VISION_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The resolved shape of one layer's attention."""
+
+    sliding: bool
+    head_dim: int
+    num_kv_heads: int
+
+    @property
+    def shares_kv(self) -> bool:
+        # The reference gives full-attention layers no v_proj: values are the (un-roped) keys.
+        return not self.sliding
+
+
+@dataclass
+class TextConfig:
+    """The `text_config` of a DiffusionGemma checkpoint (field names follow the HF schema)."""
+
+    vocab_size: int = 262_144
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    global_head_dim: int = 512
+    num_global_key_value_heads: int | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    pad_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    bos_token_id: int | None = 2
+    tie_word_embeddings: bool = True
+    rope_parameters: dict[str, dict[str, Any]] | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    sliding_window: int = 512
+    layer_types: list[str] | None = None
+    final_logit_softcapping: float | None = 30.0
+    use_bidirectional_attention: str | None = None
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    # Per-layer overrides as transformers writes them: {"5": {"head_dim": 512, "num_key_value_heads": 2}}.
+    per_layer_config: dict[str, dict[str, int]] | None = None
+    # Keys of the text_config we do not interpret but keep for a faithful round trip.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            # Released layout: five sliding layers, then one full layer.
+            self.layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(self.num_hidden_layers)]
+        self.layer_types = list(self.layer_types)
+        if self.layer_types and self.layer_types[-1] != FULL:
+            logger.warning("the last layer must use full attention (got %s); using full attention", self.layer_types[-1])
+            self.layer_types[-1] = FULL
+        if self.rope_parameters is None:
+            self.rope_parameters = {
+                SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+            }
+        if self.per_layer_config is None:
+            override: dict[str, int] = {"head_dim": self.global_head_dim}
+            if self.num_global_key_value_heads is not None and self.extra.get("attention_k_eq_v", True):
+                override["num_key_value_heads"] = self.num_global_key_value_heads
+            self.per_layer_config = {str(i): dict(override) for i, t in enumerate(self.layer_types) if t == FULL}
+        else:
+            self.per_layer_config = {str(k): dict(v) for k, v in self.per_layer_config.items()}
+        self.validate()
+
+    # -- derived values -------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[LayerSpec]:
+        specs = []
+        for i, kind in enumerate(self.layer_types):
+            override = self.per_layer_config.get(str(i), {})
+            specs.append(
+                LayerSpec(
+                    sliding=kind == SLIDING,
+                    head_dim=int(override.get("head_dim", self.head_dim)),
+                    num_kv_heads=int(override.get("num_key_value_heads", self.num_key_value_heads)),
+                )
+            )
+        return specs
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        if eos is None:
+            return []
+        return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size)
+
+    def num_parameters(self) -> int:
+        """Parameters of the text model (embedding counted once: the LM head is tied)."""
+        h, i = self.hidden_size, self.intermediate_size
+        total = self.vocab_size * h + h + h + 3 * h * i  # embed, final norm, self-conditioning
+        for spec in self.layers:
+            q = self.num_attention_heads * spec.head_dim
+            kv = spec.num_kv_heads * spec.head_dim
+            total += h * q + h * kv * (1 if spec.shares_kv else 2) + q * h + 2 * spec.head_dim
+            total += 3 * h * i + 7 * h  # dense MLP, seven norms
+            e, m = self.num_experts, self.moe_intermediate_size
+            total += e * h + h + e + e * (2 * m * h + h * m)  # router, experts
+        return total
+
+    # -- validation -----------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"invalid text_config: {message}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"{name} must be a positive integer (got {value!r})")
+        need(len(self.layer_types) == self.num_hidden_layers,
+             f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
+        need(not unknown, f"unknown layer type(s) {unknown}; expected {SLIDING!r} or {FULL!r}")
+        need(isinstance(self.sliding_window, int) and self.sliding_window >= 2,
+             f"sliding_window must be an integer >= 2 (got {self.sliding_window!r})")
+        need(self.hidden_activation in ACTIVATIONS,
+             f"hidden_activation {self.hidden_activation!r} is not supported; expected one of {list(ACTIVATIONS)}")
+        for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0,
+                 f"{name} must be a positive integer: every DiffusionGemma layer has a mixture of experts (got {value!r})")
+        need(self.top_k_experts <= self.num_experts,
+             f"top_k_experts ({self.top_k_experts}) exceeds num_experts ({self.num_experts})")
+        # The reference ties every encoder weight to the decoder except biases, which it leaves as separate
+        # parameters; released checkpoints have none, so printpress refuses them rather than half-supporting.
+        need(not self.attention_bias, "attention_bias=true is not supported (the reference unties its encoder biases)")
+        need(self.tie_word_embeddings, "tie_word_embeddings=false (untied encoder/decoder weights) is not supported")
+        need(self.use_bidirectional_attention in (None, "vision"),
+             f"use_bidirectional_attention={self.use_bidirectional_attention!r} is not supported (text encoder must be causal)")
+        for kind in set(self.layer_types):
+            rope = self.rope_parameters.get(kind)
+            need(rope is not None, f"rope_parameters has no entry for {kind!r}")
+            need(rope.get("rope_type", "default") in ("default", "proportional"),
+                 f"rope_type {rope.get('rope_type')!r} for {kind!r} is not supported")
+        for index, spec in enumerate(self.layers):
+            need(spec.head_dim > 0 and spec.head_dim % 2 == 0, f"layer {index}: head_dim must be even (got {spec.head_dim})")
+            need(spec.num_kv_heads > 0 and self.num_attention_heads % spec.num_kv_heads == 0,
+                 f"layer {index}: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                 f"num_key_value_heads ({spec.num_kv_heads})")
+        for key, override in self.per_layer_config.items():
+            need(key.isdigit() and int(key) < self.num_hidden_layers, f"per_layer_config has unknown layer {key!r}")
+            extra = sorted(set(override) - {"head_dim", "num_key_value_heads"})
+            need(not extra, f"per_layer_config[{key}] overrides {extra}, which printpress does not support")
+
+    # -- HF schema ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TextConfig:
+        data = dict(data)
+        model_type = data.pop("model_type", "diffusion_gemma_text")
+        if model_type != "diffusion_gemma_text":
+            raise ConfigError(f"text_config has model_type {model_type!r}; expected 'diffusion_gemma_text'")
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:  # a value of the wrong type deep inside __post_init__
+            raise ConfigError(f"invalid text_config: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        # transformers folds these two into per_layer_config and does not accept them back alongside it.
+        out.pop("global_head_dim")
+        out.pop("num_global_key_value_heads")
+        out.update(copy.deepcopy(self.extra))
+        out["model_type"] = "diffusion_gemma_text"
+        return out
+
+
+@dataclass
+class ModelConfig:
+    """A whole `config.json`: the text config, the canvas length and every other top-level key."""
+
+    text: TextConfig
+    canvas_length: int = 256
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        model_type = data.pop("model_type", None)
+        if model_type != "diffusion_gemma":
+            raise ConfigError(f"model_type {model_type!r} is not supported; printpress reads 'diffusion_gemma' checkpoints")
+        text = data.pop("text_config", None)
+        if not isinstance(text, dict):
+            raise ConfigError("config.json has no text_config object")
+        canvas_length = data.pop("canvas_length", 256)
+        if not isinstance(canvas_length, int) or canvas_length <= 0:
+            raise ConfigError(f"canvas_length must be a positive integer (got {canvas_length!r})")
+        return cls(text=TextConfig.from_dict(text), canvas_length=canvas_length, extra=data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "architectures": ["DiffusionGemmaForBlockDiffusion"],
+            "model_type": "diffusion_gemma",
+            "canvas_length": self.canvas_length,
+            "tie_word_embeddings": True,
+            "vision_config": copy.deepcopy(STUB_VISION_CONFIG),
+        }
+        out.update(copy.deepcopy(self.extra))
+        out["text_config"] = self.text.to_dict()
+        return out
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(read_json(path))
+
+
+@dataclass
+class GenerationConfig:
+    """`generation_config.json`; unset fields take the reference's defaults."""
+
+    max_new_tokens: int = 256
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_id: list[int] | None = None
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], text: TextConfig | None = None) -> GenerationConfig:
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if data.get(f.name) is not None:
+                values[f.name] = data[f.name]
+        sampler = data.get("sampler_config")
+        if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+            values["entropy_bound"] = sampler["entropy_bound"]
+        if text is not None:
+            values.setdefault("eos_token_id", text.eos_token_ids)
+            values.setdefault("pad_token_id", text.pad_token_id)
+            values.setdefault("bos_token_id", text.bos_token_id)
+        eos = values.get("eos_token_id")
+        if isinstance(eos, int):
+            values["eos_token_id"] = [eos]
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "max_denoising_steps": self.max_denoising_steps,
+            "sampler_config": {"entropy_bound": float(self.entropy_bound), "_cls_name": "EntropyBoundSamplerConfig"},
+            "t_min": float(self.t_min),
+            "t_max": float(self.t_max),
+            "stability_threshold": self.stability_threshold,
+            "confidence_threshold": float(self.confidence_threshold),
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "bos_token_id": self.bos_token_id,
+        }
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data

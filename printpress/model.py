@@ -1,0 +1,401 @@
+"""The DiffusionGemma text backbone: one set of weights, two modes.
+
+- `encode`: causal attention over new tokens plus the cached context; writes the KV cache; its logits
+  are next-token logits, so the same weights are also an autoregressive LM.
+- `denoise`: bidirectional attention over a canvas plus the cached context; reads the cache, never
+  writes it; a self-conditioning block mixes in the previous step's predictions before the first layer.
+
+Module and parameter names follow the checkpoint keys under `model.decoder.` one to one (see
+`printpress.checkpoint`), so loading is a plain, auditable key map.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from printpress.cache import KVCache
+from printpress.config import FULL, SLIDING, LayerSpec, TextConfig
+
+KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+LogitsMode = Literal["all", "last", "none"]
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    return F.silu
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4 RMSNorm: computed in fp32, scaled by `weight` (not `1 + weight`); optionally weightless."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(x)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Softmax router over experts; the top-k weights are renormalised, then scaled per expert."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k_experts
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+        self.root_size = config.hidden_size**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(x) * self.scale * self.root_size
+        probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts
+
+
+class Experts(nn.Module):
+    """Packed expert weights: gate_up_proj (E, 2I, H) and down_proj (E, H, I), as in the checkpoint."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act = activation(config.hidden_activation)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        # Group the (token, slot) pairs by expert with one sort, then run each used expert once.
+        top_k = experts.shape[-1]
+        flat_experts = experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
+        tokens = order // top_k
+        gathered = x.index_select(0, tokens)
+        slot_weights = weights.reshape(-1).index_select(0, order)
+        out = torch.empty_like(gathered)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate, up = F.linear(gathered[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            out[start:end] = F.linear(self.act(gate) * up, self.down_proj[expert])
+            start = end
+        # The reference multiplies by the fp32 router weights before casting back.
+        out = (out * slot_weights[:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def rope_inv_freq(config: TextConfig, spec: LayerSpec) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2 of them); proportional RoPE pads the unrotated tail with zeros."""
+    params = config.rope_parameters[SLIDING if spec.sliding else FULL]
+    theta = float(params["rope_theta"])
+    fraction = float(params.get("partial_rotary_factor", 1.0))
+    if params.get("rope_type", "default") == "proportional":
+        angles = int(fraction * spec.head_dim // 2)
+        exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / spec.head_dim
+        rotated = 1.0 / (theta**exponents)
+        tail = torch.zeros(spec.head_dim // 2 - angles)
+        return torch.cat([rotated, tail]) / float(params.get("factor", 1.0))
+    dim = int(spec.head_dim * fraction)
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TextConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        h, heads, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        self.head_dim = spec.head_dim
+        self.num_heads = heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.q_proj = nn.Linear(h, heads * spec.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * spec.head_dim, bias=bias)
+        # Full-attention layers share K and V: the values are the keys before their norm and rotation.
+        self.v_proj = None if spec.shares_kv else nn.Linear(h, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * spec.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
+        self.v_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, with_scale=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        kv_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        cos, sin = rope
+        q = rotate(self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)), cos, sin)
+        k_raw = self.k_proj(x).view(b, t, -1, self.head_dim)
+        v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(b, t, -1, self.head_dim)
+        k = rotate(self.k_norm(k_raw), cos, sin).transpose(1, 2)
+        v = self.v_norm(v_raw).transpose(1, 2)
+        k, v = kv_fn(k, v)
+        # Scale 1.0: the q/k norms already set the logit scale.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, scale=1.0, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Layer(nn.Module):
+    def __init__(self, config: TextConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, spec)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation)
+        self.router = Router(config)
+        self.experts = Experts(config)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
+        # The checkpoint stores a scalar per mode; they are equal in released weights but kept apart to be exact.
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+
+    def forward(self, x, rope, mask, kv_fn, causal: bool) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, kv_fn))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.router(flat)
+        sparse = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).reshape(x.shape)
+        x = x + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
+        return x * (self.encoder_layer_scalar if causal else self.layer_scalar)
+
+
+class SelfConditioning(nn.Module):
+    """Mixes the previous step's soft predictions into the canvas embeddings (zeros at the first step)."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_norm = RMSNorm(h, eps)
+        self.post_norm = RMSNorm(h, eps, with_scale=False)
+        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        self.act = activation(config.hidden_activation)
+
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        if soft is None:  # the MLP of zeros is zero: skip it
+            return self.post_norm(embeds)
+        normed = self.pre_norm(soft)
+        return self.post_norm(embeds + self.down_proj(self.act(self.gate_proj(normed)) * self.up_proj(normed)))
+
+
+@dataclass
+class Masks:
+    """Boolean attention masks per layer kind, (B or 1, 1, T, S); None means "attend to everything"."""
+
+    sliding: torch.Tensor | None
+    full: torch.Tensor | None
+
+    def __getitem__(self, sliding: bool) -> torch.Tensor | None:
+        return self.sliding if sliding else self.full
+
+
+class DiffusionGemma(nn.Module):
+    """The shared backbone with `encode` (causal, writes the cache) and `denoise` (bidirectional)."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.specs = config.layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(Layer(config, spec) for spec in self.specs)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(config)
+        for name, value in self.rope_buffers(config).items():
+            self.register_buffer(name, value, persistent=False)
+        self.reset_parameters()
+
+    @staticmethod
+    def rope_buffers(config: TextConfig) -> dict[str, torch.Tensor]:
+        """RoPE inverse frequencies per layer kind (computed from the config, never stored)."""
+        return {f"{kind}_inv_freq": rope_inv_freq(config, spec) for kind, spec in _first_spec_per_kind(config).items()}
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random init as the reference does it: N(0, initializer_range) matrices, ones for norms and scales."""
+        std = self.config.initializer_range
+        for name, param in self.named_parameters():
+            if param.dim() >= 2:
+                nn.init.normal_(param, 0.0, std)
+            else:
+                nn.init.ones_(param)
+        if self.config.pad_token_id is not None:
+            self.embed_tokens.weight[self.config.pad_token_id].zero_()
+
+    # -- shared pieces ------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        return KVCache(self.config, batch_size, max_length, dtype=self.dtype, device=self.embed_tokens.weight.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        # The scale is rounded to the weight dtype first, as the reference does (it matters in bf16).
+        scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
+        return F.embedding(ids, self.embed_tokens.weight, padding_idx=self.config.pad_token_id) * scale
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def rope(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin per layer kind for absolute `positions` (T,), shaped (1, T, 1, D) to broadcast over heads."""
+        out = {}
+        for kind in _first_spec_per_kind(self.config):
+            freqs = positions.float()[:, None] * getattr(self, f"{kind}_inv_freq").float()[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)[None, :, None, :]
+            out[kind == "sliding"] = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+        return out
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, masks: Masks, kv_fn: KVFn, causal: bool) -> torch.Tensor:
+        ropes = self.rope(positions)
+        for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
+            x = layer(x, ropes[spec.sliding], masks[spec.sliding], lambda k, v, i=index: kv_fn(i, k, v), causal)
+        return self.norm(x)
+
+    # -- encoder --------------------------------------------------------------------------------------------
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        attention_mask: torch.Tensor | None = None,
+        logits: LogitsMode = "all",
+    ) -> torch.Tensor | None:
+        """Causal pass over `input_ids` (B, T) after what `cache` holds; appends them to the cache.
+
+        `attention_mask` (B, T) marks real tokens (False for left padding). Returns float32 next-token
+        logits for every position ("all"), the last one ("last"), or nothing ("none").
+        """
+        t = input_ids.shape[1]
+        cache.check_room(t)
+        start = cache.length
+        positions = torch.arange(start, start + t, device=input_ids.device)
+        new_valid = None if attention_mask is None else attention_mask.to(torch.bool)
+        masks = Masks(
+            sliding=self._encoder_mask(cache, positions, new_valid, sliding=True) if self._has(True) else None,
+            full=self._encoder_mask(cache, positions, new_valid, sliding=False) if self._has(False) else None,
+        )
+
+        def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            past_k, past_v = cache.sliding_prefix(index) if self.specs[index].sliding else cache.full_prefix(index)
+            k_all, v_all = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            cache.write(index, k, v)
+            return k_all, v_all
+
+        hidden = self.run_layers(self.embed(input_ids), positions, masks, kv_fn, causal=True)
+        cache.advance(t, new_valid)
+        if logits == "none":
+            return None
+        return self.logits(hidden[:, -1:] if logits == "last" else hidden)
+
+    def _has(self, sliding: bool) -> bool:
+        return any(spec.sliding == sliding for spec in self.specs)
+
+    def _encoder_mask(self, cache: KVCache, positions: torch.Tensor, new_valid, sliding: bool) -> torch.Tensor | None:
+        key_positions = torch.cat([cache.prefix_positions(sliding), positions])
+        past_valid = cache.prefix_valid(sliding)
+        new = new_valid if new_valid is not None else torch.ones(cache.batch_size, len(positions), dtype=torch.bool,
+                                                                  device=positions.device)
+        key_valid = torch.cat([past_valid, new], dim=1)  # (B, S)
+        q, k = positions[:, None], key_positions[None, :]
+        allowed = k <= q
+        if sliding:
+            allowed &= q - k < self.config.sliding_window
+        mask = allowed[None, None] & key_valid[:, None, None, :]
+        return _never_empty(mask)
+
+    # -- decoder --------------------------------------------------------------------------------------------
+    def denoise(
+        self,
+        canvas_ids: torch.Tensor,
+        cache: KVCache,
+        self_conditioning_logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Bidirectional pass over the canvas (B, C) and the cached context; returns float32 logits (B, C, V)."""
+        c = canvas_ids.shape[1]
+        positions = torch.arange(cache.length, cache.length + c, device=canvas_ids.device)
+        soft = None
+        if self_conditioning_logits is not None:
+            probs = F.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32).to(self.dtype)
+            scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
+            soft = (probs @ self.embed_tokens.weight) * scale
+        x = self.self_conditioning(self.embed(canvas_ids), soft)
+        masks = Masks(sliding=self._decoder_mask(cache, c, sliding=True), full=self._decoder_mask(cache, c, sliding=False))
+
+        def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            past_k, past_v = cache.sliding_prefix(index) if self.specs[index].sliding else cache.full_prefix(index)
+            return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+        return self.logits(self.run_layers(x, positions, masks, kv_fn, causal=False))
+
+    def _decoder_mask(self, cache: KVCache, canvas: int, sliding: bool) -> torch.Tensor | None:
+        past_valid = cache.prefix_valid(sliding)
+        if bool(past_valid.all()):
+            return None
+        canvas_valid = torch.ones(cache.batch_size, canvas, dtype=torch.bool, device=past_valid.device)
+        return torch.cat([past_valid, canvas_valid], dim=1)[:, None, None, :]
+
+
+def _first_spec_per_kind(config: TextConfig) -> dict[str, LayerSpec]:
+    found: dict[str, LayerSpec] = {}
+    for spec in config.layers:
+        found.setdefault("sliding" if spec.sliding else "full", spec)
+    return found
+
+
+def _never_empty(mask: torch.Tensor) -> torch.Tensor:
+    """Let a query with no visible key (a left-pad position) see every key, so softmax stays finite.
+
+    Such rows are padding: nothing reads their output, but NaNs would leak through the MoE scatter.
+    """
+    empty = ~mask.any(dim=-1, keepdim=True)
+    return mask | empty

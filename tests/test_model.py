@@ -1,0 +1,179 @@
+"""The model matches transformers' DiffusionGemma (the reference) on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DiffusionGemmaForBlockDiffusion
+from transformers.cache_utils import DynamicCache
+
+from printpress.checkpoint import load_model
+
+TOL = 1e-4
+
+
+def reference_encoder_logits(ref, hidden: torch.Tensor) -> torch.Tensor:
+    logits = ref.lm_head(hidden).float()
+    cap = ref.config.text_config.final_logit_softcapping
+    return torch.tanh(logits / cap) * cap
+
+
+def prompt(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=generator)
+
+
+@pytest.fixture(scope="module")
+def pairs(reference_checkpoints):
+    out = {}
+    for name, folder in reference_checkpoints.items():
+        ref = DiffusionGemmaForBlockDiffusion.from_pretrained(folder).eval()
+        model, config, _, _ = load_model(folder)
+        out[name] = (ref, model, config)
+    return out
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
+@pytest.mark.parametrize("length", [3, 13])  # 13 is longer than every sliding window
+@torch.no_grad()
+def test_encoder_and_decoder_logits_match_reference(pairs, name, length):
+    ref, model, config = pairs[name]
+    vocab, canvas_length = config.text.vocab_size, config.canvas_length
+    ids = prompt(vocab, 2, length, seed=length)
+    canvas = prompt(vocab, 2, canvas_length, seed=100 + length)
+    self_cond = torch.randn(2, canvas_length, vocab, generator=torch.Generator().manual_seed(7)) * 3
+
+    cache_ref = DynamicCache(config=ref.config.text_config)
+    out = ref(input_ids=ids, past_key_values=cache_ref, decoder_input_ids=canvas)
+    out_sc = ref(past_key_values=cache_ref, decoder_input_ids=canvas, self_conditioning_logits=self_cond)
+
+    cache = model.new_cache(2, 64)
+    encoder_logits = model.encode(ids, cache)
+    assert (encoder_logits - reference_encoder_logits(ref, out.encoder_last_hidden_state)).abs().max() < TOL
+    assert (model.denoise(canvas, cache) - out.logits).abs().max() < TOL
+    assert (model.denoise(canvas, cache, self_cond) - out_sc.logits).abs().max() < TOL
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha"])
+@torch.no_grad()
+def test_second_canvas_after_committed_text_matches_reference(pairs, name):
+    """Encode a prompt, then a committed canvas through the cache, then denoise: the generation pattern."""
+    ref, model, config = pairs[name]
+    vocab, c = config.text.vocab_size, config.canvas_length
+    ids, committed, canvas = prompt(vocab, 1, 5, 1), prompt(vocab, 1, c, 2), prompt(vocab, 1, c, 3)
+
+    cache_ref = DynamicCache(config=ref.config.text_config)
+    ref(input_ids=ids, past_key_values=cache_ref, decoder_input_ids=canvas)
+    out = ref(input_ids=committed, past_key_values=cache_ref, decoder_input_ids=canvas)
+
+    cache = model.new_cache(1, 64)
+    model.encode(ids, cache, logits="none")
+    encoder_logits = model.encode(committed, cache)
+    assert (encoder_logits - reference_encoder_logits(ref, out.encoder_last_hidden_state)).abs().max() < TOL
+    assert (model.denoise(canvas, cache) - out.logits).abs().max() < TOL
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
+@torch.no_grad()
+def test_encoding_in_pieces_equals_encoding_at_once(pairs, name):
+    _, model, config = pairs[name]
+    ids = prompt(config.text.vocab_size, 2, 17, seed=5)
+    whole = model.new_cache(2, 32)
+    at_once = model.encode(ids, whole)
+    pieces = model.new_cache(2, 32)
+    chunks = [model.encode(ids[:, a:b], pieces) for a, b in [(0, 4), (4, 5), (5, 12), (12, 17)]]
+    assert (torch.cat(chunks, dim=1) - at_once).abs().max() < 1e-5
+    canvas = prompt(config.text.vocab_size, 2, config.canvas_length, seed=6)
+    assert (model.denoise(canvas, pieces) - model.denoise(canvas, whole)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
+@torch.no_grad()
+def test_left_padded_batch_matches_reference(pairs, name):
+    ref, model, config = pairs[name]
+    vocab, c = config.text.vocab_size, config.canvas_length
+    ids = prompt(vocab, 3, 12, seed=9)
+    lengths = [12, 7, 3]
+    mask = torch.zeros(3, 12, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        mask[row, 12 - n:] = True
+    ids = ids.masked_fill(~mask, config.text.pad_token_id)
+    canvas = prompt(vocab, 3, c, seed=10)
+    self_cond = torch.randn(3, c, vocab, generator=torch.Generator().manual_seed(11))
+
+    cache_ref = DynamicCache(config=ref.config.text_config)
+    decoder_mask = F.pad(mask, (0, c), value=True)
+    out = ref(input_ids=ids, attention_mask=mask, past_key_values=cache_ref, decoder_input_ids=canvas,
+              decoder_attention_mask=decoder_mask, self_conditioning_logits=self_cond)
+
+    cache = model.new_cache(3, 64)
+    encoder_logits = model.encode(ids, cache, attention_mask=mask)
+    expected = reference_encoder_logits(ref, out.encoder_last_hidden_state)
+    assert (encoder_logits - expected).abs()[mask].max() < TOL  # pad positions carry no meaning
+    assert (model.denoise(canvas, cache, self_cond) - out.logits).abs().max() < TOL
+
+
+@pytest.mark.parametrize("name", ["gqa", "default_pattern"])
+@torch.no_grad()
+def test_padded_row_equals_the_same_row_alone(pairs, name):
+    _, model, config = pairs[name]
+    vocab, c = config.text.vocab_size, config.canvas_length
+    short = prompt(vocab, 1, 4, seed=12)
+    long = prompt(vocab, 1, 9, seed=13)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 5, dtype=torch.long), short], dim=1)])
+    mask = batch != 0
+    mask[0] = True
+    cache = model.new_cache(2, 32)
+    model.encode(batch, cache, attention_mask=mask, logits="none")
+    canvas = prompt(vocab, 2, c, seed=14)
+    batched = model.denoise(canvas, cache)
+    # Alone, the short prompt sits at positions 0..3; in the batch at 5..8. Positions differ, so compare the
+    # long row (no padding) exactly, and the short row through the cache of its own padded layout.
+    alone = model.new_cache(1, 32)
+    model.encode(long, alone, logits="none")
+    assert (batched[0] - model.denoise(canvas[:1], alone)[0]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_half_precision_loads_and_tracks_fp32(reference_checkpoints, dtype):
+    folder = reference_checkpoints["gqa"]
+    model32, config, _, _ = load_model(folder)
+    model16, _, _, _ = load_model(folder, dtype=dtype)
+    assert model16.embed_tokens.weight.dtype == dtype
+    ids = prompt(config.text.vocab_size, 1, 10, seed=3)
+    canvas = prompt(config.text.vocab_size, 1, config.canvas_length, seed=4)
+    c32, c16 = model32.new_cache(1, 32), model16.new_cache(1, 32)
+    assert c16.layers[0].keys.dtype == dtype
+    e32, e16 = model32.encode(ids, c32), model16.encode(ids, c16)
+    d32, d16 = model32.denoise(canvas, c32), model16.denoise(canvas, c16)
+    assert e16.dtype == torch.float32 and torch.isfinite(e16).all() and torch.isfinite(d16).all()
+    assert (e16 - e32).abs().max() < 0.5 and (d16 - d32).abs().max() < 0.5
+    assert (e16.argmax(-1) == e32.argmax(-1)).float().mean() > 0.8
+
+
+@torch.no_grad()
+def test_bf16_matches_reference_in_bf16(reference_checkpoints):
+    folder = reference_checkpoints["gqa"]
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model, config, _, _ = load_model(folder, dtype="bfloat16")
+    ids = prompt(config.text.vocab_size, 1, 9, seed=21)
+    canvas = prompt(config.text.vocab_size, 1, config.canvas_length, seed=22)
+    out = ref(input_ids=ids, past_key_values=DynamicCache(config=ref.config.text_config), decoder_input_ids=canvas)
+    cache = model.new_cache(1, 32)
+    model.encode(ids, cache, logits="none")
+    assert (model.denoise(canvas, cache) - out.logits).abs().max() < 0.1
+
+
+def test_cache_refuses_to_overflow(pairs):
+    _, model, config = pairs["gqa"]
+    cache = model.new_cache(1, 8)
+    model.encode(prompt(config.text.vocab_size, 1, 6, 0), cache, logits="none")
+    with pytest.raises(Exception, match="cache holds 8 positions; 6 are used and 3 more"):
+        model.encode(prompt(config.text.vocab_size, 1, 3, 0), cache)
+
+
+def test_parameter_count_formula_matches_the_module(pairs):
+    for _, model, config in pairs.values():
+        assert config.text.num_parameters() == sum(p.numel() for p in model.parameters())
