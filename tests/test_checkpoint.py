@@ -1,0 +1,219 @@
+"""Checkpoint folders: round trips with transformers, sharding, dtypes and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DiffusionGemmaForBlockDiffusion
+
+from printpress.checkpoint import load_model, save_model
+from printpress.config import ModelConfig, TextConfig
+from printpress.errors import CheckpointError, ConfigError
+from printpress.model import DiffusionGemma
+
+
+def logits_of(model, vocab: int, canvas_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (1, 9), generator=generator)
+    canvas = torch.randint(0, vocab, (1, canvas_length), generator=generator)
+    with torch.no_grad():
+        cache = model.new_cache(1, 32)
+        return model.encode(ids, cache), model.denoise(canvas, cache)
+
+
+def same_state(a: DiffusionGemma, b: DiffusionGemma) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def copy_folder(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_printpress_transformers_printpress_round_trip(reference_checkpoints, tmp_path):
+    original, config, generation, _ = load_model(reference_checkpoints["gqa"])
+    save_model(original, config, tmp_path / "ours", generation)
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "ours")
+    ref.save_pretrained(tmp_path / "theirs")
+    back, config_back, generation_back, _ = load_model(tmp_path / "theirs")
+    same_state(original, back)
+    for x, y in zip(logits_of(original, 128, 8), logits_of(back, 128, 8)):
+        assert torch.equal(x, y)
+    assert config_back.text.layers == config.text.layers
+    assert config_back.canvas_length == config.canvas_length
+    assert generation_back.entropy_bound == generation.entropy_bound
+
+
+def test_transformers_loads_what_printpress_wrote_with_the_same_logits(reference_checkpoints, tmp_path):
+    model, config, _, _ = load_model(reference_checkpoints["mha"])
+    save_model(model, config, tmp_path / "ours")
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "ours").eval()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (1, 7), generator=generator)
+    canvas = torch.randint(0, 96, (1, 8), generator=generator)
+    with torch.no_grad():
+        out = ref(input_ids=ids, decoder_input_ids=canvas)
+        cache = model.new_cache(1, 32)
+        model.encode(ids, cache, logits="none")
+        assert (model.denoise(canvas, cache) - out.logits).abs().max() < 1e-5
+
+
+def test_sharded_save_round_trips_and_index_names_every_tensor(reference_checkpoints, tmp_path):
+    model, config, _, _ = load_model(reference_checkpoints["gqa"])
+    save_model(model, config, tmp_path / "sharded", max_shard_size=20_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    back, _, _, _ = load_model(tmp_path / "sharded")
+    same_state(model, back)
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "sharded")
+    assert torch.equal(ref.model.decoder.layers[2].experts.down_proj, model.layers[2].experts.down_proj)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_save_writes_that_dtype(reference_checkpoints, tmp_path, dtype):
+    model, config, _, _ = load_model(reference_checkpoints["gqa"], dtype=dtype)
+    save_model(model, config, tmp_path / "half")
+    tensors = load_file(tmp_path / "half" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {dtype}
+    assert json.loads((tmp_path / "half" / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    back, _, _, _ = load_model(tmp_path / "half", dtype="auto")
+    assert back.embed_tokens.weight.dtype == dtype
+    same_state(model, back)
+
+
+def test_encoder_and_decoder_layer_scalars_are_kept_apart(reference_checkpoints):
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(reference_checkpoints["gqa"])
+    model, _, _, _ = load_model(reference_checkpoints["gqa"])
+    for i in range(3):
+        assert torch.equal(model.layers[i].layer_scalar, ref.model.decoder.layers[i].layer_scalar)
+        assert torch.equal(model.layers[i].encoder_layer_scalar, ref.model.encoder.language_model.layers[i].layer_scalar)
+    assert not torch.equal(model.layers[0].layer_scalar, model.layers[0].encoder_layer_scalar)
+
+
+def test_vision_weights_are_skipped_with_one_warning(reference_checkpoints, caplog):
+    with caplog.at_level("WARNING"):
+        load_model(reference_checkpoints["gqa"])
+    warnings = [r.message for r in caplog.records if "vision" in r.message]
+    assert len(warnings) == 1 and "text model only" in warnings[0]
+
+
+def test_save_replaces_an_existing_folder_without_leftovers(reference_checkpoints, tmp_path):
+    model, config, _, _ = load_model(reference_checkpoints["gqa"])
+    save_model(model, config, tmp_path / "out")
+    (tmp_path / "out" / "stale.txt").write_text("old")
+    save_model(model, config, tmp_path / "out")
+    assert not (tmp_path / "out" / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+
+def test_missing_shard_is_named(reference_checkpoints, tmp_path):
+    model, config, _, _ = load_model(reference_checkpoints["gqa"])
+    save_model(model, config, tmp_path / "s", max_shard_size=20_000)
+    shard = sorted((tmp_path / "s").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"shard file\\(s\\) missing: {shard.name}"):
+        load_model(tmp_path / "s")
+
+
+def rewrite_weights(folder, change):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_wrong_shape_names_file_and_key(reference_checkpoints, tmp_path):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    key = "model.decoder.layers.1.mlp.up_proj.weight"
+    rewrite_weights(folder, lambda t: t.__setitem__(key, torch.zeros(3, 3)))
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '{key}' has shape \(3, 3\), expected \(48, 32\)"):
+        load_model(folder)
+
+
+def test_missing_key_is_named(reference_checkpoints, tmp_path):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    rewrite_weights(folder, lambda t: t.pop("model.decoder.layers.2.router.scale"))
+    with pytest.raises(CheckpointError, match="missing tensor 'model.decoder.layers.2.router.scale'"):
+        load_model(folder)
+
+
+def test_unexpected_key_is_named(reference_checkpoints, tmp_path):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    rewrite_weights(folder, lambda t: t.__setitem__("model.decoder.extra_head.weight", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.decoder.extra_head.weight'"):
+        load_model(folder)
+
+
+def test_truncated_weights_file_is_refused(reference_checkpoints, tmp_path):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="model.safetensors: cannot read safetensors file"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c.__setitem__("model_type", "llama"), "model_type 'llama' is not supported"),
+        (lambda c: c["text_config"].__setitem__("num_experts", 0), "num_experts must be a positive integer"),
+        (lambda c: c["text_config"].__setitem__("layer_types", ["sliding_attention", "full_attention"]),
+         "layer_types has 2 entries but num_hidden_layers is 3"),
+        (lambda c: c["text_config"].__setitem__("hidden_activation", "relu6"), "hidden_activation 'relu6'"),
+        (lambda c: c["text_config"].__setitem__("sliding_window", 1), "sliding_window must be an integer >= 2"),
+        (lambda c: c.pop("text_config"), "config.json has no text_config"),
+        (lambda c: c.__setitem__("canvas_length", -4), "canvas_length must be a positive integer"),
+    ],
+)
+def test_invalid_config_values_are_refused(reference_checkpoints, tmp_path, change, message):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        load_model(folder)
+
+
+def test_malformed_config_json_names_the_file(reference_checkpoints, tmp_path):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        load_model(folder)
+
+
+def test_pickle_checkpoints_need_an_explicit_opt_in(reference_checkpoints, tmp_path):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pickle checkpoints can run code"):
+        load_model(folder)
+    model, _, _, _ = load_model(folder, allow_pickle=True)
+    assert torch.equal(model.embed_tokens.weight, tensors["model.decoder.embed_tokens.weight"])
+
+
+def test_missing_folder_and_bad_hub_id_are_clear(tmp_path):
+    with pytest.raises(CheckpointError, match="no such model folder"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="could not fetch from the Hugging Face hub"):
+        load_model("printpress-test/definitely-not-a-real-repo")
+
+
+def test_empty_folder_is_refused(tmp_path):
+    config = ModelConfig(TextConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=8,
+                                    num_experts=2, top_k_experts=1, moe_intermediate_size=8), canvas_length=4)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_model(tmp_path)
