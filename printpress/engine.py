@@ -1,0 +1,732 @@
+"""The generation engine: the canvas loop (diffusion), the token loop (AR), batching and events.
+
+One call serves a batch of requests. Prompts are left padded into one batch; every request owns a
+`torch.Generator` seeded from its own seed, and every random draw is made per request with the
+shape the reference uses for a batch of one. So a request gets the same tokens whichever requests
+share its batch, and a request alone matches transformers' `generate` under `torch.manual_seed`.
+Requests that finish are dropped from the batch (and from the KV cache), so they stop costing
+compute; inside a canvas, requests whose denoising has stopped are left out of later decoder
+passes.
+
+The loops are generators of small event dataclasses (`StepEvent`, `CommitEvent`, `DoneEvent`):
+the CLI, the server and `Pipeline.generate` are all consumers of the same stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from printpress.errors import GenerationError, PrintpressError
+from printpress.sampling import (
+    SamplerSettings,
+    StabilityTracker,
+    canvases_for,
+    entropy_bound_accept,
+    pad_after_eos,
+    sample_canvas,
+    sample_next_token,
+    step_temperature,
+    token_entropy,
+    uniform_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+Decode = Callable[[list[int]], str]
+
+
+# --------------------------------------------------------------------------------------------
+# Public data types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One denoising step of one request's canvas.
+
+    `tokens` is the canvas fed to the next step: accepted positions hold the sampled token, the
+    others fresh uniform noise. `argmax` is the current best guess, what would be committed if
+    denoising stopped now.
+    """
+
+    request: int
+    canvas: int
+    step: int  # 1-based count of decoder passes in this canvas
+    max_steps: int
+    tokens: list[int]
+    argmax: list[int]
+    accepted: list[bool]  # accepted this step; every other position was re-noised
+    stopped: bool  # the adaptive stop fired: this argmax is committed
+
+    @property
+    def renoised(self) -> list[bool]:
+        return [not a for a in self.accepted]
+
+
+@dataclass(frozen=True)
+class CommitEvent:
+    """Tokens appended to a request's output: a whole canvas (diffusion) or one token (AR)."""
+
+    request: int
+    canvas: int  # canvas index (diffusion) or token index (AR)
+    token_ids: list[int]
+    text: str  # text newly added by these tokens ("" without a tokenizer)
+    finished: bool
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int  # generated tokens that are not pad (the EOS counts; the pad after it does not)
+    canvases: int  # committed canvases (diffusion) or 0 (AR)
+    forward_passes: int  # decoder passes (diffusion) or token-producing encoder passes (AR)
+    denoising_steps: int  # decoder passes, as the reference counts them
+    tokens_per_forward: float  # new_tokens / forward_passes, as the reference defines it
+    wall_time_s: float
+    time_to_first_commit_s: float | None  # until the first canvas (or token) was committed
+    finish_reason: str  # "eos" or "length"
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced.
+
+    `token_ids` holds every committed token. In diffusion mode that is whole canvases, with pad
+    after the first EOS, exactly the new part of the reference's `sequences`. `text` is the
+    completion up to (not including) the first EOS, or None without a tokenizer.
+    """
+
+    token_ids: list[int]
+    text: str | None
+    prompt_ids: list[int]
+    stats: GenerationStats
+    mode: str = "diffusion"
+    seed: int = 0
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """The generated tokens up to (not including) the first EOS."""
+        return self.token_ids[: self.stats.new_tokens - (1 if self.stats.finish_reason == "eos" else 0)]
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    request: int
+    result: GenerationResult
+
+
+Event = Union[StepEvent, CommitEvent, DoneEvent]
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    settings: SamplerSettings
+    seed: int
+
+
+# --------------------------------------------------------------------------------------------
+# Per-request running state
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    index: int
+    request: Request
+    generator: torch.Generator
+    started: float
+    canvases_left: int = 0
+    tokens: list[int] = field(default_factory=list)
+    forward_passes: int = 0
+    canvases: int = 0
+    first_commit: float | None = None
+    eos_at: int | None = None  # index of the first EOS in `tokens`
+    text: str = ""
+    # Inside a canvas (diffusion only):
+    step: int = 0
+    committed_canvas: torch.Tensor | None = None
+
+    @property
+    def settings(self) -> SamplerSettings:
+        return self.request.settings
+
+    def completion(self) -> list[int]:
+        return self.tokens if self.eos_at is None else self.tokens[: self.eos_at]
+
+
+def _new_row(index: int, request: Request, device: torch.device, started: float) -> _Row:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(request.seed)
+    return _Row(index=index, request=request, generator=generator, started=started)
+
+
+# --------------------------------------------------------------------------------------------
+# Engine entry point
+# --------------------------------------------------------------------------------------------
+
+
+def run(
+    model: torch.nn.Module,
+    canvas_length: int,
+    requests: Sequence[Request],
+    decode: Decode | None = None,
+    step_events: bool = True,
+) -> Iterator[Event]:
+    """Generate for a batch of requests, yielding events as they happen.
+
+    All requests must share a mode. `decode` turns token ids into text (for CommitEvent.text and
+    results). With `step_events=False` no StepEvent is built (saves a little work per step).
+    """
+    if not requests:
+        return
+    modes = {r.settings.mode for r in requests}
+    if len(modes) != 1:
+        raise GenerationError(f"one batch must use one mode, got {sorted(modes)}")
+    for request in requests:
+        request.settings.validate()
+    check_prompts(model.config, canvas_length, requests)
+    if requests[0].settings.mode == "ar":
+        yield from _autoregressive(model, requests, decode)
+    else:
+        yield from _diffusion(model, canvas_length, requests, decode, step_events)
+
+
+def new_token_budget(settings: SamplerSettings, canvas_length: int) -> int:
+    """Positions a request may add to its sequence: whole canvases in diffusion mode."""
+    if settings.mode == "ar":
+        return settings.max_new_tokens
+    return canvases_for(settings.max_new_tokens, canvas_length) * canvas_length
+
+
+def check_prompts(text_config, canvas_length: int, requests: Sequence[Request]) -> None:
+    """Reject empty prompts, unknown token ids and sequences beyond the position limit."""
+    limit, vocab = text_config.max_position_embeddings, text_config.vocab_size
+    for request in requests:
+        ids = request.prompt_ids
+        if not ids:
+            raise GenerationError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(ids) >= limit:
+            raise GenerationError(f"the prompt has {len(ids)} tokens; the model's position limit is {limit}")
+    # Left padding puts every row at the longest prompt's positions, so the batch is checked as a whole.
+    longest = max(len(r.prompt_ids) for r in requests)
+    budget = max(new_token_budget(r.settings, canvas_length) for r in requests)
+    if longest + budget > limit:
+        raise GenerationError(
+            f"a prompt of {longest} tokens plus {budget} new tokens exceeds the model's position limit of {limit}; "
+            "lower max_new_tokens or shorten the prompt"
+        )
+
+
+def _left_pad(rows: list[_Row], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    longest = max(len(r.request.prompt_ids) for r in rows)
+    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), longest), dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        prompt = row.request.prompt_ids
+        ids[i, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, longest - len(prompt):] = True
+    # A batch without padding passes no mask, like a single reference prompt.
+    return ids, (None if bool(mask.all()) else mask)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+# --------------------------------------------------------------------------------------------
+# Diffusion: the canvas loop
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _diffusion(
+    model: torch.nn.Module,
+    canvas_length: int,
+    requests: Sequence[Request],
+    decode: Decode | None,
+    step_events: bool,
+) -> Iterator[Event]:
+    device = _model_device(model)
+    started = time.perf_counter()
+    rows = [_new_row(i, r, device, started) for i, r in enumerate(requests)]
+    for row in rows:
+        row.canvases_left = canvases_for(row.settings.max_new_tokens, canvas_length)
+    pad_id = _pad_id(model, rows)
+    ids, mask = _left_pad(rows, pad_id, device)
+    longest_canvases = max(row.canvases_left for row in rows)
+    cache = model.new_cache(len(rows), ids.shape[1] + longest_canvases * canvas_length)
+    model.encode(ids, cache, attention_mask=mask, logits="none")
+
+    canvas_index = 0
+    while True:
+        yield from _denoise_canvas(model, cache, rows, canvas_index, canvas_length, step_events)
+        keep: list[int] = []
+        for position, row in enumerate(rows):
+            yield from _commit_canvas(row, canvas_index, decode)
+            if row.canvases_left > 0 and row.eos_at is None:
+                keep.append(position)
+            else:
+                yield DoneEvent(row.index, _result(row, "diffusion", decode))
+        if not keep:
+            return
+        if len(keep) < len(rows):
+            cache.select(torch.tensor(keep, dtype=torch.long, device=device))
+            rows = [rows[k] for k in keep]
+        # The next canvas sees the committed one through the cache, as the reference re-encodes it.
+        committed = torch.stack([row.committed_canvas for row in rows])
+        model.encode(committed, cache, logits="none")
+        canvas_index += 1
+
+
+def _pad_id(model: torch.nn.Module, rows: list[_Row]) -> int:
+    pad = rows[0].settings.pad_token_id
+    if pad is None:
+        pad = model.config.pad_token_id
+    return 0 if pad is None else int(pad)
+
+
+def _denoise_canvas(
+    model: torch.nn.Module,
+    cache,
+    rows: list[_Row],
+    canvas_index: int,
+    canvas_length: int,
+    step_events: bool,
+) -> Iterator[StepEvent]:
+    """Denoise one canvas for every row; leaves each row's argmax canvas in `row.committed_canvas`."""
+    device = cache.device
+    vocab = model.config.vocab_size
+    # Per-row draws in row order: generators are independent, so the order across rows is free.
+    canvas = torch.cat([uniform_tokens(canvas_length, vocab, row.generator, device) for row in rows])
+    for row in rows:
+        row.step = row.settings.max_denoising_steps
+    active = list(range(len(rows)))  # rows (positions in `rows`) still denoising
+    threshold = rows[0].settings.stability_threshold
+    uniform_threshold = all(row.settings.stability_threshold == threshold for row in rows)
+    trackers = _Trackers(rows, canvas_length, device, threshold if uniform_threshold else None)
+    sub_cache = cache
+    self_conditioning = None
+    while active:
+        live = [rows[a] for a in active]
+        logits = model.denoise(canvas[active], sub_cache, self_conditioning)
+        outcome = _sample_step(logits, canvas[active], live, vocab, canvas_length, device)
+        stable = trackers.update(outcome.argmax)
+        confident = outcome.entropy.mean(dim=-1)
+        done: list[bool] = []
+        for j, row in enumerate(live):
+            row.forward_passes += 1
+            stopped = bool(stable[j]) and bool(confident[j] < row.settings.confidence_threshold)
+            row.step -= 1
+            finished = stopped or row.step == 0
+            if finished:
+                row.committed_canvas = outcome.argmax[j].clone()
+            done.append(finished)
+            if step_events:
+                yield _step_event(row, canvas_index, outcome, j, stopped)
+        canvas[active] = outcome.next_canvas
+        # The reference feeds back the temperature-scaled logits, cast to the weights' dtype.
+        self_conditioning = outcome.processed.to(model.dtype)
+        if any(done):
+            keep = [j for j, d in enumerate(done) if not d]
+            active = [active[j] for j in keep]
+            if active:
+                keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+                self_conditioning = self_conditioning[keep_t]
+                trackers.select(keep_t)
+                sub_cache = _cache_rows(cache, torch.tensor(active, dtype=torch.long, device=device))
+
+
+class _Trackers:
+    """Stability trackers: one batched tracker when rows share a threshold, else one per row."""
+
+    def __init__(self, rows: list[_Row], canvas_length: int, device: torch.device, shared: int | None):
+        if shared is not None:
+            self.batched: StabilityTracker | None = StabilityTracker(shared, len(rows), canvas_length, device)
+            self.each: list[StabilityTracker] = []
+        else:
+            self.batched = None
+            self.each = [StabilityTracker(r.settings.stability_threshold, 1, canvas_length, device) for r in rows]
+
+    def update(self, argmax: torch.Tensor) -> torch.Tensor:
+        if self.batched is not None:
+            return self.batched.update(argmax)
+        return torch.cat([t.update(argmax[j : j + 1]) for j, t in enumerate(self.each)])
+
+    def select(self, keep: torch.Tensor) -> None:
+        if self.batched is not None:
+            self.batched.select(keep)
+        else:
+            self.each = [self.each[int(k)] for k in keep]
+
+
+@dataclass
+class _StepOutcome:
+    processed: torch.Tensor  # temperature-scaled logits (b, C, V)
+    argmax: torch.Tensor  # (b, C)
+    entropy: torch.Tensor  # (b, C)
+    accepted: torch.Tensor  # (b, C) bool
+    next_canvas: torch.Tensor  # (b, C)
+
+
+def _sample_step(
+    logits: torch.Tensor,
+    canvas: torch.Tensor,
+    rows: list[_Row],
+    vocab: int,
+    canvas_length: int,
+    device: torch.device,
+) -> _StepOutcome:
+    """Temperature, sampling, entropy-bound acceptance and re-noising for one decoder pass.
+
+    Random draws per row, in the reference's order: one multinomial over the canvas, then one
+    randint for re-noising.
+    """
+    processed = torch.empty_like(logits)
+    for j, row in enumerate(rows):
+        processed[j] = logits[j] / step_temperature(row.step, row.settings)
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    entropy = token_entropy(processed)
+    argmax = torch.argmax(processed, dim=-1)
+    accepted = torch.empty_like(canvas, dtype=torch.bool)
+    next_canvas = torch.empty_like(canvas)
+    for j, row in enumerate(rows):
+        sampled = sample_canvas(probs[j], row.generator)
+        # The bound is compared row by row as a Python float, exactly as the reference compares it.
+        accepted[j] = entropy_bound_accept(entropy[j : j + 1], row.settings.entropy_bound)[0]
+        noise = uniform_tokens(canvas_length, vocab, row.generator, device)[0]
+        next_canvas[j] = torch.where(accepted[j], sampled, noise)
+    return _StepOutcome(processed, argmax, entropy, accepted, next_canvas)
+
+
+def _step_event(row: _Row, canvas_index: int, outcome: _StepOutcome, j: int, stopped: bool) -> StepEvent:
+    return StepEvent(
+        request=row.index,
+        canvas=canvas_index,
+        step=row.settings.max_denoising_steps - row.step,
+        max_steps=row.settings.max_denoising_steps,
+        tokens=outcome.next_canvas[j].tolist(),
+        argmax=outcome.argmax[j].tolist(),
+        accepted=outcome.accepted[j].tolist(),
+        stopped=stopped,
+    )
+
+
+def _cache_rows(cache, rows: torch.Tensor):
+    """A cache holding only `rows`, for decoder passes over part of the batch.
+
+    The decoder only reads the cache, so a copy of those rows is enough; the full cache stays as
+    it is for the rows that finish denoising first.
+    """
+    # TODO(lead): replace with a KVCache method (e.g. `cache.rows(rows)`) once cache.py offers one.
+    sub = copy.copy(cache)
+    sub.layers = [dataclasses.replace(layer) for layer in cache.layers]
+    sub.select(rows)
+    return sub
+
+
+def _commit_canvas(row: _Row, canvas_index: int, decode: Decode | None) -> Iterator[CommitEvent]:
+    settings = row.settings
+    tokens, has_eos = pad_after_eos(row.committed_canvas, settings.eos_token_ids, settings.pad_token_id)
+    row.committed_canvas = tokens
+    new = tokens.tolist()
+    if has_eos:
+        eos = set(settings.eos_token_ids)
+        row.eos_at = len(row.tokens) + next(i for i, t in enumerate(new) if t in eos)
+    row.tokens.extend(new)
+    row.canvases += 1
+    row.canvases_left -= 1
+    if row.first_commit is None:
+        row.first_commit = time.perf_counter()
+    finished = has_eos or row.canvases_left == 0
+    yield CommitEvent(row.index, canvas_index, new, _text_delta(row, decode), finished)
+
+
+def _text_delta(row: _Row, decode: Decode | None) -> str:
+    """Text added since the last commit (decoding the whole completion keeps multi-token characters whole)."""
+    if decode is None:
+        return ""
+    full = decode(row.completion())
+    delta = full[len(row.text):] if full.startswith(row.text) else full
+    row.text = full
+    return delta
+
+
+def _result(row: _Row, mode: str, decode: Decode | None) -> GenerationResult:
+    now = time.perf_counter()
+    pad = row.settings.pad_token_id
+    if mode == "diffusion" and pad is not None:
+        new_tokens = sum(1 for t in row.tokens if t != pad)
+    else:
+        new_tokens = len(row.tokens)
+    stats = GenerationStats(
+        prompt_tokens=len(row.request.prompt_ids),
+        new_tokens=new_tokens,
+        canvases=row.canvases,
+        forward_passes=row.forward_passes,
+        denoising_steps=row.forward_passes if mode == "diffusion" else 0,
+        tokens_per_forward=new_tokens / row.forward_passes if row.forward_passes else 0.0,
+        wall_time_s=now - row.started,
+        time_to_first_commit_s=None if row.first_commit is None else row.first_commit - row.started,
+        finish_reason="eos" if row.eos_at is not None else "length",
+    )
+    text = decode(row.completion()) if decode is not None else None
+    return GenerationResult(
+        token_ids=list(row.tokens),
+        text=text,
+        prompt_ids=list(row.request.prompt_ids),
+        stats=stats,
+        mode=mode,
+        seed=row.request.seed,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Autoregressive: the encoder as a causal LM
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _autoregressive(model: torch.nn.Module, requests: Sequence[Request], decode: Decode | None) -> Iterator[Event]:
+    device = _model_device(model)
+    started = time.perf_counter()
+    rows = [_new_row(i, r, device, started) for i, r in enumerate(requests)]
+    ids, mask = _left_pad(rows, _pad_id(model, rows), device)
+    longest_budget = max(row.settings.max_new_tokens for row in rows)
+    cache = model.new_cache(len(rows), ids.shape[1] + longest_budget)
+    logits = model.encode(ids, cache, attention_mask=mask, logits="last")
+    while True:
+        keep: list[int] = []
+        next_ids: list[int] = []
+        for position, row in enumerate(rows):
+            token = sample_next_token(logits[position, -1], row.settings, row.generator)
+            row.forward_passes += 1
+            if token in row.settings.eos_token_ids:
+                row.eos_at = len(row.tokens)
+            row.tokens.append(token)
+            if row.first_commit is None:
+                row.first_commit = time.perf_counter()
+            finished = row.eos_at is not None or len(row.tokens) >= row.settings.max_new_tokens
+            yield CommitEvent(row.index, len(row.tokens) - 1, [token], _text_delta(row, decode), finished)
+            if finished:
+                yield DoneEvent(row.index, _result(row, "ar", decode))
+            else:
+                keep.append(position)
+                next_ids.append(token)
+        if not keep:
+            return
+        if len(keep) < len(rows):
+            cache.select(torch.tensor(keep, dtype=torch.long, device=device))
+            rows = [rows[k] for k in keep]
+        step_ids = torch.tensor(next_ids, dtype=torch.long, device=device)[:, None]
+        logits = model.encode(step_ids, cache, logits="last")
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline: model + tokenizer + defaults, the Python API
+# --------------------------------------------------------------------------------------------
+
+Prompt = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]], torch.Tensor]
+
+
+def default_model_path() -> Path:
+    """The model `printpress.load()` uses when given no path."""
+    raise PrintpressError("no default model ships with printpress yet; pass a model folder or hub id")
+
+
+class Pipeline:
+    """A loaded model with its tokenizer and generation defaults.
+
+    >>> pipe = printpress.load("path/to/model")
+    >>> pipe.generate("Once upon a time", max_new_tokens=64, seed=0).text
+    """
+
+    def __init__(self, model: torch.nn.Module, config, generation_config, tokenizer=None) -> None:
+        self.model = model
+        self.config = config
+        self.generation_config = generation_config
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str | Path | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> Pipeline:
+        from printpress.checkpoint import load_model
+
+        if path_or_id is None:
+            path_or_id = default_model_path()
+        model, config, generation_config, tokenizer = load_model(str(path_or_id), dtype=dtype, device=device)
+        model.eval()
+        return cls(model, config, generation_config, tokenizer)
+
+    @property
+    def canvas_length(self) -> int:
+        return self.config.canvas_length
+
+    def default_settings(self) -> SamplerSettings:
+        """The checkpoint's generation_config.json as sampler settings."""
+        g = self.generation_config
+        eos = g.eos_token_id
+        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        return SamplerSettings(
+            max_new_tokens=g.max_new_tokens,
+            max_denoising_steps=g.max_denoising_steps,
+            entropy_bound=g.entropy_bound,
+            t_min=g.t_min,
+            t_max=g.t_max,
+            stability_threshold=g.stability_threshold,
+            confidence_threshold=g.confidence_threshold,
+            eos_token_ids=eos_ids,
+            pad_token_id=g.pad_token_id,
+        )
+
+    def settings(
+        self,
+        *,
+        mode: str | None = None,
+        max_new_tokens: int | None = None,
+        max_denoising_steps: int | None = None,
+        entropy_bound: float | None = None,
+        t_min: float | None = None,
+        t_max: float | None = None,
+        stability_threshold: int | None = None,
+        confidence_threshold: float | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+    ) -> SamplerSettings:
+        """Checkpoint defaults with the given overrides, validated."""
+        if mode not in (None, "ar") and (temperature is not None or top_k is not None):
+            raise GenerationError("temperature and top_k apply to mode='ar'; diffusion uses t_min/t_max")
+        return self.default_settings().with_overrides(
+            mode=mode,
+            max_new_tokens=max_new_tokens,
+            max_denoising_steps=max_denoising_steps,
+            entropy_bound=entropy_bound,
+            t_min=t_min,
+            t_max=t_max,
+            stability_threshold=stability_threshold,
+            confidence_threshold=confidence_threshold,
+            eos_token_ids=eos_token_ids,
+            temperature=temperature,
+            top_k=top_k,
+        ).validate()
+
+    # -- text <-> ids ---------------------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise GenerationError("this model has no tokenizer (tokenizer.json); pass token ids instead of text")
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise GenerationError("this model has no tokenizer (tokenizer.json); cannot turn ids into text")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _decoder(self) -> Decode | None:
+        return None if self.tokenizer is None else self.decode
+
+    def prompt_ids(self, prompt: Prompt) -> tuple[list[list[int]], bool]:
+        """Normalise a prompt argument to a list of token-id lists; the flag says "a single prompt"."""
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() not in (1, 2):
+                raise GenerationError(f"a tensor prompt must be 1-D or 2-D, got shape {tuple(prompt.shape)}")
+            single = prompt.dim() == 1
+            rows = [prompt.tolist()] if single else prompt.tolist()
+            return rows, single
+        if isinstance(prompt, str):
+            return [self.encode_text(prompt)], True
+        if not isinstance(prompt, Sequence) or len(prompt) == 0:
+            raise GenerationError("the prompt is empty; give text, token ids, or a non-empty list of them")
+        if all(isinstance(p, str) for p in prompt):
+            return [self.encode_text(p) for p in prompt], False
+        if all(_is_token(p) for p in prompt):
+            return [[int(p) for p in prompt]], True
+        if all(isinstance(p, Sequence) and not isinstance(p, str) and all(_is_token(t) for t in p) for p in prompt):
+            return [[int(t) for t in p] for p in prompt], False
+        raise GenerationError("a prompt must be text, a list of token ids, or a list of either")
+
+    # -- generation -----------------------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        seed: int | Sequence[int] | None = None,
+        step_events: bool = True,
+        **overrides,
+    ) -> Iterator[Event]:
+        """Events for each denoising step, each commit and each finished request (see `run`)."""
+        requests, _ = self._requests(prompt, seed, overrides)
+        return run(self.model, self.canvas_length, requests, self._decoder(), step_events=step_events)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        seed: int | Sequence[int] | None = None,
+        on_event: Callable[[Event], None] | None = None,
+        **overrides,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (returns a result) or a list of prompts (returns a list).
+
+        `seed` seeds each request's own generator (one seed for all, or one per prompt); without a
+        seed one is drawn from torch's global generator, so `torch.manual_seed` still makes runs
+        repeatable. Other keyword arguments override the checkpoint defaults: mode ("diffusion"
+        or "ar"), max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max,
+        stability_threshold, confidence_threshold, eos_token_ids, temperature and top_k (AR).
+        """
+        requests, single = self._requests(prompt, seed, overrides)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        events = run(self.model, self.canvas_length, requests, self._decoder(), step_events=on_event is not None)
+        for event in events:
+            if on_event is not None:
+                on_event(event)
+            if isinstance(event, DoneEvent):
+                results[event.request] = event.result
+        return results[0] if single else list(results)
+
+    def _requests(self, prompt: Prompt, seed, overrides: dict) -> tuple[list[Request], bool]:
+        unknown = sorted(set(overrides) - _SETTING_NAMES)
+        if unknown:
+            raise GenerationError(f"unknown generation setting(s): {', '.join(unknown)}")
+        settings = self.settings(**overrides)
+        prompts, single = self.prompt_ids(prompt)
+        seeds = _seeds(seed, len(prompts))
+        return [Request(ids, settings, s) for ids, s in zip(prompts, seeds)], single
+
+
+_SETTING_NAMES = {
+    "mode", "max_new_tokens", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
+    "stability_threshold", "confidence_threshold", "eos_token_ids", "temperature", "top_k",
+}
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seeds(seed: int | Sequence[int] | None, count: int) -> list[int]:
+    if seed is None:
+        # Drawn from the global generator so that torch.manual_seed makes unseeded calls repeatable.
+        return [int(torch.randint(0, 2**62, (1,)))] * count
+    if _is_token(seed):
+        return [int(seed)] * count
+    seeds = [int(s) for s in seed]
+    if len(seeds) != count:
+        raise GenerationError(f"got {len(seeds)} seeds for {count} prompts")
+    return seeds

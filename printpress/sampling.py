@@ -1,0 +1,193 @@
+"""Sampling building blocks for diffusion and autoregressive decoding.
+
+Every function here is written so that, fed the same tensors and a generator in the same state,
+it produces bit-identical results to the transformers 5.23 reference sampler
+(`generation_diffusion_gemma.py`). That is why some expressions look roundabout: the temperature
+is computed from an int32 step tensor, the entropy repeats the normalisation that
+`torch.distributions.Categorical` performs, and every random draw has exactly the shape the
+reference draws. Changing any of these changes the floating-point rounding or the random stream
+and breaks token-exact parity (see docs/generation.md).
+
+Random draws take an explicit `torch.Generator` per request, so a request's tokens do not depend
+on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from printpress.errors import GenerationError
+
+MODES = ("diffusion", "ar")
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """Everything that decides the tokens of one request, apart from the prompt and the seed.
+
+    Names follow the checkpoint's generation_config.json. `temperature` and `top_k` apply to
+    `mode="ar"` only; the diffusion sampler uses the linear schedule `t_max -> t_min` instead.
+    """
+
+    max_new_tokens: int = 256
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = 0
+    mode: str = "diffusion"
+    temperature: float = 0.0
+    top_k: int | None = None
+
+    def with_overrides(self, **overrides) -> SamplerSettings:
+        """Copy with every override that is not None applied (None means "keep the default")."""
+        kept = {key: value for key, value in overrides.items() if value is not None}
+        if "eos_token_ids" in kept:
+            kept["eos_token_ids"] = tuple(int(t) for t in kept["eos_token_ids"])
+        return replace(self, **kept)
+
+    def validate(self) -> SamplerSettings:
+        """Raise GenerationError with one clear message for the first setting that cannot work."""
+        if self.mode not in MODES:
+            raise GenerationError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        _require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
+                 f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.mode == "ar":
+            _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+            _require(self.top_k is None or (_is_int(self.top_k) and self.top_k > 0),
+                     f"top_k must be a positive integer, got {self.top_k!r}")
+            return self
+        _require(_is_int(self.max_denoising_steps) and self.max_denoising_steps > 0,
+                 f"steps (max_denoising_steps) must be a positive integer, got {self.max_denoising_steps!r}")
+        _require(math.isfinite(self.entropy_bound) and self.entropy_bound > 0,
+                 f"entropy_bound must be > 0, got {self.entropy_bound!r}")
+        _require(self.t_min >= 0, f"t_min must be >= 0, got {self.t_min!r}")
+        _require(self.t_max > 0, f"t_max must be > 0, got {self.t_max!r}")
+        _require(self.t_min <= self.t_max, f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})")
+        _require(_is_int(self.stability_threshold) and self.stability_threshold >= 0,
+                 f"stability_threshold must be an integer >= 0, got {self.stability_threshold!r}")
+        _require(self.confidence_threshold > 0,
+                 f"confidence_threshold must be > 0, got {self.confidence_threshold!r}")
+        return self
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise GenerationError(message)
+
+
+def canvases_for(max_new_tokens: int, canvas_length: int) -> int:
+    """Number of canvases generated for a token budget: whole canvases, rounded up (as the reference)."""
+    return math.ceil(max_new_tokens / canvas_length)
+
+
+# --------------------------------------------------------------------------------------------
+# Diffusion sampler
+# --------------------------------------------------------------------------------------------
+
+
+def step_temperature(step: int, settings: SamplerSettings) -> torch.Tensor:
+    """Temperature at denoising step `step` (counting down from N to 1): t_min + (t_max - t_min) * step/N.
+
+    Computed from an int32 tensor exactly as the reference does, so the float32 rounding matches.
+    """
+    step_tensor = torch.tensor(step, dtype=torch.int32)
+    return settings.t_min + (settings.t_max - settings.t_min) * (step_tensor / settings.max_denoising_steps)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim, with the same operations as Categorical.entropy()."""
+    log_probs = logits - logits.logsumexp(dim=-1, keepdim=True)
+    probs = torch.softmax(log_probs, dim=-1)
+    log_probs = torch.clamp(log_probs, min=torch.finfo(log_probs.dtype).min)
+    return -(log_probs * probs).sum(-1)
+
+
+def entropy_bound_accept(entropy: torch.Tensor, entropy_bound: float) -> torch.Tensor:
+    """Mask of positions accepted by the entropy-bound rule (Ben-Hamu et al. 2025).
+
+    Positions sorted by entropy, the k lowest are accepted while sum(H_1..H_k) - H_k <= bound,
+    i.e. the bound on their joint mutual information. The lowest-entropy position is always
+    accepted, so every step makes progress.
+    """
+    sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
+    sorted_accept = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= entropy_bound
+    return torch.scatter(torch.zeros_like(sorted_accept), dim=-1, index=order, src=sorted_accept)
+
+
+def uniform_tokens(length: int, vocab_size: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A (1, length) canvas of uniformly random tokens; one randint call, as the reference draws."""
+    return torch.randint(0, vocab_size, (1, length), generator=generator, device=device)
+
+
+def sample_canvas(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per canvas position from probs (C, V): one multinomial over all positions."""
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+class StabilityTracker:
+    """Per-row history of argmax canvases for the "stable" half of the adaptive stop.
+
+    A row is stable when its argmax canvas equals each of the previous `threshold` argmax canvases
+    of the current canvas loop; with threshold 0 every row is stable.
+    """
+
+    def __init__(self, threshold: int, batch_size: int, canvas_length: int, device: torch.device):
+        self.threshold = threshold
+        # -1 is never a token, so the first `threshold` steps can never count as stable.
+        self.history = torch.full((batch_size, threshold, canvas_length), -1, dtype=torch.long, device=device)
+
+    def update(self, argmax: torch.Tensor) -> torch.Tensor:
+        """Record this step's argmax (B, C) and return which rows are stable (B,)."""
+        if self.threshold == 0:
+            return torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
+        stable = (self.history == argmax[:, None, :]).all(dim=-1).all(dim=-1)
+        self.history = torch.cat([self.history[:, 1:], argmax[:, None, :]], dim=1)
+        return stable
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.history = self.history[rows]
+
+
+def pad_after_eos(tokens: torch.Tensor, eos_token_ids: tuple[int, ...], pad_token_id: int | None) -> tuple[torch.Tensor, bool]:
+    """Replace every token after the first EOS of a committed canvas (1-D) by pad.
+
+    Returns the canvas and whether it held an EOS (the request then finishes).
+    """
+    if not eos_token_ids:
+        return tokens, False
+    is_eos = torch.isin(tokens, torch.tensor(eos_token_ids, device=tokens.device))
+    if not bool(is_eos.any()):
+        return tokens, False
+    if pad_token_id is not None:
+        seen = is_eos.cumsum(dim=-1)
+        after_first = (seen > 0) & ~((seen == 1) & is_eos)
+        tokens = tokens.masked_fill(after_first, pad_token_id)
+    return tokens, True
+
+
+# --------------------------------------------------------------------------------------------
+# Autoregressive sampler
+# --------------------------------------------------------------------------------------------
+
+
+def sample_next_token(logits: torch.Tensor, settings: SamplerSettings, generator: torch.Generator) -> int:
+    """Next token from one row of next-token logits (V,): greedy at temperature 0, else sampled."""
+    if settings.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / settings.temperature
+    if settings.top_k is not None and settings.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, settings.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+    return int(torch.multinomial(probs, num_samples=1, generator=generator))
