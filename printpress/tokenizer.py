@@ -47,7 +47,9 @@ def train_tokenizer(
     to read; `Document` items use their text. The result may have fewer than `vocab_size`
     entries when the corpus is too small to yield that many merges."""
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ConfigError(f"vocab_size must be at least {MIN_VOCAB_SIZE} (3 special tokens + 256 bytes), got {vocab_size}")
+        raise ConfigError(
+            f"vocab_size must be at least {MIN_VOCAB_SIZE} (3 special tokens + 256 bytes), got {vocab_size}"
+        )
     tok = _empty_byte_level_bpe()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -62,7 +64,9 @@ def train_tokenizer(
     if counter.chars == 0:
         raise DataError("cannot train a tokenizer on an empty corpus")
     check_special_tokens(tok)
-    logger.info("trained byte-level BPE: %d tokens from %d texts, %d chars", tok.get_vocab_size(), counter.n, counter.chars)
+    logger.info(
+        "trained byte-level BPE: %d tokens from %d texts, %d chars", tok.get_vocab_size(), counter.n, counter.chars
+    )
     return tok
 
 

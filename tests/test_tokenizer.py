@@ -1,5 +1,4 @@
 import json
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
