@@ -194,14 +194,18 @@ class Layer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x, rope, mask, kv_fn, causal: bool) -> torch.Tensor:
+    def forward(self, x, rope, mask, kv_fn, encoder: bool | torch.Tensor) -> torch.Tensor:
+        """`encoder` picks the mode's layer scalar: a bool, or a (T,) bool tensor when one sequence mixes
+        encoder (clean) and decoder (canvas) tokens, as block-diffusion training does."""
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, kv_fn))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.router(flat)
         sparse = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).reshape(x.shape)
         x = x + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
-        return x * (self.encoder_layer_scalar if causal else self.layer_scalar)
+        if isinstance(encoder, torch.Tensor):
+            return x * torch.where(encoder[:, None], self.encoder_layer_scalar, self.layer_scalar)
+        return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
 
 
 class SelfConditioning(nn.Module):
@@ -280,6 +284,25 @@ class DiffusionGemma(nn.Module):
         scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
         return F.embedding(ids, self.embed_tokens.weight, padding_idx=self.config.pad_token_id) * scale
 
+    def embed_canvas(
+        self,
+        canvas_ids: torch.Tensor,
+        self_conditioning_logits: torch.Tensor | None,
+        self_conditioning_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Canvas embeddings with the previous step's soft predictions mixed in (the decoder's input).
+
+        `self_conditioning_mask` (B,) zeroes the signal of some rows, as if they had no previous step.
+        """
+        soft = None
+        if self_conditioning_logits is not None:
+            probs = F.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32).to(self.dtype)
+            scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
+            soft = (probs @ self.embed_tokens.weight) * scale
+            if self_conditioning_mask is not None:
+                soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        return self.self_conditioning(self.embed(canvas_ids), soft)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight).float()
         cap = self.config.final_logit_softcapping
@@ -296,10 +319,15 @@ class DiffusionGemma(nn.Module):
             out[kind == "sliding"] = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
         return out
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, masks: Masks, kv_fn: KVFn, causal: bool) -> torch.Tensor:
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, masks: Masks, kv_fn: KVFn | None, encoder: bool | torch.Tensor
+    ) -> torch.Tensor:
+        """All layers and the final norm. `kv_fn(layer, k, v)` turns the block's keys/values into the keys/values
+        it attends to (joining a cache); None attends within the block only."""
         ropes = self.rope(positions)
         for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
-            x = layer(x, ropes[spec.sliding], masks[spec.sliding], lambda k, v, i=index: kv_fn(i, k, v), causal)
+            layer_kv = _identity_kv if kv_fn is None else (lambda k, v, i=index: kv_fn(i, k, v))
+            x = layer(x, ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
         return self.norm(x)
 
     # -- encoder --------------------------------------------------------------------------------------------
@@ -331,7 +359,7 @@ class DiffusionGemma(nn.Module):
             cache.write(index, k, v)
             return k_all, v_all
 
-        hidden = self.run_layers(self.embed(input_ids), positions, masks, kv_fn, causal=True)
+        hidden = self.run_layers(self.embed(input_ids), positions, masks, kv_fn, encoder=True)
         cache.advance(t, new_valid)
         if logits == "none":
             return None
@@ -363,19 +391,14 @@ class DiffusionGemma(nn.Module):
         """Bidirectional pass over the canvas (B, C) and the cached context; returns float32 logits (B, C, V)."""
         c = canvas_ids.shape[1]
         positions = torch.arange(cache.length, cache.length + c, device=canvas_ids.device)
-        soft = None
-        if self_conditioning_logits is not None:
-            probs = F.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32).to(self.dtype)
-            scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
-            soft = (probs @ self.embed_tokens.weight) * scale
-        x = self.self_conditioning(self.embed(canvas_ids), soft)
+        x = self.embed_canvas(canvas_ids, self_conditioning_logits)
         masks = Masks(sliding=self._decoder_mask(cache, c, sliding=True), full=self._decoder_mask(cache, c, sliding=False))
 
         def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             past_k, past_v = cache.sliding_prefix(index) if self.specs[index].sliding else cache.full_prefix(index)
             return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
-        return self.logits(self.run_layers(x, positions, masks, kv_fn, causal=False))
+        return self.logits(self.run_layers(x, positions, masks, kv_fn, encoder=False))
 
     def _decoder_mask(self, cache: KVCache, canvas: int, sliding: bool) -> torch.Tensor | None:
         past_valid = cache.prefix_valid(sliding)
@@ -383,6 +406,10 @@ class DiffusionGemma(nn.Module):
             return None
         canvas_valid = torch.ones(cache.batch_size, canvas, dtype=torch.bool, device=past_valid.device)
         return torch.cat([past_valid, canvas_valid], dim=1)[:, None, None, :]
+
+
+def _identity_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
 
 
 def _first_spec_per_kind(config: TextConfig) -> dict[str, LayerSpec]:

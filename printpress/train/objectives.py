@@ -1,0 +1,174 @@
+"""Training objectives on the shared backbone: diffusion, autoregressive (AR) and joint.
+
+Block diffusion in one forward (after BD3-LM): the sequence is cut into canvases of `block` tokens. The
+model runs on `[clean sequence ; noisy sequence]` (2L tokens) with one attention mask:
+
+- a clean token attends causally to clean tokens (the encoder; its outputs are the AR logits);
+- a noisy token of block b attends to the clean tokens before block b (what the KV cache holds at
+  inference) and bidirectionally to the noisy tokens of its own block (the canvas).
+
+Sliding-window layers see exactly what inference sees: clean tokens within the window behind a clean
+query, and the last `sliding_window - 1` clean tokens before a canvas (the cache's ring), plus the whole
+canvas. Clean tokens use the encoder's layer scalars, noisy ones the decoder's, and only the noisy half
+goes through self-conditioning, so every block's logits equal `encode(prefix)` then `denoise(noisy block)`
+(a test checks this exactly).
+
+Noise is uniform-state, as in DiffusionGemma: each canvas token is replaced, with probability t, by a
+token drawn uniformly from the vocabulary (which may be the token itself); t ~ U(t_low, 1) per block.
+Loss weighting: see docs/decisions/0002-diffusion-loss.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from printpress.model import DiffusionGemma, Masks
+
+Objective = Literal["diffusion", "ar", "joint"]
+Weighting = Literal["uniform", "inverse_t"]
+
+
+@dataclass
+class DiffusionSettings:
+    block: int  # canvas length used in training (the model's canvas_length)
+    t_low: float = 0.0  # noise levels are drawn from U(t_low, 1)
+    self_conditioning: float = 0.5  # fraction of examples trained with a first no-grad pass fed back
+    weighting: Weighting = "uniform"
+    ar_weight: float = 1.0  # weight of the AR term in the joint objective
+
+
+def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
+    """Boolean (1, 1, 2L, 2L) masks for `[clean ; noisy]`, per layer kind (see the module docstring)."""
+    pos = torch.arange(length, device=device)
+    q, k = pos[:, None], pos[None, :]
+    block_start = (pos // block * block)[:, None]
+    clean_clean = k <= q
+    noisy_clean = k < block_start
+    noisy_noisy = (k // block) == (q // block)
+    nothing = torch.zeros(length, length, dtype=torch.bool, device=device)
+
+    def assemble(cc: torch.Tensor, nc: torch.Tensor) -> torch.Tensor:
+        top = torch.cat([cc, nothing], dim=1)
+        bottom = torch.cat([nc, noisy_noisy], dim=1)
+        return torch.cat([top, bottom], dim=0)[None, None]
+
+    return Masks(
+        full=assemble(clean_clean, noisy_clean),
+        sliding=assemble(clean_clean & (q - k < sliding_window), noisy_clean & (k >= block_start - (sliding_window - 1))),
+    )
+
+
+def causal_masks(length: int, sliding_window: int, device=None) -> Masks:
+    pos = torch.arange(length, device=device)
+    q, k = pos[:, None], pos[None, :]
+    causal = k <= q
+    return Masks(full=causal[None, None], sliding=(causal & (q - k < sliding_window))[None, None])
+
+
+def add_uniform_noise(
+    tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None, t_low: float = 0.0,
+    t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace each token with a uniform random one with probability t (one t per block). Returns (noisy, t)."""
+    batch, length = tokens.shape
+    blocks = length // block
+    if t is None:
+        t = t_low + (1 - t_low) * torch.rand(batch, blocks, generator=generator, device=tokens.device)
+    per_token = t.repeat_interleave(block, dim=1)
+    replace = torch.rand(batch, length, generator=generator, device=tokens.device) < per_token
+    random_tokens = torch.randint(0, vocab_size, (batch, length), generator=generator, device=tokens.device)
+    return torch.where(replace, random_tokens, tokens), t
+
+
+def forward_ar(model: DiffusionGemma, tokens: torch.Tensor) -> torch.Tensor:
+    """Encoder (causal) logits for every position of `tokens`."""
+    length = tokens.shape[1]
+    masks = causal_masks(length, model.config.sliding_window, tokens.device)
+    hidden = model.run_layers(model.embed(tokens), torch.arange(length, device=tokens.device), masks, None, True)
+    return model.logits(hidden)
+
+
+def forward_block_diffusion(
+    model: DiffusionGemma, clean: torch.Tensor, noisy: torch.Tensor, block: int,
+    self_conditioning_logits: torch.Tensor | None = None, self_conditioning_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over `[clean ; noisy]`: (AR logits of the clean half, denoising logits of the noisy half)."""
+    batch, length = clean.shape
+    if length % block:
+        raise ValueError(f"sequence length {length} is not a multiple of the canvas length {block}")
+    device = clean.device
+    canvas = model.embed_canvas(noisy, self_conditioning_logits, self_conditioning_mask)
+    x = torch.cat([model.embed(clean), canvas], dim=1)
+    positions = torch.arange(length, device=device).repeat(2)
+    is_encoder = torch.arange(2 * length, device=device) < length
+    masks = block_diffusion_masks(length, block, model.config.sliding_window, device)
+    logits = model.logits(model.run_layers(x, positions, masks, None, is_encoder))
+    return logits[:, :length], logits[:, length:]
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    target = tokens[:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    keep = torch.ones_like(target, dtype=torch.bool) if pad_id is None else target != pad_id
+    return (loss * keep.reshape(-1)).sum() / keep.sum().clamp(min=1)
+
+
+def denoising_loss(logits: torch.Tensor, clean: torch.Tensor, t: torch.Tensor, settings: DiffusionSettings) -> torch.Tensor:
+    """Cross-entropy of the clean token at every canvas position, weighted per block by the noise level."""
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1), reduction="none")
+    per_token = per_token.view(clean.shape)
+    if settings.weighting == "inverse_t":
+        # ELBO-style 1/t weights, divided by their mean under t ~ U(t_low, 1) so the loss keeps the scale of
+        # a cross-entropy; a plain mean over tokens, so data-parallel ranks average to the global loss.
+        weights = (1.0 / t).repeat_interleave(settings.block, dim=1)
+        return (per_token * weights).mean() / expected_inverse_t(settings.t_low)
+    return per_token.mean()
+
+
+def expected_inverse_t(t_low: float) -> float:
+    """E[1/t] for t ~ U(t_low, 1)."""
+    if not 0 < t_low < 1:
+        raise ValueError(f"inverse_t weighting needs 0 < t_low < 1 (got {t_low})")
+    return math.log(1 / t_low) / (1 - t_low)
+
+
+class TrainStep(nn.Module):
+    """The whole training computation as one module, so DDP/FSDP can wrap it without the model knowing."""
+
+    def __init__(self, model: DiffusionGemma, objective: Objective, settings: DiffusionSettings) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+        self.settings = settings
+
+    def forward(self, tokens: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        model, settings = self.model, self.settings
+        pad = model.config.pad_token_id
+        if self.objective == "ar":
+            loss = next_token_loss(forward_ar(model, tokens), tokens, pad)
+            return {"loss": loss, "ar": loss.detach()}
+        noisy, t = add_uniform_noise(tokens, settings.block, model.config.vocab_size, generator, settings.t_low)
+        self_cond = None
+        use = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < settings.self_conditioning
+        if bool(use.any()):
+            # Self-conditioning as trained in Analog Bits: a first pass without it, fed back detached to the
+            # chosen rows; the others get a zero signal, exactly like the first denoising step at inference.
+            with torch.no_grad():
+                _, self_cond = forward_block_diffusion(model, tokens, noisy, settings.block)
+        ar_logits, denoise_logits = forward_block_diffusion(model, tokens, noisy, settings.block, self_cond, use)
+        diffusion = denoising_loss(denoise_logits, tokens, t, settings)
+        out = {"diffusion": diffusion.detach()}
+        if self.objective == "joint":
+            ar = next_token_loss(ar_logits, tokens, pad)
+            out["ar"] = ar.detach()
+            out["loss"] = diffusion + settings.ar_weight * ar
+        else:
+            out["loss"] = diffusion + 0.0 * ar_logits.sum()  # keeps every parameter in the graph for DDP
+        return out
+
