@@ -611,7 +611,7 @@ class Pipeline:
         top_k: int | None = None,
     ) -> SamplerSettings:
         """Checkpoint defaults with the given overrides, validated."""
-        if mode not in (None, "ar") and (temperature is not None or top_k is not None):
+        if (mode or self.default_settings().mode) != "ar" and (temperature is not None or top_k is not None):
             raise GenerationError("temperature and top_k apply to mode='ar'; diffusion uses t_min/t_max")
         return self.default_settings().with_overrides(
             mode=mode,
@@ -629,9 +629,18 @@ class Pipeline:
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
     def encode_text(self, text: str) -> list[int]:
+        """Token ids of a text prompt, after the checkpoint's BOS token.
+
+        BOS is added here rather than by the tokenizer's post-processor, which not every
+        tokenizer.json has; special-token text in the prompt (chat markup) is parsed as such.
+        """
         if self.tokenizer is None:
             raise GenerationError("this model has no tokenizer (tokenizer.json); pass token ids instead of text")
-        return list(self.tokenizer.encode(text).ids)
+        if not text:
+            raise GenerationError("the prompt is empty; give at least one character")
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        bos = self.generation_config.bos_token_id
+        return ids if bos is None or ids[:1] == [bos] else [bos] + ids
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -1,0 +1,361 @@
+"""The engine reproduces transformers' DiffusionGemma `generate` token for token, batches without
+changing any request's tokens, streams its steps, and rejects bad input with one clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+    DiffusionGemmaGenerationConfig,
+    EntropyBoundSamplerConfig,
+)
+
+import printpress
+from printpress.engine import CommitEvent, DoneEvent, GenerationResult, Pipeline, StepEvent, default_model_path
+from printpress.errors import GenerationError, PrintpressError
+
+from conftest import make_reference
+
+# Generation defaults written into each test checkpoint's generation_config.json: small enough to be
+# quick, and with explicit EOS/pad ids (transformers saves null for both, and then never stops early).
+CHECKPOINT_DEFAULTS = dict(max_new_tokens=16, max_denoising_steps=5, eos_token_id=[1], pad_token_id=0)
+
+
+def save_checkpoint(ref, folder: Path, tokenizer: Tokenizer | None = None, **generation) -> Path:
+    values = dict(CHECKPOINT_DEFAULTS, **generation)
+    bound = values.pop("entropy_bound", None)
+    if bound is not None:
+        values["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=bound)
+    ref.generation_config = DiffusionGemmaGenerationConfig(**values)
+    ref.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer: <pad> <eos> <bos> then words w3, w4, ..."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "[UNK]": 3}
+    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<pad>", "<eos>", "<bos>"])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def models_(tmp_path_factory):
+    """name -> (reference model, printpress pipeline) on the same weights."""
+    root = tmp_path_factory.mktemp("engine")
+    out = {}
+    for name, canvas in (("gqa", 8), ("mha", 4), ("default_pattern", 16)):
+        ref = make_reference(name, canvas_length=canvas)
+        out[name] = (ref, printpress.load(save_checkpoint(ref, root / name)))
+    # Large output embeddings give peaked distributions: many tokens accepted per step and the
+    # adaptive stop fires, which random weights of normal scale almost never do.
+    peaked = make_reference("gqa", seed=1)
+    with torch.no_grad():
+        peaked.model.decoder.embed_tokens.weight.mul_(30)
+    out["peaked"] = (peaked, printpress.load(save_checkpoint(peaked, root / "peaked", word_tokenizer(128))))
+    return out
+
+
+def reference_tokens(ref, prompt: list[int], seed: int, **settings) -> tuple[list[int], float]:
+    """New tokens and tokens-per-forward from transformers' generate under torch.manual_seed."""
+    kwargs = dict(settings)
+    if "entropy_bound" in kwargs:
+        kwargs["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=kwargs.pop("entropy_bound"))
+    if "eos_token_ids" in kwargs:
+        kwargs["eos_token_id"] = kwargs.pop("eos_token_ids")
+    torch.manual_seed(seed)
+    out = ref.generate(torch.tensor([prompt]), **kwargs)
+    return out.sequences[0, len(prompt):].tolist(), float(out.tokens_per_forward[0])
+
+
+PROMPTS = [[2, 7, 9, 11], [2, 40], [2, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]  # the last beats every window
+
+# (name, settings): one canvas, several canvases, several samplers, early stops and EOS.
+CASES = [
+    ("gqa", dict(max_new_tokens=8)),
+    ("gqa", dict(max_new_tokens=20)),
+    ("gqa", dict(max_new_tokens=24, max_denoising_steps=3, t_min=0.1, t_max=1.5, entropy_bound=2.0)),
+    ("gqa", dict(max_new_tokens=32, max_denoising_steps=4, eos_token_ids=list(range(3, 20)))),
+    ("mha", dict(max_new_tokens=12)),
+    ("mha", dict(max_new_tokens=12, entropy_bound=50.0, confidence_threshold=10.0, stability_threshold=0)),
+    ("default_pattern", dict(max_new_tokens=32, max_denoising_steps=3)),
+    ("peaked", dict(max_new_tokens=24, max_denoising_steps=8, t_min=0.05, t_max=0.1, entropy_bound=1.0)),
+    ("peaked", dict(max_new_tokens=24, max_denoising_steps=8, t_min=0.02, t_max=0.05, entropy_bound=1.0,
+                    confidence_threshold=0.05, stability_threshold=2)),
+    ("peaked", dict(max_new_tokens=40, max_denoising_steps=6, t_min=0.02, t_max=0.05, entropy_bound=1.0,
+                    confidence_threshold=0.05, eos_token_ids=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30])),
+]
+
+
+@pytest.mark.parametrize("name,settings", CASES)
+def test_tokens_equal_reference_generate(models_, name, settings):
+    ref, pipe = models_[name]
+    for prompt in PROMPTS:
+        for seed in (0, 7):
+            expected, tokens_per_forward = reference_tokens(ref, prompt, seed, **settings)
+            result = pipe.generate(prompt, seed=seed, **settings)
+            assert result.token_ids == expected, (prompt, seed)
+            assert result.stats.tokens_per_forward == pytest.approx(tokens_per_forward, rel=1e-6)
+
+
+def test_checkpoint_generation_config_supplies_the_defaults(models_):
+    ref, pipe = models_["gqa"]
+    torch.manual_seed(3)
+    expected = ref.generate(torch.tensor([PROMPTS[0]])).sequences[0, len(PROMPTS[0]):].tolist()
+    result = pipe.generate(PROMPTS[0], seed=3)
+    assert result.token_ids == expected
+    assert result.stats.canvases == 2  # 16 new tokens in canvases of 8
+    assert result.stats.forward_passes == 10  # 5 steps each
+
+
+def test_early_stop_and_eos_are_exercised(models_):
+    """Guard for the parity cases above: they do cover the adaptive stop and EOS padding."""
+    _, pipe = models_["peaked"]
+    stops = pipe.generate(PROMPTS[:2], seed=[0, 7], **CASES[8][1])
+    assert any(r.stats.forward_passes < r.stats.canvases * 8 for r in stops)
+    eos = pipe.generate(PROMPTS, seed=0, **CASES[9][1])
+    assert any(r.stats.finish_reason == "eos" and r.token_ids[-1] == 0 for r in eos)
+
+
+def test_unseeded_runs_repeat_under_torch_manual_seed(models_):
+    _, pipe = models_["gqa"]
+    torch.manual_seed(11)
+    first = pipe.generate(PROMPTS[0]).token_ids
+    torch.manual_seed(11)
+    assert pipe.generate(PROMPTS[0]).token_ids == first
+
+
+# -- batching ------------------------------------------------------------------------------------------
+
+BATCH = [[2, 7, 9, 11, 13, 17], [2, 40], [2, 5, 6, 7], [2, 99, 98, 97, 96, 95, 94, 93, 92]]
+
+
+@pytest.mark.parametrize(
+    "name,settings",
+    [
+        ("gqa", dict(max_new_tokens=24, max_denoising_steps=4, eos_token_ids=list(range(3, 8)))),
+        ("peaked", dict(max_new_tokens=32, max_denoising_steps=6, t_min=0.02, t_max=0.05, entropy_bound=1.0,
+                        confidence_threshold=0.05, eos_token_ids=list(range(20, 31)))),
+        ("gqa", dict(mode="ar", max_new_tokens=10, eos_token_ids=list(range(3, 9)))),
+        ("gqa", dict(mode="ar", max_new_tokens=10, temperature=1.0, eos_token_ids=list(range(3, 9)))),
+    ],
+)
+def test_batched_rows_equal_each_prompt_alone(models_, name, settings):
+    _, pipe = models_[name]
+    seeds = [5, 6, 7, 8]
+    batch = pipe.generate(BATCH, seed=seeds, **settings)
+    for prompt, seed, row in zip(BATCH, seeds, batch):
+        alone = pipe.generate(prompt, seed=seed, **settings)
+        assert row.token_ids == alone.token_ids
+        assert row.stats.forward_passes == alone.stats.forward_passes
+    # The case is only meaningful if rows finish at different times.
+    assert len({r.stats.forward_passes for r in batch}) > 1
+
+
+def test_per_prompt_seeds_and_order_do_not_matter(models_):
+    _, pipe = models_["gqa"]
+    settings = dict(max_new_tokens=16, max_denoising_steps=3)
+    forward = pipe.generate(BATCH, seed=[1, 2, 3, 4], **settings)
+    backward = pipe.generate(BATCH[::-1], seed=[4, 3, 2, 1], **settings)
+    assert [r.token_ids for r in forward] == [r.token_ids for r in backward[::-1]]
+    assert forward[1].token_ids == pipe.generate(BATCH[1], seed=2, **settings).token_ids
+
+
+def test_finished_rows_stop_costing_compute(models_, monkeypatch):
+    """Rows that hit EOS or the adaptive stop leave the batch: decoder rows = sum of each row's passes."""
+    _, pipe = models_["peaked"]
+    model = pipe.model
+    decoded_rows: list[int] = []
+    encoded_rows: list[int] = []
+    denoise, encode = model.denoise, model.encode
+
+    def counting_denoise(canvas_ids, cache, *args, **kwargs):
+        assert cache.batch_size == canvas_ids.shape[0]
+        decoded_rows.append(canvas_ids.shape[0])
+        return denoise(canvas_ids, cache, *args, **kwargs)
+
+    def counting_encode(input_ids, cache, *args, **kwargs):
+        encoded_rows.append(input_ids.shape[0])
+        return encode(input_ids, cache, *args, **kwargs)
+
+    monkeypatch.setattr(model, "denoise", counting_denoise)
+    monkeypatch.setattr(model, "encode", counting_encode)
+    results = pipe.generate(BATCH, seed=5, **CASES[9][1])
+    assert sum(decoded_rows) == sum(r.stats.forward_passes for r in results)
+    assert min(decoded_rows) < len(BATCH)
+    # One prefill, then one encode per canvas committed by a row that goes on.
+    assert encoded_rows[0] == len(BATCH)
+    assert sum(encoded_rows[1:]) == sum(r.stats.canvases - 1 for r in results)
+
+
+# -- streaming -----------------------------------------------------------------------------------------
+
+
+def test_step_stream_describes_every_step_and_commit(models_):
+    _, pipe = models_["peaked"]
+    settings = dict(max_new_tokens=24, max_denoising_steps=6, t_min=0.02, t_max=0.05, entropy_bound=1.0,
+                    confidence_threshold=0.05)
+    events = list(pipe.stream(BATCH[:3], seed=9, **settings))
+    results = {e.request: e.result for e in events if isinstance(e, DoneEvent)}
+    assert sorted(results) == [0, 1, 2]
+    for request, result in results.items():
+        mine = [e for e in events if getattr(e, "request", None) == request]
+        assert isinstance(mine[-1], DoneEvent)
+        steps = [e for e in mine if isinstance(e, StepEvent)]
+        commits = [e for e in mine if isinstance(e, CommitEvent)]
+        assert len(steps) == result.stats.forward_passes
+        assert sum((c.token_ids for c in commits), []) == result.token_ids
+        assert [c.finished for c in commits] == [False] * (len(commits) - 1) + [True]
+        assert "".join(c.text for c in commits) == result.text
+        for commit in commits:
+            canvas_steps = [s for s in steps if s.canvas == commit.canvas]
+            assert [s.step for s in canvas_steps] == list(range(1, len(canvas_steps) + 1))
+            last = canvas_steps[-1]
+            assert last.stopped or last.step == last.max_steps  # the stop may also fire at the last step
+            assert not any(s.stopped for s in canvas_steps[:-1])
+            # Commit = the last argmax, with pad after the first EOS.
+            assert all(t == a or t == 0 for t, a in zip(commit.token_ids, last.argmax))
+            for s in canvas_steps:
+                assert len(s.tokens) == len(s.accepted) == pipe.canvas_length
+                assert s.renoised == [not a for a in s.accepted]
+                assert any(s.accepted)  # the lowest-entropy position is always accepted
+
+
+def test_on_event_callback_sees_the_same_stream(models_):
+    _, pipe = models_["gqa"]
+    seen: list = []
+    result = pipe.generate(PROMPTS[1], seed=2, on_event=seen.append, max_new_tokens=16)
+    streamed = list(pipe.stream(PROMPTS[1], seed=2, max_new_tokens=16))
+    assert seen[:-1] == streamed[:-1]  # the DoneEvents differ only in their timings
+    assert seen[-1].result.token_ids == streamed[-1].result.token_ids == result.token_ids
+
+
+# -- statistics ----------------------------------------------------------------------------------------
+
+
+def test_statistics_are_consistent(models_):
+    _, pipe = models_["gqa"]
+    result = pipe.generate(PROMPTS[0], seed=1, max_new_tokens=20, max_denoising_steps=4)
+    stats = result.stats
+    assert stats.prompt_tokens == len(PROMPTS[0])
+    assert stats.canvases == 3 and len(result.token_ids) == 24  # whole canvases, as the reference
+    assert stats.denoising_steps == stats.forward_passes == 12
+    assert stats.new_tokens == sum(1 for t in result.token_ids if t != 0)
+    assert stats.tokens_per_forward == stats.new_tokens / stats.forward_passes
+    assert 0 < stats.time_to_first_commit_s <= stats.wall_time_s
+    assert stats.finish_reason in ("eos", "length")
+
+
+# -- autoregressive mode -------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def reference_greedy(ref, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding with the reference encoder, re-running the whole sequence for every token."""
+    ids = list(prompt)
+    canvas = torch.zeros(1, ref.config.canvas_length, dtype=torch.long)
+    for _ in range(new_tokens):
+        out = ref(input_ids=torch.tensor([ids]), decoder_input_ids=canvas)
+        logits = ref.lm_head(out.encoder_last_hidden_state[:, -1]).float()
+        cap = ref.config.text_config.final_logit_softcapping
+        ids.append(int(torch.argmax(torch.tanh(logits / cap) * cap)))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
+def test_greedy_ar_equals_reference_encoder_argmax(models_, name):
+    ref, pipe = models_[name]
+    for prompt in PROMPTS[:2]:
+        result = pipe.generate(prompt, mode="ar", max_new_tokens=9, eos_token_ids=[])
+        assert result.token_ids == reference_greedy(ref, prompt, 9)
+        assert result.stats.tokens_per_forward == 1.0 and result.stats.denoising_steps == 0
+        assert result.stats.finish_reason == "length"
+
+
+def test_ar_stops_at_eos_and_sampling_follows_the_seed(models_):
+    _, pipe = models_["gqa"]
+    greedy = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=9, eos_token_ids=[])
+    eos = greedy.token_ids[3]
+    stopped = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=9, eos_token_ids=[eos])
+    first = greedy.token_ids.index(eos)
+    assert stopped.token_ids == greedy.token_ids[: first + 1]
+    assert stopped.stats.finish_reason == "eos" and stopped.completion_ids == greedy.token_ids[:first]
+    sampled = [pipe.generate(PROMPTS[0], mode="ar", temperature=1.0, seed=s, max_new_tokens=9).token_ids
+               for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+# -- text in, text out ---------------------------------------------------------------------------------
+
+
+def test_text_prompts_are_tokenized_with_bos_and_decoded(models_):
+    _, pipe = models_["peaked"]
+    settings = dict(max_new_tokens=8, max_denoising_steps=3)
+    result = pipe.generate("w7 w9 w11", seed=4, **settings)
+    assert isinstance(result, GenerationResult)
+    assert result.prompt_ids == [2, 7, 9, 11]
+    assert result.token_ids == pipe.generate([2, 7, 9, 11], seed=4, **settings).token_ids
+    assert result.text == pipe.decode(result.completion_ids)
+    several = pipe.generate(["w7 w9 w11", "w40"], seed=4, **settings)
+    assert [r.prompt_ids for r in several] == [[2, 7, 9, 11], [2, 40]]
+
+
+def test_prompt_forms(models_):
+    _, pipe = models_["gqa"]
+    single = pipe.generate(torch.tensor(PROMPTS[1]), seed=0, max_new_tokens=8)
+    assert isinstance(single, GenerationResult)
+    assert single.text is None  # no tokenizer
+    assert len(pipe.generate(torch.tensor([PROMPTS[1], PROMPTS[1]]), seed=0, max_new_tokens=8)) == 2
+    assert len(pipe.generate([PROMPTS[1]], seed=0, max_new_tokens=8)) == 1
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt,settings,message",
+    [
+        ([], {}, "the prompt is empty"),
+        ([[2, 3], []], {}, "the prompt is empty"),
+        ([2] * 512, {}, "the prompt has 512 tokens; the model's position limit is 512"),
+        ([2] * 500, dict(max_new_tokens=16), "a prompt of 500 tokens plus 16 new tokens exceeds the model's position limit of 512"),
+        ([2, 500], {}, "prompt token id 500 is outside the vocabulary (0..127)"),
+        ([2, 3], dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+        ([2, 3], dict(max_denoising_steps=0), "steps (max_denoising_steps) must be a positive integer"),
+        ([2, 3], dict(entropy_bound=0.0), "entropy_bound must be > 0"),
+        ([2, 3], dict(t_min=0.9, t_max=0.2), "t_min (0.9) must not exceed t_max (0.2)"),
+        ([2, 3], dict(mode="beam"), "unknown mode 'beam'"),
+        ([2, 3], dict(temperature=0.5), "temperature and top_k apply to mode='ar'"),
+        ([2, 3], dict(steps=4), "unknown generation setting(s): steps"),
+        ("some text", {}, "this model has no tokenizer (tokenizer.json); pass token ids instead of text"),
+        ([[2, 3], [2, 4]], dict(seed=[1]), "got 1 seeds for 2 prompts"),
+    ],
+)
+def test_bad_input_raises_one_clear_generation_error(models_, prompt, settings, message):
+    _, pipe = models_["gqa"]
+    settings = dict(settings)
+    seed = settings.pop("seed", 0)
+    with pytest.raises(GenerationError) as info:
+        pipe.generate(prompt, seed=seed, **settings)
+    assert str(info.value).startswith(message)
+
+
+def test_empty_text_prompt_is_rejected(models_):
+    _, pipe = models_["peaked"]
+    with pytest.raises(GenerationError, match="the prompt is empty"):
+        pipe.generate("", seed=0)
+
+
+def test_no_default_model_yet():
+    with pytest.raises(PrintpressError, match="no default model"):
+        default_model_path()
+    with pytest.raises(PrintpressError, match="no default model"):
+        printpress.load()
+    assert issubclass(Pipeline, object)

@@ -1,0 +1,203 @@
+"""The sampler pieces give bit-identical results to the transformers reference sampler classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+    DiffusionGemmaGenerationMixin,
+    EntropyBoundSampler,
+    EntropyBoundSamplerConfig,
+    LinearTemperatureScheduleLogitsProcessor,
+    StableAndConfidentStoppingCriteria,
+)
+from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from printpress.errors import GenerationError
+from printpress.sampling import (
+    SamplerSettings,
+    StabilityTracker,
+    canvases_for,
+    entropy_bound_accept,
+    pad_after_eos,
+    sample_canvas,
+    sample_next_token,
+    step_temperature,
+    token_entropy,
+    uniform_tokens,
+)
+
+VOCAB, CANVAS = 50, 8
+
+
+def random_logits(seed: int, batch: int = 1, scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, CANVAS, VOCAB, generator=g) * scale
+
+
+@pytest.mark.parametrize("t_min,t_max,steps", [(0.4, 0.8, 48), (0.1, 1.3, 7), (0.0, 0.9, 3), (0.5, 0.5, 5)])
+def test_temperature_schedule_matches_reference_bitwise(t_min, t_max, steps):
+    logits = random_logits(0)
+    settings = SamplerSettings(t_min=t_min, t_max=t_max, max_denoising_steps=steps)
+    reference = LinearTemperatureScheduleLogitsProcessor(t_min=t_min, t_max=t_max, max_denoising_steps=steps)
+    for step in range(steps, 0, -1):
+        expected = reference(None, logits, cur_step=torch.tensor(step, dtype=torch.int32))
+        assert torch.equal(logits[0] / step_temperature(step, settings), expected[0])
+
+
+def test_first_step_uses_t_max_and_last_step_is_above_t_min():
+    settings = SamplerSettings(t_min=0.4, t_max=0.8, max_denoising_steps=4)
+    assert float(step_temperature(4, settings)) == pytest.approx(0.8)
+    assert float(step_temperature(1, settings)) == pytest.approx(0.5)  # the schedule never reaches n = 0
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 40.0])
+def test_entropy_matches_categorical_bitwise(scale):
+    logits = random_logits(1, batch=3, scale=scale)
+    logits[0, 0, :] = float("-inf")
+    logits[0, 0, 3] = 5.0  # a one-hot row: -inf logits must not give NaN
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    got = token_entropy(logits)
+    assert torch.equal(got, expected)
+    assert got[0, 0] == 0
+
+
+@pytest.mark.parametrize("bound", [0.1, 1.0, 5.0, 1000.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_acceptance_matches_reference_sampler(bound, seed):
+    logits = random_logits(seed, scale=1.0 + seed)
+    sampler = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=bound), CANVAS, VOCAB, 10)
+    current = torch.full((1, CANVAS), -1)
+    denoised = torch.arange(CANVAS)[None]
+    accepted_canvas = sampler.accept_canvas(current, denoised, logits, cur_step=3)
+    mask = entropy_bound_accept(token_entropy(logits), bound)
+    assert torch.equal(mask, sampler.accepted_token_mask)
+    assert torch.equal(accepted_canvas, torch.where(mask, denoised, current))
+    assert bool(mask.any()), "the lowest-entropy position is always accepted"
+
+
+def test_acceptance_takes_the_lowest_entropy_positions_within_the_bound():
+    entropy = torch.tensor([[0.30, 0.01, 2.0, 0.05, 0.02]])
+    # sorted: 0.01, 0.02, 0.05, 0.30, 2.0 -> sums before each: 0, 0.01, 0.03, 0.08, 0.38
+    assert entropy_bound_accept(entropy, 0.1).tolist() == [[True, True, False, True, True]]
+    assert entropy_bound_accept(entropy, 0.005).tolist() == [[False, True, False, False, False]]
+
+
+def test_random_draws_match_the_reference_global_rng_order():
+    """init randint, then per step multinomial over the canvas and randint for re-noising."""
+    sampler = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=0.1), CANVAS, VOCAB, 10)
+    probs = torch.softmax(random_logits(2), dim=-1)
+    torch.manual_seed(1234)
+    expected = [sampler.initialize_canvas(1, torch.device("cpu"))]
+    for _ in range(3):
+        expected.append(torch.multinomial(probs.view(-1, VOCAB), num_samples=1).view(1, CANVAS))
+        expected.append(sampler.initialize_canvas(1, torch.device("cpu")))
+
+    generator = torch.Generator().manual_seed(1234)
+    got = [uniform_tokens(CANVAS, VOCAB, generator, torch.device("cpu"))]
+    for _ in range(3):
+        got.append(sample_canvas(probs[0], generator)[None])
+        got.append(uniform_tokens(CANVAS, VOCAB, generator, torch.device("cpu")))
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2, 3])
+def test_stability_and_confidence_match_reference_stopping(threshold):
+    batch = 3
+    reference = StableAndConfidentStoppingCriteria(stability_threshold=threshold, confidence_threshold=0.5)
+    tracker = StabilityTracker(threshold, batch, CANVAS, torch.device("cpu"))
+    g = torch.Generator().manual_seed(threshold)
+    argmax = torch.randint(0, VOCAB, (batch, CANVAS), generator=g)
+    for step in range(8):
+        if step % 3 == 2:  # change one row now and then, so stability has to be re-earned
+            argmax = argmax.clone()
+            argmax[step % batch, 0] = (argmax[step % batch, 0] + 1) % VOCAB
+        logits = random_logits(step, batch=batch, scale=1.0 + 10 * (step % 2))
+        expected = reference(argmax, logits)
+        stable = tracker.update(argmax)
+        confident = token_entropy(logits).mean(dim=-1) < 0.5
+        assert torch.equal(stable & confident, expected)
+
+
+def test_stability_tracker_select_keeps_each_rows_history():
+    tracker = StabilityTracker(1, 3, 2, torch.device("cpu"))
+    canvases = torch.tensor([[1, 1], [2, 2], [3, 3]])
+    assert tracker.update(canvases).tolist() == [False, False, False]
+    tracker.select(torch.tensor([2, 0]))
+    assert tracker.update(torch.tensor([[3, 3], [9, 9]])).tolist() == [True, False]
+
+
+def _reference_finalize(canvas: torch.Tensor, eos: list[int], pad: int) -> torch.Tensor:
+    """The reference's canvas finalisation for a batch of one, with a 3-token prompt in front."""
+    input_ids = torch.cat([torch.tensor([[2, 3, 4]]), canvas[None]], dim=-1)
+    criteria = StoppingCriteriaList([MaxLengthCriteria(1000), EosTokenCriteria(eos)])
+
+    class Config:
+        pad_token_id = pad
+        eos_token_id = eos
+
+    out, _ = DiffusionGemmaGenerationMixin._finalize_canvas(
+        input_ids, torch.zeros(1, dtype=torch.bool), Config, criteria, canvas.shape[0], torch.tensor(eos)
+    )
+    return out[0, 3:]
+
+
+@pytest.mark.parametrize(
+    "canvas", [[5, 6, 1, 7, 1, 8], [1, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 1], [5, 6, 7, 8, 9, 10], [5, 50, 6, 1, 50, 7]]
+)
+def test_pad_after_eos_matches_reference_finalisation(canvas):
+    tokens = torch.tensor(canvas)
+    got, has_eos = pad_after_eos(tokens, (1, 50), 0)
+    assert torch.equal(got, _reference_finalize(tokens, [1, 50], 0))
+    assert has_eos == any(t in (1, 50) for t in canvas)
+
+
+def test_pad_after_eos_without_eos_ids_or_pad():
+    tokens = torch.tensor([5, 1, 6])
+    assert pad_after_eos(tokens, (), 0) == (tokens, False)
+    same, has_eos = pad_after_eos(tokens, (1,), None)
+    assert has_eos and torch.equal(same, tokens)
+
+
+def test_max_new_tokens_rounds_up_to_whole_canvases():
+    assert [canvases_for(n, 8) for n in (1, 7, 8, 9, 16, 17)] == [1, 1, 1, 2, 2, 3]
+
+
+def test_greedy_ar_sampling_is_argmax_and_sampled_is_reproducible():
+    logits = random_logits(5)[0, 0]
+    assert sample_next_token(logits, SamplerSettings(mode="ar"), torch.Generator()) == int(logits.argmax())
+    settings = SamplerSettings(mode="ar", temperature=1.0, top_k=3)
+    draws = [sample_next_token(logits, settings, torch.Generator().manual_seed(s)) for s in range(40)]
+    assert draws == [sample_next_token(logits, settings, torch.Generator().manual_seed(s)) for s in range(40)]
+    assert set(draws) <= set(torch.topk(logits, 3).indices.tolist())
+    assert len(set(draws)) > 1
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+        (dict(max_new_tokens=-3), "max_new_tokens must be a positive integer"),
+        (dict(max_denoising_steps=0), "steps (max_denoising_steps) must be a positive integer"),
+        (dict(entropy_bound=0.0), "entropy_bound must be > 0"),
+        (dict(entropy_bound=-1.0), "entropy_bound must be > 0"),
+        (dict(t_min=0.9, t_max=0.5), "t_min (0.9) must not exceed t_max (0.5)"),
+        (dict(t_min=-0.1), "t_min must be >= 0"),
+        (dict(t_min=0.0, t_max=0.0), "t_max must be > 0"),
+        (dict(stability_threshold=-1), "stability_threshold must be an integer >= 0"),
+        (dict(confidence_threshold=0.0), "confidence_threshold must be > 0"),
+        (dict(mode="beam"), "unknown mode 'beam'; expected one of diffusion, ar"),
+        (dict(mode="ar", temperature=-1.0), "temperature must be >= 0"),
+        (dict(mode="ar", top_k=0), "top_k must be a positive integer"),
+    ],
+)
+def test_bad_settings_raise_one_clear_generation_error(overrides, message):
+    with pytest.raises(GenerationError) as info:
+        SamplerSettings().with_overrides(**overrides).validate()
+    assert str(info.value).startswith(message)
+
+
+def test_overrides_of_none_keep_defaults():
+    settings = SamplerSettings(t_min=0.3).with_overrides(t_min=None, t_max=0.9, eos_token_ids=[1, 2])
+    assert (settings.t_min, settings.t_max, settings.eos_token_ids) == (0.3, 0.9, (1, 2))
