@@ -279,7 +279,9 @@ def _diffusion(
             if row.canvases_left > 0 and row.eos_at is None:
                 keep.append(position)
             else:
-                yield DoneEvent(row.index, _result(row, "diffusion", decode))
+                result = _result(row, "diffusion", decode)
+                logger.info("request %d done: %s", row.index, result.stats)
+                yield DoneEvent(row.index, result)
         if not keep:
             return
         if len(keep) < len(rows):
@@ -446,6 +448,8 @@ def _commit_canvas(row: _Row, canvas_index: int, decode: Decode | None) -> Itera
         eos = set(settings.eos_token_ids)
         row.eos_at = len(row.tokens) + next(i for i, t in enumerate(new) if t in eos)
     row.tokens.extend(new)
+    logger.debug("request %d: canvas %d committed after %d decoder passes in all", row.index, canvas_index,
+                 row.forward_passes)
     row.canvases += 1
     row.canvases_left -= 1
     if row.first_commit is None:
@@ -521,7 +525,9 @@ def _autoregressive(model: torch.nn.Module, requests: Sequence[Request], decode:
             finished = row.eos_at is not None or len(row.tokens) >= row.settings.max_new_tokens
             yield CommitEvent(row.index, len(row.tokens) - 1, [token], _text_delta(row, decode), finished)
             if finished:
-                yield DoneEvent(row.index, _result(row, "ar", decode))
+                result = _result(row, "ar", decode)
+                logger.info("request %d done: %s", row.index, result.stats)
+                yield DoneEvent(row.index, result)
             else:
                 keep.append(position)
                 next_ids.append(token)

@@ -1,0 +1,162 @@
+"""`printpress generate` prints what the Python API returns, and bad input ends in one line and exit 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import printpress
+from printpress.cli import LiveView, _fit, build_parser, main
+from printpress.engine import CommitEvent, StepEvent
+
+from conftest import make_reference
+from test_engine import save_checkpoint, word_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    with_tokenizer = save_checkpoint(make_reference("gqa"), root / "text", word_tokenizer(128))
+    ids_only = save_checkpoint(make_reference("gqa"), root / "ids")
+    return {"text": str(with_tokenizer), "ids": str(ids_only)}
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_prints_the_text(folders, capsys):
+    code, out, _ = run_cli(capsys, "generate", "--model", folders["text"], "--seed", "3", "--max-new-tokens", "8",
+                           "w7 w9 w11")
+    expected = printpress.load(folders["text"]).generate("w7 w9 w11", seed=3, max_new_tokens=8)
+    assert code == 0
+    assert out == expected.text + "\n"
+
+
+def test_json_has_ids_text_and_stats(folders, capsys):
+    code, out, _ = run_cli(capsys, "generate", "-m", folders["text"], "--seed", "3", "--max-new-tokens", "16",
+                           "--steps", "2", "--entropy-bound", "0.5", "--t-min", "0.3", "--t-max", "0.9", "--json",
+                           "w7 w9 w11")
+    data = json.loads(out)
+    expected = printpress.load(folders["text"]).generate(
+        "w7 w9 w11", seed=3, max_new_tokens=16, max_denoising_steps=2, entropy_bound=0.5, t_min=0.3, t_max=0.9
+    )
+    assert code == 0
+    assert data["token_ids"] == expected.token_ids and data["text"] == expected.text
+    assert data["prompt_ids"] == [2, 7, 9, 11]
+    assert data["stats"]["forward_passes"] == 4  # two canvases of two steps: --steps reached the sampler
+    assert set(data["stats"]) >= {"tokens_per_forward", "denoising_steps", "wall_time_s", "time_to_first_commit_s"}
+
+
+def test_several_prompts_and_token_ids(folders, capsys):
+    code, out, _ = run_cli(capsys, "generate", "-m", folders["ids"], "--ids", "--seed", "1", "--max-new-tokens", "8",
+                           "--json", "2,7,9", "2 40")
+    data = json.loads(out)
+    pipe = printpress.load(folders["ids"])
+    assert code == 0
+    assert [d["token_ids"] for d in data] == [r.token_ids for r in pipe.generate([[2, 7, 9], [2, 40]], seed=1,
+                                                                                  max_new_tokens=8)]
+    code, out, _ = run_cli(capsys, "generate", "-m", folders["ids"], "--ids", "--seed", "1", "--max-new-tokens", "8",
+                           "2,7,9")
+    assert out.split() == [str(t) for t in data[0]["completion_ids"]]
+
+
+def test_ar_mode_and_its_flags(folders, capsys):
+    code, out, _ = run_cli(capsys, "generate", "-m", folders["ids"], "--ids", "--mode", "ar", "--temperature", "0",
+                           "--max-new-tokens", "5", "--eos", "", "--json", "2,7,9")
+    data = json.loads(out)
+    assert code == 0 and data["mode"] == "ar" and len(data["token_ids"]) == 5
+    assert data["token_ids"] == printpress.load(folders["ids"]).generate(
+        [2, 7, 9], mode="ar", max_new_tokens=5, eos_token_ids=[]).token_ids
+
+
+def test_show_steps_writes_one_line_per_step_when_not_a_terminal(folders, capsys):
+    code, out, err = run_cli(capsys, "generate", "-m", folders["text"], "--seed", "2", "--max-new-tokens", "16",
+                             "--steps", "3", "--show-steps", "--json", "w7 w9")
+    data = json.loads(out)  # stdout stays clean JSON
+    step_lines = [line for line in err.splitlines() if line.startswith("[0] canvas")]
+    assert code == 0
+    assert len(step_lines) == data["stats"]["forward_passes"] == 6
+    assert step_lines[0].startswith("[0] canvas 0 step 1/3 accepted ")
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_live_view_redraws_in_place_on_a_terminal(folders, monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    pipe = printpress.load(folders["text"])
+    screen = FakeTerminal()
+    view = LiveView(pipe, screen, requests=1, min_interval_s=0.0)
+    step = StepEvent(0, 0, 1, 3, tokens=[7, 8], argmax=[7, 8], accepted=[True, False], stopped=False)
+    view.update(step)
+    view.update(CommitEvent(0, 0, [7, 8], "w7 w8", finished=False))
+    view.update(StepEvent(0, 1, 1, 3, tokens=[9, 10], argmax=[9, 10], accepted=[False, True], stopped=True))
+    view.close()
+    drawn = screen.getvalue()
+    assert "\x1b[1m\x1b[32mw7" in drawn and "\x1b[2mw8" in drawn  # accepted bright, re-noised dim
+    assert "\x1b[1F" in drawn  # later frames move back up over the previous one
+    assert "w7 w8" in drawn and drawn.endswith("\x1b[1F\x1b[J")  # the committed text, then cleared
+
+
+def test_fit_keeps_the_tail_and_counts_only_visible_characters():
+    line = "abc" + "\x1b[1m" + "defgh" + "\x1b[0m"
+    fitted = _fit(line, 4)
+    assert fitted.replace("\x1b[1m", "").replace("\x1b[0m", "") == "efgh"
+    assert _fit("xy", 10).startswith("xy")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ids", "--mode", "beam", "2,3"], "unknown mode 'beam'"),
+        (["--ids", ""], "the prompt is empty"),
+        (["--ids", "2,x"], "token ids must be integers"),
+        (["--ids", "--max-new-tokens", "0", "2,3"], "max_new_tokens must be a positive integer"),
+        (["--ids", "--steps", "0", "2,3"], "steps (max_denoising_steps) must be a positive integer"),
+        (["--ids", "--entropy-bound", "-1", "2,3"], "entropy_bound must be > 0"),
+        (["--ids", "--t-min", "0.9", "--t-max", "0.1", "2,3"], "t_min (0.9) must not exceed t_max (0.1)"),
+        (["--ids", "--max-new-tokens", "600", "2,3"], "a prompt of 2 tokens plus 600 new tokens exceeds"),
+        (["hello"], "this model has no tokenizer"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(folders, capsys, argv, message):
+    code, out, err = run_cli(capsys, "generate", "-m", folders["ids"], *argv)
+    lines = [line for line in err.splitlines() if not line.startswith("WARNING")]
+    assert code == 2 and out == ""
+    assert lines == [lines[0]] and lines[0].startswith(f"printpress: error: {message}")
+
+
+def test_missing_model_exits_2(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "-m", str(tmp_path / "nope"), "hello")
+    assert code == 2 and err.startswith("printpress: error: ") and "Traceback" not in err
+
+
+def test_subcommands_are_pluggable():
+    parser = build_parser()
+    args = parser.parse_args(["generate", "-m", "x", "hi"])
+    assert args.command == "generate" and callable(args.func)
+
+
+def test_python_dash_m_runs_the_cli(folders):
+    done = subprocess.run(
+        [sys.executable, "-m", "printpress", "generate", "-m", folders["ids"], "--ids", "--seed", "0",
+         "--max-new-tokens", "4", "--steps", "1", "2,7"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.split()) == 8  # one whole canvas of ids
+    bad = subprocess.run([sys.executable, "-m", "printpress", "generate", "-m", folders["ids"], "--ids", ""],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
