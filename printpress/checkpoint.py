@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -210,15 +210,12 @@ def load_weights(model: DiffusionGemma, files: list[Path]) -> None:
 
 
 def load_tokenizer(folder: Path):
-    path = folder / "tokenizer.json"
-    if not path.exists():
+    """The folder's tokenizer.json (special ids checked), or None when it has none."""
+    if not (folder / "tokenizer.json").exists():
         return None
-    from tokenizers import Tokenizer
+    from printpress.tokenizer import load_tokenizer as load_checked
 
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot read tokenizer ({exc})") from None
+    return load_checked(folder)
 
 
 def state_dict_for_save(model: DiffusionGemma) -> dict[str, torch.Tensor]:
@@ -236,11 +233,13 @@ def save_model(
     tokenizer=None,
     max_shard_size: int | str = "2GB",
     dtype: torch.dtype | None = None,
+    extra_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write an HF folder (config, generation config, safetensors, tokenizer) atomically.
 
     Everything is written into a temporary sibling folder first and then renamed into place, so a killed
-    save never leaves a partial checkpoint behind.
+    save never leaves a partial checkpoint behind. `extra_files(tmp_folder)` may add files (training state)
+    that must appear atomically with the weights.
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -265,7 +264,11 @@ def save_model(
         generation = generation_config or GenerationConfig.from_dict({}, config.text)
         (tmp / "generation_config.json").write_text(json.dumps(generation.to_dict(), indent=2) + "\n")
         if tokenizer is not None:
-            tokenizer.save(str(tmp / "tokenizer.json"))
+            from printpress.tokenizer import save_tokenizer
+
+            save_tokenizer(tokenizer, tmp)
+        if extra_files is not None:
+            extra_files(tmp)
         _replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""`printpress train`: run a recipe or a config file, optionally resuming or under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from printpress.errors import PrintpressError
+from printpress.train.loop import RunConfig, Trainer, TrainingError
+
+
+def recipe_names() -> list[str]:
+    folder = resources.files("printpress") / "recipes"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def read_run_config(recipe: str | None, config: str | None, overrides: list[str]) -> RunConfig:
+    if recipe and config:
+        raise TrainingError("give --recipe or --config, not both")
+    if recipe:
+        if recipe not in recipe_names():
+            raise TrainingError(f"unknown recipe {recipe!r}; available: {', '.join(recipe_names())}")
+        text = (resources.files("printpress") / "recipes" / f"{recipe}.toml").read_text()
+        source = f"recipe {recipe}"
+    elif config:
+        path = Path(config)
+        if not path.is_file():
+            raise TrainingError(f"{path}: no such config file")
+        text, source = path.read_text(), str(path)
+    else:
+        raise TrainingError("give --recipe NAME or --config FILE")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TrainingError(f"{source}: not valid TOML ({exc})") from None
+    for item in overrides:
+        apply_override(data, item)
+    return RunConfig.from_dict(data)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """`train.steps=200` style overrides; the value is parsed as TOML (so strings need quotes)."""
+    key, sep, value = item.partition("=")
+    if not sep or "." not in key:
+        raise TrainingError(f"--set {item!r}: expected section.key=value, e.g. train.steps=200")
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    section, _, name = key.partition(".")
+    data.setdefault(section, {})[name] = parsed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", help="a recipe shipped with printpress: " + ", ".join(recipe_names()))
+    parser.add_argument("--config", help="a TOML run config (same layout as the recipes)")
+    parser.add_argument("--out", required=True, help="run folder: data cache, checkpoint/, model/, metrics.jsonl")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, e.g. --set train.steps=200 (repeatable)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.resume:
+        run_config = RunConfig()  # the checkpoint carries the run's own config
+    else:
+        run_config = read_run_config(args.recipe, args.config, args.set)
+    trainer = Trainer(run_config, args.out, resume=args.resume)
+    final = trainer.fit(progress=not args.no_progress)
+    if trainer.env.main:
+        print(f"trained {trainer.step} steps; model saved to {final}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="printpress train", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except PrintpressError as exc:
+        print(f"printpress train: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""The training loop: AdamW, warmup + cosine, clipping, accumulation, validation, resumable checkpoints.
+
+Determinism is by construction rather than by saved generator state: batch k is a function of (seed, k)
+(`BatchSampler`), and the noise of global row r at step k is drawn from a generator seeded with
+(seed, k, r). A resumed run therefore replays exactly the batches and noise the uninterrupted run would
+have seen, and N data-parallel ranks together see the same global batch and noise as one process.
+
+Distributed training is applied from outside the model: the loss is computed by a `TrainStep` module,
+which DDP (or FSDP2) wraps when the loop runs under torchrun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from printpress.checkpoint import load_model, save_model
+from printpress.config import GenerationConfig, ModelConfig, TextConfig
+from printpress.errors import PrintpressError
+from printpress.model import DiffusionGemma
+from printpress.train.objectives import DiffusionSettings, TrainStep, add_uniform_noise
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+METRICS_FILE = "metrics.jsonl"
+
+
+class TrainingError(PrintpressError):
+    """A training run that cannot start or continue (bad settings, NaN loss, no room)."""
+
+
+@dataclass
+class TrainSettings:
+    objective: str = "joint"  # diffusion | ar | joint
+    steps: int = 1000
+    batch_size: int = 16  # global, in sequences
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 100
+    t_low: float = 0.0
+    self_conditioning: float = 0.5
+    weighting: str = "uniform"
+    ar_weight: float = 1.0
+    fsdp: bool = False
+
+    def validate(self, canvas_length: int) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise TrainingError(f"invalid training setting: {message}")
+
+        need(self.objective in ("diffusion", "ar", "joint"), f"objective {self.objective!r} is not one of diffusion, ar, joint")
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches", "save_every"):
+            need(int(getattr(self, name)) > 0, f"{name} must be positive (got {getattr(self, name)})")
+        need(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"need 0 <= min_lr <= lr and lr > 0 (got {self.min_lr}, {self.lr})")
+        need(self.warmup >= 0, "warmup must be >= 0")
+        need(self.seq_len % canvas_length == 0,
+             f"seq_len ({self.seq_len}) must be a multiple of the canvas length ({canvas_length})")
+        need(self.batch_size % self.grad_accum == 0,
+             f"batch_size ({self.batch_size}) must be divisible by grad_accum ({self.grad_accum})")
+        need(self.weighting in ("uniform", "inverse_t"), f"weighting {self.weighting!r} is not uniform or inverse_t")
+        need(0 <= self.t_low < 1, f"t_low must be in [0, 1) (got {self.t_low})")
+        need(self.weighting != "inverse_t" or self.t_low > 0, "inverse_t weighting needs t_low > 0")
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs: the model (new or `init_from`), the data and the training settings."""
+
+    model: dict[str, Any] = field(default_factory=dict)  # TextConfig fields plus canvas_length
+    data: dict[str, Any] = field(default_factory=dict)  # sources, vocab_size, val_fraction, text_field
+    train: TrainSettings = field(default_factory=TrainSettings)
+    generation: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        unknown = sorted(set(data) - {"model", "data", "train", "generation", "init_from", "name", "description"})
+        if unknown:
+            raise TrainingError(f"unknown section(s) in the run config: {unknown}")
+        train = dict(data.get("train", {}))
+        known = {f.name for f in dataclasses.fields(TrainSettings)}
+        bad = sorted(set(train) - known)
+        if bad:
+            raise TrainingError(f"unknown training setting(s): {bad}")
+        if "betas" in train:
+            train["betas"] = tuple(train["betas"])
+        return cls(model=dict(data.get("model", {})), data=dict(data.get("data", {})), train=TrainSettings(**train),
+                   generation=dict(data.get("generation", {})), init_from=data.get("init_from"))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["train"]["betas"] = list(self.train.betas)
+        return out
+
+
+# -- distributed helpers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """Join the process group when launched by torchrun (RANK/WORLD_SIZE set); one process otherwise."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size())
+
+
+def wrap_distributed(step: TrainStep, settings: TrainSettings, env: Dist) -> torch.nn.Module:
+    if env.world == 1:
+        return step
+    if settings.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in step.model.layers:
+            fully_shard(layer)
+        return fully_shard(step)
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Experts no token of this rank's batch chose get no gradient here: tell DDP, or its buckets go out of step.
+    return DistributedDataParallel(step, find_unused_parameters=True)
+
+
+# -- schedule, memory --------------------------------------------------------------------------------------
+
+
+def learning_rate(step: int, settings: TrainSettings) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr` at the last step."""
+    if step < settings.warmup:
+        return settings.lr * (step + 1) / settings.warmup
+    span = max(1, settings.steps - settings.warmup)
+    progress = min(1.0, (step - settings.warmup) / span)
+    return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def estimate_memory_bytes(text: TextConfig, settings: TrainSettings, world: int) -> int:
+    """A rough upper estimate: fp32 weights, grads and two Adam moments, plus activations of one micro-batch."""
+    params = text.num_parameters()
+    micro = settings.batch_size // world // settings.grad_accum
+    tokens = micro * settings.seq_len * (1 if settings.objective == "ar" else 2)
+    per_token = text.num_hidden_layers * (14 * text.hidden_size + 4 * text.intermediate_size
+                                          + 4 * text.top_k_experts * text.moe_intermediate_size) + 3 * text.vocab_size
+    attention = text.num_hidden_layers * text.num_attention_heads * micro * (tokens // max(micro, 1)) ** 2
+    return 16 * params + 4 * (tokens * per_token + attention)
+
+
+def check_memory(text: TextConfig, settings: TrainSettings, world: int) -> None:
+    need, have = estimate_memory_bytes(text, settings, world), available_memory_bytes()
+    if need > 0.8 * have:
+        raise TrainingError(f"this run needs about {need / 2**30:.1f} GiB but the machine has {have / 2**30:.1f} GiB; "
+                            "reduce batch_size, seq_len or the model size, or raise grad_accum")
+
+
+def available_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+
+
+def row_noise(tokens: torch.Tensor, first_row: int, step: int, settings: TrainSettings, block: int,
+              vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Noise per row from a generator keyed by (seed, step, global row): the same on any number of ranks."""
+    noisy, levels, use = [], [], []
+    for offset in range(tokens.shape[0]):
+        g = torch.Generator().manual_seed(hash_seed(settings.seed, step, first_row + offset))
+        row, t = add_uniform_noise(tokens[offset : offset + 1], block, vocab_size, g, settings.t_low)
+        noisy.append(row)
+        levels.append(t)
+        use.append(torch.rand(1, generator=g) < settings.self_conditioning)
+    return torch.cat(noisy), torch.cat(levels), torch.cat(use)
+
+
+def hash_seed(*parts: int) -> int:
+    value = 0x9E3779B97F4A7C15
+    for part in parts:
+        value = (value * 6364136223846793005 + int(part) + 1442695040888963407) % (1 << 63)
+    return value
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, out: str | Path, resume: bool = False) -> None:
+        self.run = run
+        self.out = Path(out)
+        self.env = init_distributed()
+        self.settings = run.train
+        self.metrics_path = self.out / METRICS_FILE
+        self.checkpoint_dir = self.out / "checkpoint"
+        self._prepare(resume)
+
+    # -- setup ---------------------------------------------------------------------------------------------
+    def _prepare(self, resume: bool) -> None:
+        from printpress.train.data import BatchSampler, eval_batches, prepare_data  # heavy: import late
+
+        settings = self.settings
+        torch.manual_seed(settings.seed)
+        state = None
+        if resume:
+            if not (self.checkpoint_dir / STATE_FILE).exists():
+                raise TrainingError(f"--resume: no checkpoint to resume in {self.checkpoint_dir}")
+            model, config, generation, tokenizer = load_model(self.checkpoint_dir)
+            state = torch.load(self.checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=False)
+            self.run = RunConfig.from_dict(state["run"])
+            settings = self.settings = self.run.train
+        elif self.run.init_from:
+            model, config, generation, tokenizer = load_model(self.run.init_from)
+        else:
+            model, config, generation, tokenizer = None, None, None, None
+        if tokenizer is None:
+            tokenizer = self._main_first(self._train_tokenizer)
+        self.tokenizer = tokenizer
+        if model is None:
+            config = self._new_model_config(tokenizer.get_vocab_size())
+        settings.validate(config.canvas_length)
+        check_memory(config.text, settings, self.env.world)  # before allocating anything large
+        if model is None:
+            model = DiffusionGemma(config.text)
+        self.config, self.model = config, model
+        self.generation = generation or GenerationConfig.from_dict(self.run.generation, config.text)
+        data = self.run.data
+        splits = self._main_first(lambda: prepare_data(
+            data.get("sources", ["shakespeare"]), tokenizer, self.out / "data",
+            val_fraction=data.get("val_fraction", 0.05), text_field=data.get("text_field", "text")))
+        self.train_tokens, self.val_tokens = splits.train, splits.val
+        for name, tokens in (("train", splits.train), ("validation", splits.val)):
+            if len(tokens.tokens) <= settings.seq_len:
+                raise TrainingError(f"the {name} split has {len(tokens.tokens)} tokens, fewer than seq_len={settings.seq_len}")
+        self.sampler = BatchSampler(splits.train.tokens, settings.seq_len, settings.batch_size, seed=settings.seed,
+                                    rank=self.env.rank, world_size=self.env.world)
+        self.eval_windows = list(eval_batches(splits.val.tokens, settings.seq_len, max(1, settings.batch_size // self.env.world),
+                                              max_batches=settings.eval_batches, rank=self.env.rank,
+                                              world_size=self.env.world))
+        self.diffusion = DiffusionSettings(block=config.canvas_length, t_low=settings.t_low,
+                                           self_conditioning=settings.self_conditioning,
+                                           weighting=settings.weighting, ar_weight=settings.ar_weight)
+        self.step_module = TrainStep(model, settings.objective, self.diffusion)
+        self.wrapped = wrap_distributed(self.step_module, settings, self.env)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=settings.lr, betas=settings.betas, foreach=True,
+        )
+        self.step = 0
+        self.last_good: int | None = None
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = state["step"]
+            self.sampler.load_state_dict(state["sampler"])
+            self.last_good = self.step
+            self._truncate_metrics(self.step)
+
+    def _main_first(self, build):
+        """Rank 0 builds shared files (tokenizer, token files) while the others wait, then they reuse them."""
+        if self.env.world == 1:
+            return build()
+        if self.env.main:
+            result = build()
+            dist.barrier()
+            return result
+        dist.barrier()
+        return build()
+
+    def _train_tokenizer(self):
+        from printpress.corpora import load_corpus, split_documents
+        from printpress.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
+        saved = self.out / "data" / "tokenizer.json"
+        if saved.exists():
+            return load_tokenizer(saved)
+        data = self.run.data
+        docs = load_corpus(data.get("sources", ["shakespeare"]), text_field=data.get("text_field", "text"))
+        train, _ = split_documents(docs, data.get("val_fraction", 0.05))
+        tokenizer = train_tokenizer(train, data.get("vocab_size", 4096))
+        save_tokenizer(tokenizer, saved.parent, hf_config=False)
+        return tokenizer
+
+    def _new_model_config(self, vocab_size: int) -> ModelConfig:
+        model = dict(self.run.model)
+        canvas = model.pop("canvas_length", 32)
+        model["vocab_size"] = vocab_size
+        return ModelConfig(TextConfig(**model), canvas_length=canvas)
+
+    # -- steps ---------------------------------------------------------------------------------------------
+    def compute_loss(self, tokens: torch.Tensor, step: int, first_row: int) -> dict[str, torch.Tensor]:
+        noise = None
+        if self.settings.objective != "ar":
+            noise = row_noise(tokens, first_row, step, self.settings, self.config.canvas_length,
+                              self.config.text.vocab_size)
+        return self.wrapped(tokens, noise)
+
+    def train_step(self) -> dict[str, float]:
+        settings, env = self.settings, self.env
+        self.model.train()
+        lr = learning_rate(self.step, settings)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.sampler.batch(self.step)  # (B / world, L): this rank's rows of the global batch
+        local = batch.shape[0]
+        micro = local // settings.grad_accum
+        totals: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for index in range(settings.grad_accum):
+            rows = batch[index * micro : (index + 1) * micro]
+            first_row = env.rank * local + index * micro
+            out = self.compute_loss(rows, self.step, first_row)
+            (out["loss"] / settings.grad_accum).backward()
+            for key, value in out.items():
+                totals[key] = totals.get(key, 0.0) + float(value.detach()) / settings.grad_accum
+        totals = self._all_reduce_mean(totals)
+        if not math.isfinite(totals["loss"]):
+            where = f"the last good checkpoint (step {self.last_good}) is in {self.checkpoint_dir}" \
+                if self.last_good is not None else "no checkpoint was written yet"
+            raise TrainingError(f"the loss became {totals['loss']} at step {self.step}; stopped; {where}. "
+                                "Lower the learning rate or check the data.")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), settings.clip)
+        self.optimizer.step()
+        self.step += 1
+        self.sampler.step = self.step
+        totals.update(lr=lr, grad_norm=float(norm))
+        return totals
+
+    def _all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]:
+        if self.env.world == 1:
+            return values
+        keys = sorted(values)
+        tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return {k: float(v) / self.env.world for k, v in zip(keys, tensor)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out losses with fixed noise: the diffusion loss (ELBO-style bound) and the AR NLL per token."""
+        self.model.eval()
+        sums: dict[str, float] = {}
+        for index, tokens in enumerate(self.eval_windows):
+            step = TrainStep(self.model, "joint" if self.settings.objective != "ar" else "ar", self.diffusion)
+            noise = None
+            if self.settings.objective != "ar":
+                noise = row_noise(tokens, index * 10_000 + self.env.rank * 1000, -1, self.settings,
+                                  self.config.canvas_length, self.config.text.vocab_size)
+            out = step(tokens, noise)
+            for key in ("ar", "diffusion"):
+                if key in out:
+                    sums[key] = sums.get(key, 0.0) + float(out[key]) / len(self.eval_windows)
+        return {f"val_{k}": v for k, v in self._all_reduce_mean(sums).items()}
+
+    # -- persistence ---------------------------------------------------------------------------------------
+    def save_checkpoint(self, folder: Path | None = None, with_state: bool = True) -> None:
+        folder = folder or self.checkpoint_dir
+        model_state = self.model
+        if self.settings.fsdp and self.env.world > 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if not self.env.main:
+                return
+            model_state = DiffusionGemma(self.config.text)
+            model_state.load_state_dict(full)
+        if not self.env.main:
+            return
+        extra = None
+        if with_state:
+            state = {"run": self.run.to_dict(), "step": self.step, "optimizer": self.optimizer.state_dict(),
+                     "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
+            extra = lambda tmp: torch.save(state, tmp / STATE_FILE)  # noqa: E731
+        save_model(model_state, self.config, folder, self.generation, self.tokenizer, extra_files=extra)
+        self.last_good = self.step
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.env.main:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop records a killed run wrote after its last checkpoint, so the resumed log has no duplicates."""
+        if not self.env.main or not self.metrics_path.exists():
+            return
+        kept = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    # -- main loop -----------------------------------------------------------------------------------------
+    def fit(self, progress: bool = True) -> Path:
+        from tqdm import tqdm
+
+        settings = self.settings
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.env.main:
+            (self.out / "run.json").write_text(json.dumps(self.run.to_dict(), indent=2) + "\n")
+        bar = tqdm(total=settings.steps, initial=self.step, disable=not (progress and self.env.main),
+                   dynamic_ncols=True, desc="train")
+        tokens_per_step = settings.batch_size * settings.seq_len
+        while self.step < settings.steps:
+            started = time.perf_counter()
+            metrics = self.train_step()
+            elapsed = time.perf_counter() - started
+            record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_step / elapsed}
+            if self.step % settings.eval_every == 0 or self.step == settings.steps:
+                record.update(self.evaluate())
+            self.log(record)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            if self.step % settings.save_every == 0 or self.step == settings.steps:
+                self.save_checkpoint()
+                if self.env.main:
+                    plot_metrics(self.metrics_path, self.out / "curves.png")
+        bar.close()
+        final = self.out / "model"
+        self.save_checkpoint(final, with_state=False)
+        return final
+
+
+def plot_metrics(metrics_path: Path, png: Path) -> None:
+    """Training and validation curves from metrics.jsonl (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("ar", "-"), ("diffusion", "-"), ("val_ar", "o-"), ("val_diffusion", "o-")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), style, label=key, markersize=3, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = png.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png)
