@@ -115,7 +115,7 @@ def test_inverse_t_weighting_is_a_weighted_mean_over_blocks():
 def test_joint_loss_is_diffusion_plus_weighted_ar():
     model = tiny_model().train()
     step = TrainStep(model, "joint", DiffusionSettings(block=4, ar_weight=0.5))
-    out = step(torch.randint(0, 50, (2, 8)), torch.Generator().manual_seed(0))
+    out = step(torch.randint(0, 50, (2, 8)), generator=torch.Generator().manual_seed(0))
     assert out["loss"].item() == pytest.approx(out["diffusion"].item() + 0.5 * out["ar"].item(), rel=1e-6)
     out["loss"].backward()
     assert model.embed_tokens.weight.grad is not None

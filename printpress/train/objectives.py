@@ -147,15 +147,25 @@ class TrainStep(nn.Module):
         self.objective = objective
         self.settings = settings
 
-    def forward(self, tokens: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        noise: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Losses for a batch. `noise` = (noisy tokens, per-block t, per-row self-conditioning flag); drawn
+        from `generator` when not given (the training loop draws it per row, for rank-independence)."""
         model, settings = self.model, self.settings
         pad = model.config.pad_token_id
         if self.objective == "ar":
             loss = next_token_loss(forward_ar(model, tokens), tokens, pad)
             return {"loss": loss, "ar": loss.detach()}
-        noisy, t = add_uniform_noise(tokens, settings.block, model.config.vocab_size, generator, settings.t_low)
+        if noise is None:
+            noisy, t = add_uniform_noise(tokens, settings.block, model.config.vocab_size, generator, settings.t_low)
+            use = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < settings.self_conditioning
+        else:
+            noisy, t, use = noise
         self_cond = None
-        use = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < settings.self_conditioning
         if bool(use.any()):
             # Self-conditioning as trained in Analog Bits: a first pass without it, fed back detached to the
             # chosen rows; the others get a zero signal, exactly like the first denoising step at inference.
