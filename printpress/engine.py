@@ -644,6 +644,8 @@ class Pipeline:
             raise GenerationError("this model has no tokenizer (tokenizer.json); pass token ids instead of text")
         if not text:
             raise GenerationError("the prompt is empty; give at least one character")
+        # A flag of the shared Tokenizer object that other code may have flipped: set it every time.
+        self.tokenizer.encode_special_tokens = False
         ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         bos = self.generation_config.bos_token_id
         return ids if bos is None or ids[:1] == [bos] else [bos] + ids

@@ -14,7 +14,16 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 
 import printpress
-from printpress.engine import CommitEvent, DoneEvent, GenerationResult, Pipeline, StepEvent, default_model_path
+from printpress.engine import (
+    CommitEvent,
+    DoneEvent,
+    GenerationResult,
+    Pipeline,
+    Request,
+    StepEvent,
+    default_model_path,
+    run,
+)
 from printpress.errors import GenerationError, PrintpressError
 
 from conftest import make_reference
@@ -305,6 +314,26 @@ def test_text_prompts_are_tokenized_with_bos_and_decoded(models_):
     assert result.text == pipe.decode(result.completion_ids)
     several = pipe.generate(["w7 w9 w11", "w40"], seed=4, **settings)
     assert [r.prompt_ids for r in several] == [[2, 7, 9, 11], [2, 40]]
+    # Special-token markup is parsed, and a prompt that starts with BOS gets no second one.
+    assert pipe.encode_text("<bos> w7 <eos>") == [2, 7, 1]
+
+
+def test_requests_with_different_settings_share_a_batch(models_):
+    _, pipe = models_["peaked"]
+    fast = pipe.settings(max_new_tokens=8, max_denoising_steps=2, entropy_bound=1.0)
+    slow = pipe.settings(max_new_tokens=24, max_denoising_steps=6, t_min=0.02, t_max=0.05, entropy_bound=1.0,
+                         confidence_threshold=0.05, stability_threshold=2)
+    requests = [Request(BATCH[0], slow, 3), Request(BATCH[1], fast, 4), Request(BATCH[2], slow, 5)]
+    together = {e.request: e.result for e in run(pipe.model, pipe.canvas_length, requests) if isinstance(e, DoneEvent)}
+    for index, request in enumerate(requests):
+        alone = pipe.generate(request.prompt_ids, seed=request.seed, **_as_overrides(request.settings))
+        assert together[index].token_ids == alone.token_ids
+
+
+def _as_overrides(settings) -> dict:
+    names = ("max_new_tokens", "max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
+             "confidence_threshold")
+    return {name: getattr(settings, name) for name in names}
 
 
 def test_prompt_forms(models_):
