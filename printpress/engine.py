@@ -106,16 +106,12 @@ class GenerationResult:
     """
 
     token_ids: list[int]
+    completion_ids: list[int]  # the generated tokens up to (not including) the first EOS
     text: str | None
     prompt_ids: list[int]
     stats: GenerationStats
     mode: str = "diffusion"
     seed: int = 0
-
-    @property
-    def completion_ids(self) -> list[int]:
-        """The generated tokens up to (not including) the first EOS."""
-        return self.token_ids[: self.stats.new_tokens - (1 if self.stats.finish_reason == "eos" else 0)]
 
 
 @dataclass(frozen=True)
@@ -489,6 +485,7 @@ def _result(row: _Row, mode: str, decode: Decode | None) -> GenerationResult:
     text = decode(row.completion()) if decode is not None else None
     return GenerationResult(
         token_ids=list(row.tokens),
+        completion_ids=list(row.completion()),
         text=text,
         prompt_ids=list(row.request.prompt_ids),
         stats=stats,
@@ -569,7 +566,7 @@ class Pipeline:
     def from_pretrained(
         cls,
         path_or_id: str | Path | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> Pipeline:
         from printpress.checkpoint import load_model
@@ -741,9 +738,10 @@ def _seeds(seed: int | Sequence[int] | None, count: int) -> list[int]:
     if seed is None:
         # Drawn from the global generator so that torch.manual_seed makes unseeded calls repeatable.
         return [int(torch.randint(0, 2**62, (1,)))] * count
-    if _is_token(seed):
-        return [int(seed)] * count
-    seeds = [int(s) for s in seed]
+    seeds = [seed] * count if _is_token(seed) else list(seed)
     if len(seeds) != count:
         raise GenerationError(f"got {len(seeds)} seeds for {count} prompts")
+    for s in seeds:
+        if not _is_token(s) or not 0 <= s < 2**64:
+            raise GenerationError(f"a seed must be an integer in [0, 2**64), got {s!r}")
     return seeds

@@ -131,6 +131,10 @@ def test_early_stop_and_eos_are_exercised(models_):
     assert any(r.stats.forward_passes < r.stats.canvases * 8 for r in stops)
     eos = pipe.generate(PROMPTS, seed=0, **CASES[9][1])
     assert any(r.stats.finish_reason == "eos" and r.token_ids[-1] == 0 for r in eos)
+    eos_ids = set(CASES[9][1]["eos_token_ids"])
+    for r in eos:
+        first = next((i for i, t in enumerate(r.token_ids) if t in eos_ids), len(r.token_ids))
+        assert r.completion_ids == r.token_ids[:first]
 
 
 def test_unseeded_runs_repeat_under_torch_manual_seed(models_):
@@ -365,6 +369,7 @@ def test_prompt_forms(models_):
         ([2, 3], dict(steps=4), "unknown generation setting(s): steps"),
         ("some text", {}, "this model has no tokenizer (tokenizer.json); pass token ids instead of text"),
         ([[2, 3], [2, 4]], dict(seed=[1]), "got 1 seeds for 2 prompts"),
+        ([2, 3], dict(seed=-1), "a seed must be an integer in [0, 2**64), got -1"),
     ],
 )
 def test_bad_input_raises_one_clear_generation_error(models_, prompt, settings, message):
