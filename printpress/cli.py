@@ -225,7 +225,17 @@ def _fit(line: str, width: int) -> str:
 # Entry point
 # --------------------------------------------------------------------------------------------
 
-COMMANDS: list[Register] = [register_generate]
+def register_train(subparsers: argparse._SubParsersAction) -> None:
+    # The training command owns its arguments (printpress/train/command.py); the CLI only mounts it.
+    from printpress.train import command
+
+    p = subparsers.add_parser("train", help="train a model from a recipe or a config file",
+                              description=(command.__doc__ or "").strip())
+    command.add_arguments(p)
+    p.set_defaults(func=command.run)
+
+
+COMMANDS: list[Register] = [register_generate, register_train]
 
 
 def build_parser() -> argparse.ArgumentParser:

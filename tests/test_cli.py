@@ -147,6 +147,8 @@ def test_subcommands_are_pluggable():
     parser = build_parser()
     args = parser.parse_args(["generate", "-m", "x", "hi"])
     assert args.command == "generate" and callable(args.func)
+    args = parser.parse_args(["train", "--recipe", "r", "--out", "o"])
+    assert args.command == "train" and callable(args.func)
 
 
 def test_python_dash_m_runs_the_cli(folders):
