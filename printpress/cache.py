@@ -11,6 +11,7 @@ too); `pad_mask` records which positions hold real tokens.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,20 @@ class KVCache:
             layer.values = layer.values.index_select(0, rows)
         self.pad_mask = self.pad_mask.index_select(0, rows)
         self.batch_size = int(rows.numel())
+
+    def rows(self, rows: torch.Tensor | list[int]) -> KVCache:
+        """A new cache holding copies of `rows` only, for decoder passes over part of the batch.
+
+        The decoder never writes, so the copy may be read while this cache keeps serving the other rows.
+        """
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        sub = copy.copy(self)
+        sub.layers = [LayerKV(layer.keys.index_select(0, rows), layer.values.index_select(0, rows), layer.sliding)
+                      for layer in self.layers]
+        sub.pad_mask = self.pad_mask.index_select(0, rows)
+        sub.slot_positions = self.slot_positions.clone()
+        sub.batch_size = int(rows.numel())
+        return sub
 
     def reset(self) -> None:
         self.length = 0

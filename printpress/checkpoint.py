@@ -164,7 +164,7 @@ def load_model(
     """Load (model, config, generation_config, tokenizer or None) from a folder or hub id."""
     folder = resolve_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
-    generation = GenerationConfig.from_dict(
+    generation = GenerationConfig.from_checkpoint(
         read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {},
         config.text,
     )

@@ -274,6 +274,23 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], text: TextConfig | None = None) -> GenerationConfig:
+        """Settings for a new checkpoint: unset special tokens come from the model config."""
+        return cls._parse(data, text)
+
+    @classmethod
+    def from_checkpoint(cls, data: dict[str, Any], text: TextConfig) -> GenerationConfig:
+        """Settings read from a checkpoint's generation_config.json, as the reference reads them: an unset
+        eos_token_id means no EOS at all (transformers does not fall back to the model config)."""
+        if data.get("eos_token_id") is None:
+            logger.warning("generation_config.json sets no eos_token_id: generation will not stop at an EOS token "
+                           "(as in transformers); pass eos_token_ids to generate() to change that")
+            generation = cls._parse(data, text)
+            generation.eos_token_id = []
+            return generation
+        return cls._parse(data, text)
+
+    @classmethod
+    def _parse(cls, data: dict[str, Any], text: TextConfig | None) -> GenerationConfig:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if data.get(f.name) is not None:

@@ -14,8 +14,6 @@ the CLI, the server and `Pipeline.generate` are all consumers of the same stream
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -344,7 +342,7 @@ def _denoise_canvas(
                 keep_t = torch.tensor(keep, dtype=torch.long, device=device)
                 self_conditioning = self_conditioning[keep_t]
                 trackers.select(keep_t)
-                sub_cache = _cache_rows(cache, torch.tensor(active, dtype=torch.long, device=device))
+                sub_cache = cache.rows(torch.tensor(active, dtype=torch.long, device=device))
 
 
 class _Trackers:
@@ -420,19 +418,6 @@ def _step_event(row: _Row, canvas_index: int, outcome: _StepOutcome, j: int, sto
         accepted=outcome.accepted[j].tolist(),
         stopped=stopped,
     )
-
-
-def _cache_rows(cache, rows: torch.Tensor):
-    """A cache holding only `rows`, for decoder passes over part of the batch.
-
-    The decoder only reads the cache, so a copy of those rows is enough; the full cache stays as
-    it is for the rows that finish denoising first.
-    """
-    # TODO(lead): replace with a KVCache method (e.g. `cache.rows(rows)`) once cache.py offers one.
-    sub = copy.copy(cache)
-    sub.layers = [dataclasses.replace(layer) for layer in cache.layers]
-    sub.select(rows)
-    return sub
 
 
 def _commit_canvas(row: _Row, canvas_index: int, decode: Decode | None) -> Iterator[CommitEvent]:

@@ -217,3 +217,12 @@ def test_empty_folder_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_model(tmp_path)
+
+
+def test_generation_config_without_eos_means_no_eos_as_in_the_reference(reference_checkpoints, caplog):
+    # transformers writes "eos_token_id" only when set; its generate then never stops at an EOS.
+    with caplog.at_level("WARNING"):
+        _, _, generation, _ = load_model(reference_checkpoints["gqa"])
+    assert generation.eos_token_id == []
+    assert any("sets no eos_token_id" in r.message for r in caplog.records)
+    assert generation.max_denoising_steps == 48 and generation.entropy_bound == 0.1  # reference defaults

@@ -54,18 +54,10 @@ def test_training_forward_equals_encode_then_denoise_for_every_block(sliding_win
         if b:
             model.encode(clean[:, : b * block], cache, logits="none")
         span = slice(b * block, (b + 1) * block)
-        with_sc = model.denoise(noisy[:1, span], _rows(cache, [0]), self_cond[:1, span])
-        without_sc = model.denoise(noisy[1:, span], _rows(cache, [1]))
+        with_sc = model.denoise(noisy[:1, span], cache.rows([0]), self_cond[:1, span])
+        without_sc = model.denoise(noisy[1:, span], cache.rows([1]))
         assert (diffusion_logits[:1, span] - with_sc).abs().max() < 1e-4
         assert (diffusion_logits[1:, span] - without_sc).abs().max() < 1e-4
-
-
-def _rows(cache, rows):
-    import copy
-
-    view = copy.deepcopy(cache)
-    view.select(rows)
-    return view
 
 
 @torch.no_grad()
