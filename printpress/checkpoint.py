@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -17,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from printpress.config import GenerationConfig, ModelConfig, read_json
@@ -122,25 +122,101 @@ def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:
     raise CheckpointError(f"{folder}: no model.safetensors, {SAFE_INDEX} or other weight file")
 
 
-@contextmanager
-def open_tensors(path: Path) -> Iterator[tuple[list[str], callable]]:
-    """Yield (keys, get) for one weight file; tensors are read one at a time."""
-    if path.suffix == ".safetensors":
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class SafetensorsReader:
+    """Reads one tensor at a time from a .safetensors file straight into its destination.
+
+    `safetensors.safe_open` memory-maps the whole file, and every page it touches counts as resident
+    memory until the file is closed, so loading a single-file checkpoint that way peaks at about twice its
+    size. Plain reads of one tensor at a time keep the peak at the model plus one tensor (and nothing extra
+    when the dtype already matches: the bytes land in the parameter itself). The format is a little-endian
+    u64 header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the raw data.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handle = open(path, "rb")  # noqa: SIM115 - closed by close()
+        size = path.stat().st_size
+        prefix = self.handle.read(8)
+        header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_length <= size - 8:
+            raise CheckpointError(f"{path}: cannot read safetensors file (bad header length)")
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                yield list(handle.keys()), handle.get_tensor
-        except CheckpointError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for truncated or bad headers
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from None
-        return
+            header = json.loads(self.handle.read(header_length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: cannot read safetensors file (bad header: {exc})") from None
+        header.pop("__metadata__", None)
+        self.data_start = 8 + header_length
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for key, info in header.items():
+            dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+            shape = tuple(info.get("shape", ()))
+            begin, end = info.get("data_offsets", (0, -1))
+            expected = math.prod(shape) * (dtype.itemsize if dtype else 0)
+            if dtype is None or end - begin != expected or self.data_start + end > size:
+                raise CheckpointError(f"{path}: cannot read safetensors file (tensor {key!r} is corrupt or truncated)")
+            self.entries[key] = (dtype, shape, begin, end)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.entries[key][1]
+
+    def read_into(self, key: str, target: torch.Tensor) -> None:
+        dtype, shape, begin, end = self.entries[key]
+        direct = target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
+        buffer = target if direct else torch.empty(shape, dtype=dtype)
+        self.handle.seek(self.data_start + begin)
+        view = memoryview(buffer.detach().reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < end - begin:
+            count = self.handle.readinto(view[done:])
+            if not count:
+                raise CheckpointError(f"{self.path}: tensor {key!r} is truncated")
+            done += count
+        if not direct:
+            with torch.no_grad():
+                target.copy_(buffer)
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class PickleReader:
+    """The opt-in path for .bin/.pt files: torch.load(weights_only=True), memory-mapped."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self.state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot load with torch.load(weights_only=True) ({exc})") from None
+
+    def keys(self) -> list[str]:
+        return list(self.state)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.state[key].shape)
+
+    def read_into(self, key: str, target: torch.Tensor) -> None:
+        with torch.no_grad():
+            target.copy_(self.state[key])
+
+    def close(self) -> None:
+        self.state = {}
+
+
+@contextmanager
+def open_tensors(path: Path) -> Iterator[SafetensorsReader | PickleReader]:
+    reader = SafetensorsReader(path) if path.suffix == ".safetensors" else PickleReader(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot load with torch.load(weights_only=True) ({exc})") from None
-    yield list(state.keys()), state.__getitem__
+        yield reader
+    finally:
+        reader.close()
 
 
 def build_empty(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> DiffusionGemma:
@@ -182,8 +258,8 @@ def load_weights(model: DiffusionGemma, files: list[Path]) -> None:
     loaded: set[str] = set()
     skipped_vision = 0
     for path in files:
-        with open_tensors(path) as (keys, get):
-            for key in keys:
+        with open_tensors(path) as reader:
+            for key in reader.keys():
                 name = module_key(key)
                 if name is None:
                     skipped_vision += key.startswith(VISION_PREFIXES)
@@ -191,15 +267,11 @@ def load_weights(model: DiffusionGemma, files: list[Path]) -> None:
                 target = params.get(name)
                 if target is None:
                     raise CheckpointError(f"{path.name}: unexpected tensor {key!r} (not part of a DiffusionGemma text model)")
-                tensor = get(key)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise CheckpointError(
-                        f"{path.name}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(tensor)
+                shape = tuple(reader.shape(key))
+                if shape != tuple(target.shape):
+                    raise CheckpointError(f"{path.name}: tensor {key!r} has shape {shape}, expected {tuple(target.shape)}")
+                reader.read_into(key, target)
                 loaded.add(name)
-                del tensor
     missing = sorted(set(params) - loaded)
     if missing:
         where = files[0].name if len(files) == 1 else f"{files[0].parent.name}/ shards"
