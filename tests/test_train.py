@@ -172,3 +172,14 @@ def test_bad_settings_and_unknown_recipe_are_named(corpus, tmp_path):
         RunConfig.from_dict({"train": {"stepz": 3}})
     with pytest.raises(TrainingError, match="no checkpoint to resume"):
         Trainer(RunConfig(), tmp_path / "empty", resume=True)
+
+
+def test_resume_can_shorten_a_run_with_set(corpus, tmp_path):
+    trainer = Trainer(run_config(corpus, steps=10), tmp_path)
+    for _ in range(3):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    args = ["--out", str(tmp_path), "--resume", "--set", "train.steps=5", "--no-progress"]
+    assert train_main(args) == 0
+    assert json.loads((tmp_path / "run.json").read_text())["train"]["steps"] == 5
+    assert losses(tmp_path)[-1][0] == 5

@@ -61,16 +61,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="run folder: data cache, checkpoint/, model/, metrics.jsonl")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config value, e.g. --set train.steps=200 (repeatable)")
+                        help="override a config value, e.g. --set train.steps=200 (repeatable); with --resume it "
+                             "changes the saved run, e.g. to extend or shorten it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.resume:
-        run_config = RunConfig()  # the checkpoint carries the run's own config
+        if args.recipe or args.config:
+            raise TrainingError("--resume continues the run saved in --out; drop --recipe/--config")
+        run_config = RunConfig()  # the checkpoint carries the run's own config; --set still applies
     else:
         run_config = read_run_config(args.recipe, args.config, args.set)
-    trainer = Trainer(run_config, args.out, resume=args.resume)
+    trainer = Trainer(run_config, args.out, resume=args.resume, overrides=args.set if args.resume else ())
     final = trainer.fit(progress=not args.no_progress)
     if trainer.env.main:
         print(f"trained {trainer.step} steps; model saved to {final}")

@@ -211,9 +211,10 @@ def hash_seed(*parts: int) -> int:
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, out: str | Path, resume: bool = False) -> None:
+    def __init__(self, run: RunConfig, out: str | Path, resume: bool = False, overrides=()) -> None:
         self.run = run
         self.out = Path(out)
+        self.overrides = list(overrides)
         self.env = init_distributed()
         self.settings = run.train
         self.metrics_path = self.out / METRICS_FILE
@@ -231,8 +232,15 @@ class Trainer:
             if not (self.checkpoint_dir / STATE_FILE).exists():
                 raise TrainingError(f"--resume: no checkpoint to resume in {self.checkpoint_dir}")
             model, config, generation, tokenizer = load_model(self.checkpoint_dir)
-            state = torch.load(self.checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=False)
-            self.run = RunConfig.from_dict(state["run"])
+            state = torch.load(self.checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=True)
+            saved = state["run"]
+            if self.overrides:
+                from printpress.train.command import apply_override
+
+                for item in self.overrides:
+                    apply_override(saved, item)
+                logger.warning("resuming with changed settings: %s", ", ".join(self.overrides))
+            self.run = RunConfig.from_dict(saved)
             settings = self.settings = self.run.train
         elif self.run.init_from:
             model, config, generation, tokenizer = load_model(self.run.init_from)
