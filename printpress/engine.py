@@ -15,6 +15,7 @@ the CLI, the server and `Pipeline.generate` are all consumers of the same stream
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -529,9 +530,22 @@ def _autoregressive(model: torch.nn.Module, requests: Sequence[Request], decode:
 Prompt = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]], torch.Tensor]
 
 
+DEFAULT_MODEL = "shakespeare-joint"
+
+
 def default_model_path() -> Path:
-    """The model `printpress.load()` uses when given no path."""
-    raise PrintpressError("no default model ships with printpress yet; pass a model folder or hub id")
+    """The model `printpress.load()` uses when given no path: the one shipped in the repo's models/.
+
+    `PRINTPRESS_DEFAULT_MODEL` may name another folder or hub id.
+    """
+    override = os.environ.get("PRINTPRESS_DEFAULT_MODEL")
+    if override:
+        return Path(override)
+    folder = Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL
+    if not (folder / "config.json").exists():
+        raise PrintpressError(f"the default model is not at {folder} (it ships with the source repository); "
+                              "pass a model folder or hub id")
+    return folder
 
 
 class Pipeline:
