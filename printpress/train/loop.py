@@ -282,10 +282,12 @@ class Trainer:
             lr=settings.lr, betas=settings.betas, foreach=True,
         )
         self.step = 0
+        self.elapsed = 0.0  # seconds spent in training steps, summed across resumes
         self.last_good: int | None = None
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             self.step = state["step"]
+            self.elapsed = float(state.get("train_seconds", 0.0))
             self.sampler.load_state_dict(state["sampler"])
             self.last_good = self.step
             self._truncate_metrics(self.step)
@@ -402,7 +404,8 @@ class Trainer:
         extra = None
         if with_state:
             state = {"run": self.run.to_dict(), "step": self.step, "optimizer": self.optimizer.state_dict(),
-                     "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
+                     "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state(),
+                     "train_seconds": self.elapsed}
             extra = lambda tmp: torch.save(state, tmp / STATE_FILE)  # noqa: E731
         save_model(model_state, self.config, folder, self.generation, self.tokenizer, extra_files=extra)
         self.last_good = self.step
@@ -437,7 +440,9 @@ class Trainer:
             started = time.perf_counter()
             metrics = self.train_step()
             elapsed = time.perf_counter() - started
-            record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_step / elapsed}
+            self.elapsed += elapsed
+            record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_step / elapsed,
+                      "train_seconds": self.elapsed}
             if self.step % settings.eval_every == 0 or self.step == settings.steps:
                 record.update(self.evaluate())
             self.log(record)
