@@ -160,21 +160,6 @@ def build_reference(size: Size, settings: Settings):
     return model
 
 
-def unpad_layer_keys(folder: Path) -> bool:
-    """Work around a printpress loading bug: transformers writes `per_layer_config` keys zero-padded ("05", "11")
-    once a model has 10+ layers and reads them back with int(); printpress.config looks layers up by str(i) and
-    so misses the full-attention overrides of such checkpoints. Rewriting the keys unpadded is what transformers
-    writes for < 10 layers and reads identically. Remove once printpress parses the keys with int()."""
-    path = folder / "config.json"
-    data = json.loads(path.read_text())
-    per_layer = data.get("text_config", {}).get("per_layer_config")
-    if not per_layer or all(k == str(int(k)) for k in per_layer):
-        return False
-    data["text_config"]["per_layer_config"] = {str(int(k)): v for k, v in per_layer.items()}
-    path.write_text(json.dumps(data, indent=2))
-    return True
-
-
 def make_prompts(lengths: tuple[int, ...], vocab: int, seed: int) -> list[list[int]]:
     """Random token-id prompts, BOS first, ids above the special tokens."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -723,8 +708,6 @@ def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, 
         start = time.perf_counter()
         ref = build_reference(size, s)
         ref.save_pretrained(folder)
-        if unpad_layer_keys(Path(folder)):
-            print(f"[{name}] note: per_layer_config keys unpadded for printpress (see unpad_layer_keys)", flush=True)
         pipe = printpress.load(folder)
         print(f"[{name}] checkpoint built and loaded in {time.perf_counter() - start:.1f} s", flush=True)
     loaded = sum(p.numel() for p in pipe.model.parameters())

@@ -82,8 +82,9 @@ class TextConfig:
     num_experts: int | None = None
     top_k_experts: int | None = None
     moe_intermediate_size: int | None = None
-    # Per-layer overrides as transformers writes them: {"5": {"head_dim": 512, "num_key_value_heads": 2}}.
-    per_layer_config: dict[str, dict[str, int]] | None = None
+    # Per-layer overrides by layer index. transformers writes the keys as zero-padded strings
+    # ({"05": {...}, "11": {...}}) and reads them back with int(); so do we.
+    per_layer_config: dict[int, dict[str, int]] | None = None
     # Keys of the text_config we do not interpret but keep for a faithful round trip.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -104,9 +105,15 @@ class TextConfig:
             override: dict[str, int] = {"head_dim": self.global_head_dim}
             if self.num_global_key_value_heads is not None and self.extra.get("attention_k_eq_v", True):
                 override["num_key_value_heads"] = self.num_global_key_value_heads
-            self.per_layer_config = {str(i): dict(override) for i, t in enumerate(self.layer_types) if t == FULL}
+            self.per_layer_config = {i: dict(override) for i, t in enumerate(self.layer_types) if t == FULL}
         else:
-            self.per_layer_config = {str(k): dict(v) for k, v in self.per_layer_config.items()}
+            parsed = {}
+            for key, value in self.per_layer_config.items():
+                try:
+                    parsed[int(key)] = dict(value)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"invalid text_config: per_layer_config has a key {key!r} that is not a layer index") from None
+            self.per_layer_config = parsed
         self.validate()
 
     # -- derived values -------------------------------------------------------------------------------
@@ -114,7 +121,7 @@ class TextConfig:
     def layers(self) -> list[LayerSpec]:
         specs = []
         for i, kind in enumerate(self.layer_types):
-            override = self.per_layer_config.get(str(i), {})
+            override = self.per_layer_config.get(i, {})
             specs.append(
                 LayerSpec(
                     sliding=kind == SLIDING,
@@ -189,7 +196,7 @@ class TextConfig:
                  f"layer {index}: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                  f"num_key_value_heads ({spec.num_kv_heads})")
         for key, override in self.per_layer_config.items():
-            need(key.isdigit() and int(key) < self.num_hidden_layers, f"per_layer_config has unknown layer {key!r}")
+            need(0 <= key < self.num_hidden_layers, f"per_layer_config has unknown layer {key!r}")
             extra = sorted(set(override) - {"head_dim", "num_key_value_heads"})
             need(not extra, f"per_layer_config[{key}] overrides {extra}, which printpress does not support")
 
@@ -213,6 +220,8 @@ class TextConfig:
         # transformers folds these two into per_layer_config and does not accept them back alongside it.
         out.pop("global_head_dim")
         out.pop("num_global_key_value_heads")
+        digits = len(str(max(self.per_layer_config, default=0)))
+        out["per_layer_config"] = {str(k).zfill(digits): v for k, v in sorted(self.per_layer_config.items())}
         out.update(copy.deepcopy(self.extra))
         out["model_type"] = "diffusion_gemma_text"
         return out

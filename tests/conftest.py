@@ -27,6 +27,11 @@ TINY_CONFIGS: dict[str, dict] = {
                             num_attention_heads=4, num_key_value_heads=1, head_dim=8, global_head_dim=8,
                             sliding_window=5, num_experts=3, top_k_experts=3, moe_intermediate_size=12,
                             max_position_embeddings=512),
+    # Twelve layers: transformers writes per-layer overrides under zero-padded keys ("05", "11").
+    "twelve_layers": dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=12,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                          num_global_key_value_heads=1, sliding_window=4, num_experts=2, top_k_experts=1,
+                          moe_intermediate_size=8, max_position_embeddings=512),
 }
 
 

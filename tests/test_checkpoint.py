@@ -226,3 +226,13 @@ def test_generation_config_without_eos_means_no_eos_as_in_the_reference(referenc
     assert generation.eos_token_id == []
     assert any("sets no eos_token_id" in r.message for r in caplog.records)
     assert generation.max_denoising_steps == 48 and generation.entropy_bound == 0.1  # reference defaults
+
+
+def test_per_layer_keys_are_written_zero_padded_like_transformers(reference_checkpoints, tmp_path):
+    folder = reference_checkpoints["twelve_layers"]
+    theirs = json.loads((folder / "config.json").read_text())["text_config"]["per_layer_config"]
+    model, config, _, _ = load_model(folder)
+    assert config.text.layers[5].head_dim == 16 and config.text.layers[4].head_dim == 8
+    save_model(model, config, tmp_path / "ours")
+    ours = json.loads((tmp_path / "ours" / "config.json").read_text())["text_config"]["per_layer_config"]
+    assert ours == theirs and "05" in ours and "11" in ours

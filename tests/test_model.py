@@ -34,7 +34,7 @@ def pairs(reference_checkpoints):
     return out
 
 
-@pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
+@pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern", "twelve_layers"])
 @pytest.mark.parametrize("length", [3, 13])  # 13 is longer than every sliding window
 @torch.no_grad()
 def test_encoder_and_decoder_logits_match_reference(pairs, name, length):
