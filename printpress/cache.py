@@ -47,6 +47,9 @@ class KVCache:
         self.window = min(config.sliding_window - 1, max_length)
         self.length = 0
         self.pad_mask = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
+        # Left pads per row: a row's RoPE positions start at 0 on its first real token, so a prompt gets
+        # bit-for-bit the positions it would get alone, whatever the batch pads it to.
+        self.offsets = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Absolute position held by each ring slot of the sliding layers (-1: empty).
         self.slot_positions = torch.full((self.window,), -1, dtype=torch.long, device=device)
         self.layers: list[LayerKV] = []
@@ -88,6 +91,16 @@ class KVCache:
     def prefix_valid(self, sliding: bool) -> torch.Tensor:
         """(B, S) True where a cached key holds a real token (not left padding)."""
         return self.pad_mask[:, self.prefix_positions(sliding)]
+
+    def set_offsets(self, attention_mask: torch.Tensor) -> None:
+        """Record each row's leading pads (call on the first block written)."""
+        self.offsets = (~attention_mask.to(torch.bool)).long().cumprod(dim=1).sum(dim=1)
+
+    def row_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE positions of a block at slots `positions` (T,): per row (B, T) when rows are padded."""
+        if not bool(self.offsets.any()):
+            return positions
+        return positions[None, :] - self.offsets[:, None]
 
     # -- writing ----------------------------------------------------------------------------------------
     def check_room(self, new_tokens: int) -> None:
@@ -138,6 +151,7 @@ class KVCache:
             layer.keys = layer.keys.index_select(0, rows)
             layer.values = layer.values.index_select(0, rows)
         self.pad_mask = self.pad_mask.index_select(0, rows)
+        self.offsets = self.offsets.index_select(0, rows)
         self.batch_size = int(rows.numel())
 
     def rows(self, rows: torch.Tensor | list[int]) -> KVCache:
@@ -150,6 +164,7 @@ class KVCache:
         sub.layers = [LayerKV(layer.keys.index_select(0, rows), layer.values.index_select(0, rows), layer.sliding)
                       for layer in self.layers]
         sub.pad_mask = self.pad_mask.index_select(0, rows)
+        sub.offsets = self.offsets.index_select(0, rows)
         sub.slot_positions = self.slot_positions.clone()
         sub.batch_size = int(rows.numel())
         return sub
@@ -157,4 +172,5 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
         self.pad_mask.zero_()
+        self.offsets.zero_()
         self.slot_positions.fill_(-1)

@@ -311,11 +311,12 @@ class DiffusionGemma(nn.Module):
         return logits
 
     def rope(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin per layer kind for absolute `positions` (T,), shaped (1, T, 1, D) to broadcast over heads."""
+        """cos/sin per layer kind for `positions` (T,) or per row (B, T), shaped (1 or B, T, 1, D)."""
         out = {}
+        rows = positions if positions.dim() == 2 else positions[None]
         for kind in _first_spec_per_kind(self.config):
-            freqs = positions.float()[:, None] * getattr(self, f"{kind}_inv_freq").float()[None, :]
-            emb = torch.cat([freqs, freqs], dim=-1)[None, :, None, :]
+            freqs = rows.float()[..., None] * getattr(self, f"{kind}_inv_freq").float()
+            emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
             out[kind == "sliding"] = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
         return out
 
@@ -359,7 +360,9 @@ class DiffusionGemma(nn.Module):
             cache.write(index, k, v)
             return k_all, v_all
 
-        hidden = self.run_layers(self.embed(input_ids), positions, masks, kv_fn, encoder=True)
+        if start == 0 and new_valid is not None:
+            cache.set_offsets(new_valid)
+        hidden = self.run_layers(self.embed(input_ids), cache.row_positions(positions), masks, kv_fn, encoder=True)
         cache.advance(t, new_valid)
         if logits == "none":
             return None
@@ -398,7 +401,7 @@ class DiffusionGemma(nn.Module):
             past_k, past_v = cache.sliding_prefix(index) if self.specs[index].sliding else cache.full_prefix(index)
             return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
-        return self.logits(self.run_layers(x, positions, masks, kv_fn, encoder=False))
+        return self.logits(self.run_layers(x, cache.row_positions(positions), masks, kv_fn, encoder=False))
 
     def _decoder_mask(self, cache: KVCache, canvas: int, sliding: bool) -> torch.Tensor | None:
         past_valid = cache.prefix_valid(sliding)

@@ -122,17 +122,19 @@ def test_padded_row_equals_the_same_row_alone(pairs, name):
     short = prompt(vocab, 1, 4, seed=12)
     long = prompt(vocab, 1, 9, seed=13)
     batch = torch.cat([long, torch.cat([torch.zeros(1, 5, dtype=torch.long), short], dim=1)])
-    mask = batch != 0
-    mask[0] = True
+    mask = torch.ones_like(batch, dtype=torch.bool)
+    mask[1, :5] = False
     cache = model.new_cache(2, 32)
-    model.encode(batch, cache, attention_mask=mask, logits="none")
+    batched_encoder = model.encode(batch, cache, attention_mask=mask)
     canvas = prompt(vocab, 2, c, seed=14)
     batched = model.denoise(canvas, cache)
-    # Alone, the short prompt sits at positions 0..3; in the batch at 5..8. Positions differ, so compare the
-    # long row (no padding) exactly, and the short row through the cache of its own padded layout.
-    alone = model.new_cache(1, 32)
-    model.encode(long, alone, logits="none")
-    assert (batched[0] - model.denoise(canvas[:1], alone)[0]).abs().max() < 1e-5
+    # Each row sees the positions it would see alone (its first real token at 0), so it matches itself alone.
+    for row, alone_ids in ((0, long), (1, short)):
+        alone = model.new_cache(1, 32)
+        alone_encoder = model.encode(alone_ids, alone)
+        n = alone_ids.shape[1]
+        assert (batched_encoder[row, -n:] - alone_encoder[0]).abs().max() < 1e-5
+        assert (batched[row] - model.denoise(canvas[row : row + 1], alone)[0]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
