@@ -73,6 +73,19 @@ class KVCache:
         layer = self.layers[index]
         return layer.keys[:, :, : self.length], layer.values[:, :, : self.length]
 
+    def full_with_block(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a block's keys/values right after the cached ones and return views of prefix + block.
+
+        No copy of the prefix: `encode` then commits the block with `advance`; `denoise` leaves `length`
+        alone, so its canvas only borrows the free slots as scratch space."""
+        layer, end = self.layers[index], self.length + keys.shape[2]
+        layer.keys[:, :, self.length : end] = keys
+        layer.values[:, :, self.length : end] = values
+        return layer.keys[:, :, :end], layer.values[:, :, :end]
+
+    def has_room(self, new_tokens: int) -> bool:
+        return self.length + new_tokens <= self.max_length
+
     def sliding_prefix(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Until the ring wraps, slot i holds position i: only the filled slots are read.
         layer, filled = self.layers[index], self.filled_slots

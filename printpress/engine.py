@@ -316,9 +316,15 @@ def _denoise_canvas(
     trackers = _Trackers(rows, canvas_length, device, threshold if uniform_threshold else None)
     sub_cache = cache
     self_conditioning = None
+    # In fp32 the reference's self-conditioning softmax equals the sampler's probabilities bit for bit, so
+    # they are passed on; in half precision it first casts the logits, so the logits are passed instead.
+    pass_probs = model.dtype == torch.float32
     while active:
         live = [rows[a] for a in active]
-        logits = model.denoise(canvas[active], sub_cache, self_conditioning)
+        if pass_probs:
+            logits = model.denoise(canvas[active], sub_cache, self_conditioning_probs=self_conditioning)
+        else:
+            logits = model.denoise(canvas[active], sub_cache, self_conditioning)
         outcome = _sample_step(logits, canvas[active], live, vocab, canvas_length, device)
         stable = trackers.update(outcome.argmax)
         confident = outcome.entropy.mean(dim=-1)
@@ -335,7 +341,7 @@ def _denoise_canvas(
                 yield _step_event(row, canvas_index, outcome, j, stopped)
         canvas[active] = outcome.next_canvas
         # The reference feeds back the temperature-scaled logits, cast to the weights' dtype.
-        self_conditioning = outcome.processed.to(model.dtype)
+        self_conditioning = outcome.probs if pass_probs else outcome.processed.to(model.dtype)
         if any(done):
             keep = [j for j, d in enumerate(done) if not d]
             active = [active[j] for j in keep]
@@ -372,6 +378,7 @@ class _Trackers:
 @dataclass
 class _StepOutcome:
     processed: torch.Tensor  # temperature-scaled logits (b, C, V)
+    probs: torch.Tensor  # their float32 softmax
     argmax: torch.Tensor  # (b, C)
     entropy: torch.Tensor  # (b, C)
     accepted: torch.Tensor  # (b, C) bool
@@ -405,7 +412,7 @@ def _sample_step(
         accepted[j] = entropy_bound_accept(entropy[j : j + 1], row.settings.entropy_bound)[0]
         noise = uniform_tokens(canvas_length, vocab, row.generator, device)[0]
         next_canvas[j] = torch.where(accepted[j], sampled, noise)
-    return _StepOutcome(processed, argmax, entropy, accepted, next_canvas)
+    return _StepOutcome(processed, probs, argmax, entropy, accepted, next_canvas)
 
 
 def _step_event(row: _Row, canvas_index: int, outcome: _StepOutcome, j: int, stopped: bool) -> StepEvent:

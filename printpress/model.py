@@ -289,14 +289,18 @@ class DiffusionGemma(nn.Module):
         canvas_ids: torch.Tensor,
         self_conditioning_logits: torch.Tensor | None,
         self_conditioning_mask: torch.Tensor | None = None,
+        probs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Canvas embeddings with the previous step's soft predictions mixed in (the decoder's input).
 
         `self_conditioning_mask` (B,) zeroes the signal of some rows, as if they had no previous step.
+        `probs` may replace the logits: their float32 softmax, already computed.
         """
         soft = None
-        if self_conditioning_logits is not None:
-            probs = F.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32).to(self.dtype)
+        if self_conditioning_logits is not None and probs is None:
+            probs = F.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)
+        if probs is not None:
+            probs = probs.to(self.dtype)
             scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
             soft = (probs @ self.embed_tokens.weight) * scale
             if self_conditioning_mask is not None:
@@ -306,9 +310,11 @@ class DiffusionGemma(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight).float()
         cap = self.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        if not cap:
+            return logits
+        if logits.requires_grad:
+            return torch.tanh(logits / cap) * cap
+        return logits.div_(cap).tanh_().mul_(cap)  # in place: a (B, C, vocab) tensor per step at inference
 
     def rope(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin per layer kind for `positions` (T,) or per row (B, T), shaped (1 or B, T, 1, D)."""
@@ -355,9 +361,11 @@ class DiffusionGemma(nn.Module):
         )
 
         def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            past_k, past_v = cache.sliding_prefix(index) if self.specs[index].sliding else cache.full_prefix(index)
+            if not self.specs[index].sliding:
+                return cache.full_with_block(index, k, v)
+            past_k, past_v = cache.sliding_prefix(index)
             k_all, v_all = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-            cache.write(index, k, v)
+            cache.write(index, k, v)  # after the concatenation: the ring may overwrite what it just read
             return k_all, v_all
 
         if start == 0 and new_valid is not None:
@@ -390,14 +398,21 @@ class DiffusionGemma(nn.Module):
         canvas_ids: torch.Tensor,
         cache: KVCache,
         self_conditioning_logits: torch.Tensor | None = None,
+        self_conditioning_probs: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Bidirectional pass over the canvas (B, C) and the cached context; returns float32 logits (B, C, V)."""
+        """Bidirectional pass over the canvas (B, C) and the cached context; returns float32 logits (B, C, V).
+
+        Self-conditioning takes the previous step's logits, or their float32 softmax if the caller already
+        has it (the sampler does: passing it saves one softmax over the vocabulary per step)."""
         c = canvas_ids.shape[1]
         positions = torch.arange(cache.length, cache.length + c, device=canvas_ids.device)
-        x = self.embed_canvas(canvas_ids, self_conditioning_logits)
+        x = self.embed_canvas(canvas_ids, self_conditioning_logits, probs=self_conditioning_probs)
         masks = Masks(sliding=self._decoder_mask(cache, c, sliding=True), full=self._decoder_mask(cache, c, sliding=False))
+        scratch = cache.has_room(c)  # free slots after the prefix hold the canvas: no copy of the prefix
 
         def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.specs[index].sliding and scratch:
+                return cache.full_with_block(index, k, v)
             past_k, past_v = cache.sliding_prefix(index) if self.specs[index].sliding else cache.full_prefix(index)
             return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
