@@ -45,6 +45,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens (diffusion rounds up to whole canvases)")
     p.add_argument("--json", action="store_true", help="print ids, text and statistics as JSON")
     p.add_argument("--show-steps", action="store_true", help="draw the canvas on stderr as it denoises")
+    p.add_argument("--stats", action="store_true", help="print one line of statistics per prompt on stderr")
     sampler = p.add_argument_group("sampler settings (default: the checkpoint's generation_config.json)")
     sampler.add_argument("--steps", type=int, default=None, help="maximum denoising steps per canvas")
     sampler.add_argument("--entropy-bound", type=float, default=None, help="entropy bound for accepting tokens")
@@ -92,7 +93,19 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         for result in results:
             print(result.text if result.text is not None else " ".join(map(str, result.completion_ids)))
+    if args.stats:
+        for result in results:
+            print(_stats_line(result.stats), file=sys.stderr)
     return 0
+
+
+def _stats_line(stats) -> str:
+    rate = stats.new_tokens / stats.wall_time_s if stats.wall_time_s else float("nan")
+    line = (f"[{stats.new_tokens} tokens in {stats.wall_time_s:.2f} s = {rate:.0f} tokens/s; "
+            f"{stats.tokens_per_forward:.2f} tokens per forward over {stats.forward_passes} forwards")
+    if stats.denoising_steps:
+        line += f", {stats.canvases} canvases"
+    return line + "]"
 
 
 def _parse_ids(text: str, allow_empty: bool = False) -> list[int]:

@@ -1,60 +1,36 @@
-"""`make demo`: generate with the shipped default model.
+"""`make demo`: generate with the shipped default model, both ways, and say what it measured.
 
-Until a default model ships in models/, the demo builds a tiny random DiffusionGemma, writes it as a
-Hugging Face folder, loads it back and runs the encoder and one denoising step end to end. It says so:
-a random model prints noise.
+The default model (models/shakespeare-joint) was trained with the joint objective, so the same weights
+decode by diffusion (a canvas of 32 tokens denoised in parallel, drawn live when stderr is a terminal)
+and autoregressively (one token per forward). See its model card for how it was trained and how good
+each decoding is.
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
-from pathlib import Path
 
-import torch
+from printpress.cli import main as cli_main
+from printpress.engine import default_model_path
+from printpress.errors import PrintpressError
 
-from printpress.checkpoint import load_model, save_model
-from printpress.config import ModelConfig, TextConfig
-from printpress.model import DiffusionGemma
-
-PROMPT_IDS = [2, 17, 42, 7, 99]
-
-
-def tiny_random_config() -> ModelConfig:
-    text = TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                      num_global_key_value_heads=1, sliding_window=16,
-                      layer_types=["sliding_attention", "full_attention"],
-                      num_experts=4, top_k_experts=2, moe_intermediate_size=32, max_position_embeddings=1024)
-    return ModelConfig(text, canvas_length=16)
-
-
-def random_model_round_trip() -> None:
-    print("printpress demo: no default model is shipped yet, so this builds a tiny RANDOM model (it prints noise),")
-    print("saves it as a Hugging Face folder, loads it back and runs the encoder and one denoising step.")
-    config = tiny_random_config()
-    torch.manual_seed(0)
-    model = DiffusionGemma(config.text)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = save_model(model, config, Path(tmp) / "tiny-random")
-        print(f"wrote {sorted(p.name for p in folder.iterdir())}")
-        loaded, config, generation, _ = load_model(folder)
-    ids = torch.tensor([PROMPT_IDS])
-    with torch.no_grad():
-        cache = loaded.new_cache(1, 64)
-        next_token = loaded.encode(ids, cache, logits="last").argmax(-1)
-        canvas = torch.randint(0, config.text.vocab_size, (1, config.canvas_length))
-        denoised = loaded.denoise(canvas, cache).argmax(-1)
-    print(f"prompt ids          {PROMPT_IDS}")
-    print(f"encoder next token  {next_token.tolist()[0]}")
-    print(f"noisy canvas        {canvas.tolist()[0]}")
-    print(f"one denoising step  {denoised.tolist()[0]}")
-    print(f"parameters: {config.text.num_parameters():,}; default generation settings: {generation}")
+PROMPT = "ROMEO:\n"
 
 
 def main() -> int:
-    random_model_round_trip()
-    return 0
+    try:
+        folder = default_model_path()
+    except PrintpressError as exc:
+        print(f"printpress demo: {exc}", file=sys.stderr)
+        return 2
+    print(f"printpress demo — model {folder.name}, prompt {PROMPT!r}\n")
+    print("== diffusion: 32-token canvases denoised in parallel (the printing press) ==", flush=True)
+    code = cli_main(["generate", "--seed", "0", "--max-new-tokens", "96", "--show-steps", "--stats", PROMPT])
+    if code:
+        return code
+    print("\n== autoregressive decoding on the same weights (temperature 0.8, top-k 50) ==", flush=True)
+    return cli_main(["generate", "--seed", "0", "--max-new-tokens", "96", "--mode", "ar", "--temperature", "0.8",
+                     "--top-k", "50", "--stats", PROMPT])
 
 
 if __name__ == "__main__":
