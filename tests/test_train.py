@@ -99,18 +99,24 @@ def test_trained_checkpoint_loads_in_transformers_with_the_same_logits(corpus, t
         assert (ours.denoise(canvas, cache) - out.logits).abs().max() < 1e-4
 
 
-def test_two_process_torchrun_matches_one_process(corpus, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_two_process_torchrun_matches_one_process(corpus, tmp_path, fsdp):
     config = tmp_path / "run.toml"
-    config.write_text(toml_of(run_config(corpus, steps=3, eval_every=3, save_every=3)))
+    config.write_text(toml_of(run_config(corpus, steps=3, eval_every=3, save_every=3, fsdp=fsdp)))
     single = tmp_path / "single"
     assert train_main(["--config", str(config), "--out", str(single), "--no-progress"]) == 0
     double = tmp_path / "double"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29731",
+    port = str(29731 + fsdp)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
                     "-m", "printpress.train.command", "--config", str(config), "--out", str(double), "--no-progress"],
                    check=True, env=env, capture_output=True, timeout=300)
     for (step_a, a), (step_b, b) in zip(losses(single), losses(double), strict=True):
         assert step_a == step_b and a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    one, _, _, _ = load_model(single / "model")
+    two, _, _, _ = load_model(double / "model")
+    for (name, x), y in zip(one.state_dict().items(), two.state_dict().values()):
+        assert (x - y).abs().max() < 1e-5, name
 
 
 def toml_of(run: RunConfig) -> str:

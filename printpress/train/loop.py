@@ -376,12 +376,12 @@ class Trainer:
         self.model.eval()
         sums: dict[str, float] = {}
         for index, tokens in enumerate(self.eval_windows):
-            step = TrainStep(self.model, "joint" if self.settings.objective != "ar" else "ar", self.diffusion)
             noise = None
             if self.settings.objective != "ar":
                 noise = row_noise(tokens, index * 10_000 + self.env.rank * 1000, -1, self.settings,
                                   self.config.canvas_length, self.config.text.vocab_size)
-            out = step(tokens, noise)
+            # Through the (possibly DDP/FSDP-wrapped) training module, so sharded weights are gathered.
+            out = self.wrapped(tokens, noise)
             for key in ("ar", "diffusion"):
                 if key in out:
                     sums[key] = sums.get(key, 0.0) + float(out[key]) / len(self.eval_windows)

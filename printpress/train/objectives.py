@@ -166,7 +166,9 @@ class TrainStep(nn.Module):
         else:
             noisy, t, use = noise
         self_cond = None
-        if bool(use.any()):
+        # Decided by the setting, not by this batch's draws: under data parallelism every rank must run the
+        # same passes (FSDP gathers each layer's weights in lockstep).
+        if settings.self_conditioning > 0:
             # Self-conditioning as trained in Analog Bits: a first pass without it, fed back detached to the
             # chosen rows; the others get a zero signal, exactly like the first denoising step at inference.
             with torch.no_grad():
