@@ -19,9 +19,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from printpress.config import GenerationConfig
 from printpress.errors import GenerationError
 
 MODES = ("diffusion", "ar")
+
+
+_DEFAULTS = GenerationConfig()
 
 
 @dataclass(frozen=True)
@@ -32,15 +36,16 @@ class SamplerSettings:
     `mode="ar"` only; the diffusion sampler uses the linear schedule `t_max -> t_min` instead.
     """
 
-    max_new_tokens: int = 256
-    max_denoising_steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
+    # The reference's defaults, kept in one place (printpress.config.GenerationConfig).
+    max_new_tokens: int = _DEFAULTS.max_new_tokens
+    max_denoising_steps: int = _DEFAULTS.max_denoising_steps
+    entropy_bound: float = _DEFAULTS.entropy_bound
+    t_min: float = _DEFAULTS.t_min
+    t_max: float = _DEFAULTS.t_max
+    stability_threshold: int = _DEFAULTS.stability_threshold
+    confidence_threshold: float = _DEFAULTS.confidence_threshold
     eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int | None = 0
+    pad_token_id: int | None = _DEFAULTS.pad_token_id
     mode: str = "diffusion"
     temperature: float = 0.0
     top_k: int | None = None
