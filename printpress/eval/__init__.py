@@ -1,0 +1,1 @@
+"""Evaluation helpers: scoring text with a model's causal (AR) head."""

