@@ -162,3 +162,30 @@ def test_python_dash_m_runs_the_cli(folders):
     bad = subprocess.run([sys.executable, "-m", "printpress", "generate", "-m", folders["ids"], "--ids", ""],
                          capture_output=True, text=True, cwd=REPO, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_show_steps_redraws_in_a_real_pseudo_terminal(folders):
+    import os
+    import pty
+
+    controller, terminal = pty.openpty()
+    done = subprocess.run(
+        [sys.executable, "-m", "printpress", "generate", "-m", folders["text"], "--seed", "1", "--max-new-tokens", "16",
+         "--steps", "4", "--show-steps", "w7 w9"],
+        stdout=subprocess.PIPE, stderr=terminal, text=True, cwd=REPO, timeout=300, env=dict(os.environ, TERM="xterm"),
+    )
+    os.close(terminal)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal side is closed: everything has been read
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(controller)
+    assert done.returncode == 0 and done.stdout.strip()
+    text = drawn.decode()
+    assert "\x1b[1F" in text  # frames redraw in place over the previous one
+    assert "\x1b[2m" in text and "\x1b[1m" in text  # re-noised positions dim, accepted bright
