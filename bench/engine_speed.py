@@ -101,6 +101,21 @@ SIZES: dict[str, Size] = {
                   moe_intermediate_size=64, max_position_embeddings=1024),
         repeats=3,
     ),
+    # The released model's routing (128 experts, top-8) at ~10M and ~100M parameters: the expert loop's
+    # per-expert overhead, not the arithmetic, is what differs between implementations here.
+    "small-moe128": Size(
+        text=dict(vocab_size=4096, hidden_size=256, intermediate_size=256, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                  num_global_key_value_heads=1, sliding_window=128, num_experts=128, top_k_experts=8,
+                  moe_intermediate_size=16, max_position_embeddings=1024),
+    ),
+    "large-moe128": Size(
+        text=dict(vocab_size=16384, hidden_size=768, intermediate_size=768, num_hidden_layers=6,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=96, global_head_dim=192,
+                  num_global_key_value_heads=2, sliding_window=128, num_experts=128, top_k_experts=8,
+                  moe_intermediate_size=32, max_position_embeddings=1024),
+        repeats=3,
+    ),
 }
 
 EOS_IDS = [1]
