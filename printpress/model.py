@@ -99,8 +99,7 @@ class Experts(nn.Module):
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
-        tokens = order // top_k
-        gathered = x.index_select(0, tokens)
+        gathered = x.index_select(0, order // top_k)
         slot_weights = weights.reshape(-1).index_select(0, order)
         out = torch.empty_like(gathered)
         start = 0
@@ -111,9 +110,11 @@ class Experts(nn.Module):
             gate, up = F.linear(gathered[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
             out[start:end] = F.linear(self.act(gate) * up, self.down_proj[expert])
             start = end
-        # The reference multiplies by the fp32 router weights before casting back.
-        out = (out * slot_weights[:, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        # As the reference: weight by the fp32 router weights, put the (token, slot) rows back in order and sum
+        # each token's k expert outputs in slot order. The same summation order keeps the result bit-equal.
+        weighted = torch.empty_like(out, dtype=slot_weights.dtype)
+        weighted[order] = out * slot_weights[:, None]
+        return weighted.view(-1, top_k, x.shape[-1]).sum(dim=1).to(x.dtype)
 
 
 def rope_inv_freq(config: TextConfig, spec: LayerSpec) -> torch.Tensor:
