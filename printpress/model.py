@@ -97,7 +97,9 @@ class Experts(nn.Module):
         # Group the (token, slot) pairs by expert with one sort, then run each used expert once.
         top_k = experts.shape[-1]
         flat_experts = experts.reshape(-1)
-        order = torch.argsort(flat_experts, stable=True)
+        # The same (unstable) sort as the reference: the row order inside an expert group can change the
+        # multi-threaded GEMM's rounding, so it must match for bit-equal outputs.
+        _, order = torch.sort(flat_experts)
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
         gathered = x.index_select(0, order // top_k)
         slot_weights = weights.reshape(-1).index_select(0, order)
