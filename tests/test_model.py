@@ -179,3 +179,37 @@ def test_cache_refuses_to_overflow(pairs):
 def test_parameter_count_formula_matches_the_module(pairs):
     for _, model, config in pairs.values():
         assert config.text.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def test_experts_are_bit_equal_to_the_reference_with_threaded_gemms():
+    """Same grouping sort and summation order as the reference, so outputs match bit for bit even when
+    the per-expert GEMMs are large enough to be split across threads (row order matters then)."""
+    from transformers import DiffusionGemmaConfig
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextExperts
+
+    from conftest import VISION
+    from printpress.config import TextConfig
+    from printpress.model import Experts
+
+    text = dict(vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, num_experts=16, top_k_experts=8, moe_intermediate_size=128,
+                layer_types=["full_attention"])
+    reference_config = DiffusionGemmaConfig(text_config=dict(text), vision_config=VISION).text_config
+    reference_config._experts_implementation = "grouped_mm"  # what DiffusionGemmaForBlockDiffusion uses on CPU
+    reference = DiffusionGemmaTextExperts(reference_config)
+    ours = Experts(TextConfig(**text))
+    generator = torch.Generator().manual_seed(0)
+    for name in ("gate_up_proj", "down_proj"):
+        value = torch.randn(getattr(ours, name).shape, generator=generator) * 0.05
+        getattr(ours, name).copy_(value)
+        getattr(reference, name).copy_(value)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(256, 256, generator=generator)
+        weights = torch.rand(256, 8, generator=generator)
+        experts = torch.stack([torch.randperm(16, generator=generator)[:8] for _ in range(256)])
+        assert torch.equal(ours(x, weights, experts), reference(x, experts, weights))
+    finally:
+        torch.set_num_threads(threads)
