@@ -210,3 +210,22 @@ def test_decoder_logits_bit_equal_to_the_reference_at_a_threaded_size(tmp_path):
         assert torch.equal(model.denoise(canvas, cache), out.logits)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_expert_loop_for_training_equals_the_grouped_path_for_inference():
+    from printpress.config import TextConfig
+    from printpress.model import Experts
+
+    text = TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, num_experts=8, top_k_experts=3, moe_intermediate_size=16)
+    experts = Experts(text)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    x, weights = torch.randn(40, 32, generator=g), torch.rand(40, 3, generator=g)
+    chosen = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(40)])
+    trained = experts(x, weights, chosen)  # parameters require grad: the per-expert loop
+    assert trained.requires_grad
+    with torch.no_grad():
+        inferred = experts(x, weights, chosen)  # grouped_mm
+    assert torch.equal(trained.detach(), inferred)
