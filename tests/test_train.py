@@ -189,3 +189,17 @@ def test_resume_can_shorten_a_run_with_set(corpus, tmp_path):
     assert train_main(args) == 0
     assert json.loads((tmp_path / "run.json").read_text())["train"]["steps"] == 5
     assert losses(tmp_path)[-1][0] == 5
+
+
+@pytest.mark.parametrize("name", ["shakespeare-joint", "shakespeare-ar", "shakespeare-diffusion", "stdlib-code-diffusion"])
+def test_every_shipped_recipe_parses_and_validates(name):
+    from printpress.config import TextConfig
+    from printpress.train.command import recipe_names
+    from printpress.train.loop import check_memory
+
+    assert name in recipe_names()
+    run = read_run_config(name, None, [])
+    model = dict(run.model)
+    canvas = model.pop("canvas_length")
+    run.train.validate(canvas)
+    check_memory(TextConfig(vocab_size=run.data["vocab_size"], **model), run.train, 1)
