@@ -107,16 +107,24 @@ def test_two_process_torchrun_matches_one_process(corpus, tmp_path, fsdp):
     assert train_main(["--config", str(config), "--out", str(single), "--no-progress"]) == 0
     double = tmp_path / "double"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    port = str(29731 + fsdp)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
-                    "-m", "printpress.train.command", "--config", str(config), "--out", str(double), "--no-progress"],
-                   check=True, env=env, capture_output=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "printpress.train.command", "--config", str(config),
+                           "--out", str(double), "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     for (step_a, a), (step_b, b) in zip(losses(single), losses(double), strict=True):
         assert step_a == step_b and a == pytest.approx(b, rel=1e-5, abs=1e-6)
     one, _, _, _ = load_model(single / "model")
     two, _, _, _ = load_model(double / "model")
     for (name, x), y in zip(one.state_dict().items(), two.state_dict().values()):
         assert (x - y).abs().max() < 1e-5, name
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def toml_of(run: RunConfig) -> str:

@@ -74,10 +74,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         run_config = read_run_config(args.recipe, args.config, args.set)
     trainer = Trainer(run_config, args.out, resume=args.resume, overrides=args.set if args.resume else ())
-    final = trainer.fit(progress=not args.no_progress)
+    try:
+        final = trainer.fit(progress=not args.no_progress)
+    except BaseException:
+        shutdown_distributed(wait=False)  # never wait on ranks that may be stuck elsewhere
+        raise
+    shutdown_distributed(wait=True)
     if trainer.env.main:
         print(f"trained {trainer.step} steps; model saved to {final}")
     return 0
+
+
+def shutdown_distributed(wait: bool) -> None:
+    """Leave the process group cleanly: gloo's threads abort the process if it is torn down at exit."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
