@@ -693,7 +693,7 @@ def print_summary(report: dict[str, Any]) -> None:
     if f["break_even_at_canvas_length"] is not None:
         print(f"break-even tokens/forward at canvas {s['canvas_length']}: {f['break_even_at_canvas_length']:.2f} "
               f"(achieved {g['printpress']['tokens_per_forward']:.2f})")
-    print(f"profile top ops (self CPU ms): " + ", ".join(
+    print("profile top ops (self CPU ms): " + ", ".join(
         f"{o['op']} {o['self_cpu_ms']:.1f}" for o in report["profile"]["top_ops"][:6]))
 
 

@@ -11,7 +11,6 @@ Module and parameter names follow the checkpoint keys under `model.decoder.` one
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal

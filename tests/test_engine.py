@@ -18,7 +18,6 @@ from printpress.engine import (
     CommitEvent,
     DoneEvent,
     GenerationResult,
-    Pipeline,
     Request,
     StepEvent,
     default_model_path,
