@@ -290,6 +290,15 @@ def run_printpress(pipe, meters: Meters, prompts: list[list[int]], s: Settings) 
     return finish(start, [r.token_ids for r in results], meters, s.pad_token_id)
 
 
+def run_printpress_accepted_only(pipe, meters: Meters, prompts: list[list[int]], s: Settings) -> Run:
+    """The opt-in sampler that draws only at accepted positions (not token-exact; same distribution)."""
+    meters.reset()
+    start = time.perf_counter()
+    results = [pipe.generate(p, seed=s.seed, max_new_tokens=s.max_new_tokens, max_denoising_steps=s.steps,
+                             eos_token_ids=list(s.eos_token_ids), sample_accepted_only=True) for p in prompts]
+    return finish(start, [r.token_ids for r in results], meters, s.pad_token_id)
+
+
 def run_printpress_batch(pipe, meters: Meters, prompts: list[list[int]], s: Settings) -> Run:
     meters.reset()
     start = time.perf_counter()
@@ -347,6 +356,7 @@ def compare_generate(ref, pipe, prompts: list[list[int]], s: Settings) -> dict[s
             "printpress": lambda: run_printpress(pipe, pp_meters, prompts, s),
             "printpress_batch": lambda: run_printpress_batch(pipe, pp_meters, prompts, s),
             "printpress_ar": lambda: run_printpress_ar(pipe, pp_meters, prompts, s),
+            "printpress_accepted_only": lambda: run_printpress_accepted_only(pipe, pp_meters, prompts, s),
         }
         warm = {name: fn() for name, fn in sides.items()}  # warm-up, also the parity check
         check_parity(warm["reference"].tokens, warm["printpress"].tokens, prompts)
@@ -371,6 +381,8 @@ def compare_generate(ref, pipe, prompts: list[list[int]], s: Settings) -> dict[s
         / result["reference"]["decoder_ms_per_forward"],
         "printpress_diffusion_over_printpress_ar_tokens_per_s": result["printpress"]["tokens_per_s"]
         / result["printpress_ar"]["tokens_per_s"],
+        "printpress_accepted_only_over_reference_tokens_per_s": result["printpress_accepted_only"]["tokens_per_s"]
+        / ref_tps,
     }
     result["parity"] = {"one_at_a_time_identical": True, "batch_rows_equal_one_at_a_time": batch_rows_equal}
     result["reference_info"] = {"attn_implementation": getattr(ref.config, "_attn_implementation", None),
@@ -674,7 +686,7 @@ def print_summary(report: dict[str, Any]) -> None:
           f"{s['max_new_tokens']} new tokens, {s['steps']} steps, seed {s['seed']}, median of {s['repeats']}; "
           "tokens = generated non-pad tokens")
     print(f"{'':18s} {'wall s':>8s} {'tok/s':>9s} {'forwards':>9s} {'tok/fwd':>8s} {'ms/fwd':>8s} {'wall ms/fwd':>11s}")
-    for name in ("reference", "printpress", "printpress_batch", "printpress_ar"):
+    for name in ("reference", "printpress", "printpress_batch", "printpress_ar", "printpress_accepted_only"):
         r = g[name]
         fwd_ms = r.get("decoder_ms_per_forward", r.get("encoder_ms_per_forward"))
         print(f"{name:18s} {r['wall_s']:8.3f} {r['tokens_per_s']:9.1f} {r['forward_passes']:9d} "

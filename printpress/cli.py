@@ -54,6 +54,8 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     sampler.add_argument("--stability-threshold", type=int, default=None, help="stable steps needed to stop early")
     sampler.add_argument("--confidence-threshold", type=float, default=None, help="mean entropy needed to stop early")
     sampler.add_argument("--eos", default=None, help="end-of-sequence ids, comma separated ('' for none)")
+    sampler.add_argument("--sample-accepted-only", action="store_true", default=None,
+                         help="faster, not token-exact to the reference: sample only accepted positions")
     sampler.add_argument("--temperature", type=float, default=None, help="AR sampling temperature (0 = greedy)")
     sampler.add_argument("--top-k", type=int, default=None, help="AR: sample among the k most likely tokens")
     runtime = p.add_argument_group("runtime")
@@ -78,6 +80,7 @@ def run_generate(args: argparse.Namespace) -> int:
         eos_token_ids=None if args.eos is None else _parse_ids(args.eos, allow_empty=True),
         temperature=args.temperature,
         top_k=args.top_k,
+        sample_accepted_only=args.sample_accepted_only,
     )
     settings = {k: v for k, v in settings.items() if v is not None}
     pipe = printpress.load(args.model, dtype=args.dtype, device=args.device)

@@ -407,11 +407,17 @@ def _sample_step(
     accepted = torch.empty_like(canvas, dtype=torch.bool)
     next_canvas = torch.empty_like(canvas)
     for j, row in enumerate(rows):
-        sampled = sample_canvas(probs[j], row.generator)
         # The bound is compared row by row as a Python float, exactly as the reference compares it.
-        accepted[j] = entropy_bound_accept(entropy[j : j + 1], row.settings.entropy_bound)[0]
+        row_accepted = entropy_bound_accept(entropy[j : j + 1], row.settings.entropy_bound)[0]
+        accepted[j] = row_accepted
+        if row.settings.sample_accepted_only:
+            noise = uniform_tokens(canvas_length, vocab, row.generator, device)[0]
+            noise[row_accepted] = sample_canvas(probs[j][row_accepted], row.generator)
+            next_canvas[j] = noise
+            continue
+        sampled = sample_canvas(probs[j], row.generator)  # the reference's order: sample, then re-noise
         noise = uniform_tokens(canvas_length, vocab, row.generator, device)[0]
-        next_canvas[j] = torch.where(accepted[j], sampled, noise)
+        next_canvas[j] = torch.where(row_accepted, sampled, noise)
     return _StepOutcome(processed, probs, argmax, entropy, accepted, next_canvas)
 
 
@@ -618,6 +624,7 @@ class Pipeline:
         eos_token_ids: Sequence[int] | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
+        sample_accepted_only: bool | None = None,
     ) -> SamplerSettings:
         """Checkpoint defaults with the given overrides, validated."""
         if (mode or self.default_settings().mode) != "ar" and (temperature is not None or top_k is not None):
@@ -634,6 +641,7 @@ class Pipeline:
             eos_token_ids=eos_token_ids,
             temperature=temperature,
             top_k=top_k,
+            sample_accepted_only=sample_accepted_only,
         ).validate()
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
@@ -732,7 +740,7 @@ class Pipeline:
 
 _SETTING_NAMES = {
     "mode", "max_new_tokens", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
-    "stability_threshold", "confidence_threshold", "eos_token_ids", "temperature", "top_k",
+    "stability_threshold", "confidence_threshold", "eos_token_ids", "temperature", "top_k", "sample_accepted_only",
 }
 
 

@@ -49,6 +49,10 @@ class SamplerSettings:
     mode: str = "diffusion"
     temperature: float = 0.0
     top_k: int | None = None
+    # Opt-in, not token-exact to the reference: draw samples only at the positions the entropy bound
+    # accepts. The tokens follow the same distribution (a sample at a re-noised position is thrown away
+    # anyway), but the random stream differs, and the multinomial over canvas x vocabulary shrinks.
+    sample_accepted_only: bool = False
 
     def with_overrides(self, **overrides) -> SamplerSettings:
         """Copy with every override that is not None applied (None means "keep the default")."""
@@ -61,6 +65,8 @@ class SamplerSettings:
         """Raise GenerationError with one clear message for the first setting that cannot work."""
         if self.mode not in MODES:
             raise GenerationError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        _require(isinstance(self.sample_accepted_only, bool),
+                 f"sample_accepted_only must be true or false, got {self.sample_accepted_only!r}")
         _require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
                  f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.mode == "ar":

@@ -391,3 +391,21 @@ def test_default_model_can_be_pointed_elsewhere(monkeypatch, tmp_path):
     assert default_model_path() == tmp_path / "missing"
     with pytest.raises(PrintpressError, match="no such model folder"):
         printpress.load()
+
+
+def test_sample_accepted_only_is_opt_in_repeatable_and_keeps_the_acceptance(models_):
+    ref, pipe = models_["peaked"]
+    settings = dict(max_new_tokens=24, max_denoising_steps=8, t_min=0.05, t_max=0.1, entropy_bound=1.0)
+    exact_events = [e for e in pipe.stream(PROMPTS[0], seed=4, **settings) if isinstance(e, StepEvent)]
+    fast = pipe.generate(PROMPTS[0], seed=4, sample_accepted_only=True, **settings)
+    again = pipe.generate(PROMPTS[0], seed=4, sample_accepted_only=True, **settings)
+    assert fast.token_ids == again.token_ids
+    fast_events = [e for e in pipe.stream(PROMPTS[0], seed=4, sample_accepted_only=True, **settings)
+                   if isinstance(e, StepEvent)]
+    # The same initial canvas and logits, so the first step accepts the same positions; the draws differ after.
+    assert fast_events[0].accepted == exact_events[0].accepted
+    # Default stays token-exact to the reference.
+    expected, _ = reference_tokens(ref, PROMPTS[0], 4, **settings)
+    assert pipe.generate(PROMPTS[0], seed=4, **settings).token_ids == expected
+    with pytest.raises(GenerationError, match="sample_accepted_only must be true or false"):
+        pipe.generate(PROMPTS[0], seed=4, sample_accepted_only="yes", **settings)
