@@ -14,6 +14,7 @@ the CLI, the server and `Pipeline.generate` are all consumers of the same stream
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -610,39 +611,16 @@ class Pipeline:
             pad_token_id=g.pad_token_id,
         )
 
-    def settings(
-        self,
-        *,
-        mode: str | None = None,
-        max_new_tokens: int | None = None,
-        max_denoising_steps: int | None = None,
-        entropy_bound: float | None = None,
-        t_min: float | None = None,
-        t_max: float | None = None,
-        stability_threshold: int | None = None,
-        confidence_threshold: float | None = None,
-        eos_token_ids: Sequence[int] | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        sample_accepted_only: bool | None = None,
-    ) -> SamplerSettings:
-        """Checkpoint defaults with the given overrides, validated."""
-        if (mode or self.default_settings().mode) != "ar" and (temperature is not None or top_k is not None):
+    def settings(self, **overrides) -> SamplerSettings:
+        """Checkpoint defaults with the given overrides (any `SamplerSettings` field but the pad id; None keeps
+        the default), validated."""
+        unknown = sorted(set(overrides) - SETTING_NAMES)
+        if unknown:
+            raise GenerationError(f"unknown generation setting(s): {', '.join(unknown)}")
+        mode = overrides.get("mode") or self.default_settings().mode
+        if mode != "ar" and (overrides.get("temperature") is not None or overrides.get("top_k") is not None):
             raise GenerationError("temperature and top_k apply to mode='ar'; diffusion uses t_min/t_max")
-        return self.default_settings().with_overrides(
-            mode=mode,
-            max_new_tokens=max_new_tokens,
-            max_denoising_steps=max_denoising_steps,
-            entropy_bound=entropy_bound,
-            t_min=t_min,
-            t_max=t_max,
-            stability_threshold=stability_threshold,
-            confidence_threshold=confidence_threshold,
-            eos_token_ids=eos_token_ids,
-            temperature=temperature,
-            top_k=top_k,
-            sample_accepted_only=sample_accepted_only,
-        ).validate()
+        return self.default_settings().with_overrides(**overrides).validate()
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
     def encode_text(self, text: str) -> list[int]:
@@ -729,19 +707,14 @@ class Pipeline:
         return results[0] if single else list(results)
 
     def _requests(self, prompt: Prompt, seed, overrides: dict) -> tuple[list[Request], bool]:
-        unknown = sorted(set(overrides) - _SETTING_NAMES)
-        if unknown:
-            raise GenerationError(f"unknown generation setting(s): {', '.join(unknown)}")
         settings = self.settings(**overrides)
         prompts, single = self.prompt_ids(prompt)
         seeds = _seeds(seed, len(prompts))
         return [Request(ids, settings, s) for ids, s in zip(prompts, seeds)], single
 
 
-_SETTING_NAMES = {
-    "mode", "max_new_tokens", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
-    "stability_threshold", "confidence_threshold", "eos_token_ids", "temperature", "top_k", "sample_accepted_only",
-}
+# What a caller may set per request: every sampler field except the pad id, which is the checkpoint's.
+SETTING_NAMES = {f.name for f in dataclasses.fields(SamplerSettings)} - {"pad_token_id"}
 
 
 def _is_token(value: object) -> bool:
