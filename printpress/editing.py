@@ -1,0 +1,426 @@
+"""Infilling and span rewriting: generate a middle conditioned on the text on both sides of it.
+
+The shipped models were trained with block diffusion only (a clean prefix through the encoder's KV
+cache, a uniformly noised canvas through the bidirectional decoder) and have no mask token. So the
+right-hand context enters the one place the decoder can see it, the canvas itself:
+
+    cache:  <bos> prefix                    (encoded once, causal, as any prompt)
+    canvas: [ m_1 ... m_L | s_1 ... s_K ]   (L free positions, then K suffix tokens *clamped*)
+
+The free positions start as uniform noise and are denoised by the usual entropy-bound sampler
+(printpress.sampling); the clamped positions always hold the true suffix tokens: they are never
+sampled, never re-noised and never count towards acceptance, the entropy bound or the stopping rule.
+During training a canvas position is left clean with probability 1 - t, so "some canvas positions are
+already right" is a state the decoder has seen; a clean run at the canvas end is just a low-noise
+corner of it. K defaults to what fills the trained canvas (canvas_length - L); `suffix_window` may
+show more (a canvas longer than trained) or none. The length L is either given, taken from the
+original span (rewrite), or searched: each candidate length is denoised and the one whose join
+(middle + the start of the suffix) is most probable per character under the model's own causal head
+wins. Design and measurements: docs/decisions/0005-infilling.md, docs/benchmarks-infill.md.
+
+Everything is a generator of the engine's events (a `SpanStepEvent` per denoising step, one
+`CommitEvent` for the chosen middle, one `DoneEvent` holding an `EditResult`), so the CLI and an HTTP
+endpoint only consume `infill_stream` / `rewrite_stream`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from printpress.engine import CommitEvent, DoneEvent, Event, StepEvent
+from printpress.errors import GenerationError
+from printpress.sampling import (
+    SamplerSettings,
+    StabilityTracker,
+    entropy_bound_accept,
+    sample_canvas,
+    step_temperature,
+    token_entropy,
+    uniform_tokens,
+)
+
+Text = str | Sequence[int]
+
+# Fractions of the canvas tried when no length is given to `infill` (canvas 32: 4, 8, 12, 16, 24 tokens).
+SEARCH_FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
+
+
+# --------------------------------------------------------------------------------------------
+# Public data types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpanStepEvent(StepEvent):
+    """A `StepEvent` whose canvas is `[span | clamped suffix]`: `tokens[:span]` are being denoised,
+    `tokens[span:]` are the suffix tokens, identical at every step (reported as accepted)."""
+
+    span: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One denoised middle of a given length and its score (the join's NLL under the causal head)."""
+
+    length: int
+    seed: int
+    middle_ids: list[int]
+    middle: str | None
+    join_nll: float  # summed NLL (nats) of middle + scored suffix tokens, after the prefix
+    join_chars: int  # characters of middle + scored suffix (tokens without a tokenizer)
+    forward_passes: int
+
+    @property
+    def score(self) -> float:
+        """NLL per character of the join: lower is better (what the length search minimises)."""
+        return self.join_nll / max(self.join_chars, 1)
+
+
+@dataclass
+class EditStats:
+    prefix_tokens: int  # including <bos>
+    suffix_tokens: int  # the whole suffix
+    clamped_tokens: int  # suffix tokens the decoder saw in the canvas
+    length: int  # tokens generated for the middle
+    candidates: int  # lengths tried (1 without a search)
+    forward_passes: int  # decoder passes, all candidates together
+    scoring_passes: int  # causal passes spent scoring candidates
+    wall_time_s: float
+
+
+@dataclass
+class EditResult:
+    """The edited text. `text[start:end] == middle`; everything outside that span is the input, unchanged."""
+
+    text: str | None  # prefix + middle + suffix (None for token-id input without a tokenizer)
+    middle: str | None
+    start: int  # character span of the middle in `text`
+    end: int
+    middle_ids: list[int]
+    seed: int
+    stats: EditStats
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def infill(pipe, prefix: Text, suffix: Text, *, on_event: Callable[[Event], None] | None = None, **kwargs) -> EditResult:
+    """Generate the text between `prefix` and `suffix` (see `infill_stream` for the arguments)."""
+    return _consume(infill_stream(pipe, prefix, suffix, step_events=on_event is not None, **kwargs), on_event)
+
+
+def rewrite(pipe, text: str, start: int, end: int, *, on_event: Callable[[Event], None] | None = None,
+            **kwargs) -> EditResult:
+    """Regenerate the characters `text[start:end]` in place (see `rewrite_stream`)."""
+    return _consume(rewrite_stream(pipe, text, start, end, step_events=on_event is not None, **kwargs), on_event)
+
+
+def rewrite_stream(pipe, text: str, start: int, end: int, *, length: int | Sequence[int] | None = None,
+                   **kwargs) -> Iterator[Event]:
+    """Events of `rewrite`: the span's new text is generated between `text[:start]` and `text[end:]`.
+
+    Without `length` the new span has as many tokens as the old one (tokenised on its own); pass an
+    int, or a list of lengths to search. An empty span (start == end) inserts text and needs a length.
+    """
+    check_span(text, start, end)
+    if pipe.tokenizer is None:
+        raise GenerationError("rewrite works on text and this model has no tokenizer (tokenizer.json)")
+    if length is None:
+        if start == end:
+            raise GenerationError("the span is empty (start == end); give a length to insert text there")
+        length = len(_tokenize(pipe, text[start:end]))
+        if length > pipe.canvas_length:
+            raise GenerationError(
+                f"the span [{start}, {end}) is {length} tokens but a span is rewritten in one canvas of "
+                f"{pipe.canvas_length}; choose a shorter span or pass a length")
+    return infill_stream(pipe, text[:start], text[end:], length=length, **kwargs)
+
+
+def infill_stream(
+    pipe,
+    prefix: Text,
+    suffix: Text,
+    *,
+    length: int | Sequence[int] | None = None,
+    seed: int | None = None,
+    suffix_window: int | None = None,
+    step_events: bool = True,
+    **overrides,
+) -> Iterator[Event]:
+    """Events for infilling the middle between `prefix` and `suffix` (text, or token ids without <bos>).
+
+    length: tokens of the middle, at most the canvas length; a list of lengths to search; None to search
+        `default_lengths(canvas_length)`. A search denoises every candidate (candidate i with seed + i)
+        and keeps the lowest NLL per character of the join (middle + first `canvas_length` suffix tokens)
+        under the model's own causal head.
+    suffix_window: suffix tokens clamped into the canvas; default canvas_length - length (the trained
+        canvas size); larger values lengthen the canvas beyond what the model was trained on.
+    seed: seeds the sampler (default: drawn from torch's global generator).
+    overrides: sampler settings as for `Pipeline.generate` (max_denoising_steps, entropy_bound, t_min,
+        t_max, stability_threshold, confidence_threshold, eos_token_ids, sample_accepted_only).
+    """
+    if overrides.get("mode") not in (None, "diffusion"):
+        raise GenerationError(f"editing uses the diffusion sampler; mode={overrides['mode']!r} is not supported")
+    overrides.pop("max_new_tokens", None)  # the length decides what is generated
+    settings = pipe.settings(**overrides)
+    prefix_ids, suffix_ids = _ids(pipe, prefix, "prefix"), _ids(pipe, suffix, "suffix")
+    if not prefix_ids and not suffix_ids:
+        raise GenerationError("nothing to condition on: the prefix and the suffix are both empty")
+    lengths = _lengths(length, pipe.canvas_length)
+    if suffix_window is not None and (not _is_int(suffix_window) or suffix_window < 0):
+        raise GenerationError(f"suffix_window must be an integer >= 0, got {suffix_window!r}")
+    seed = _seed(seed)
+    bos = pipe.generation_config.bos_token_id
+    context = ([] if bos is None else [int(bos)]) + prefix_ids
+    if not context:
+        raise GenerationError("this model has no <bos> token, so the prefix cannot be empty")
+    windows = [len(suffix_ids[: pipe.canvas_length - n if suffix_window is None else suffix_window]) for n in lengths]
+    scored = suffix_ids[: pipe.canvas_length]
+    limit = pipe.config.text.max_position_embeddings
+    longest = len(context) + max(max(n + k for n, k in zip(lengths, windows)), max(lengths) + len(scored))
+    if longest > limit:
+        raise GenerationError(f"the prefix ({len(context)} tokens) plus the canvas and scored suffix need {longest} "
+                              f"positions; the model's position limit is {limit}; shorten the prefix")
+    _check_vocab(context + suffix_ids, pipe.config.text.vocab_size)
+    return _edit(pipe, settings, context, prefix, suffix, suffix_ids, lengths, windows, seed, step_events)
+
+
+def default_lengths(canvas_length: int) -> list[int]:
+    """Candidate lengths of a search: fractions of the canvas (canvas 32 -> 4, 8, 12, 16, 24)."""
+    return sorted({max(1, round(canvas_length * f)) for f in SEARCH_FRACTIONS})
+
+
+def check_span(text: str, start: int, end: int) -> None:
+    """One clear error for a character span that does not fit `text`."""
+    if not isinstance(text, str):
+        raise GenerationError(f"the text to rewrite must be a string, got {type(text).__name__}")
+    if not _is_int(start) or not _is_int(end):
+        raise GenerationError(f"a span is two integer character offsets, got {start!r}:{end!r}")
+    if start < 0:
+        raise GenerationError(f"the span start {start} is negative")
+    if start > end:
+        raise GenerationError(f"the span start {start} is after its end {end}")
+    if end > len(text):
+        raise GenerationError(f"the span end {end} is beyond the text's {len(text)} characters")
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suffix: Text, suffix_ids: list[int],
+          lengths: list[int], windows: list[int], seed: int, step_events: bool) -> Iterator[Event]:
+    started = time.perf_counter()
+    model = pipe.model
+    device = next(model.parameters()).device
+    scored = suffix_ids[: pipe.canvas_length]
+    room = max(max(n + k for n, k in zip(lengths, windows)), max(lengths) + len(scored))
+    cache = model.new_cache(1, len(context) + room)
+    # The prefix's last next-token logits predict the middle's first token: kept for scoring the join.
+    first_logits = model.encode(torch.tensor([context], device=device), cache, logits="last")[0, -1]
+    banned = _banned_ids(pipe, settings)
+    candidates: list[Candidate] = []
+    scoring_passes = 0
+    for index, (length, window) in enumerate(zip(lengths, windows)):
+        clamp = torch.tensor([suffix_ids[:window]], dtype=torch.long, device=device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed((seed + index) % 2**64)
+        middle, passes = yield from _denoise_span(model, cache, length, clamp, settings, generator, banned, index,
+                                                  step_events)
+        nll, chars = 0.0, 0
+        if len(lengths) > 1:
+            nll, chars = _join_nll(pipe, cache, first_logits, middle, scored)
+            scoring_passes += 1
+        candidates.append(Candidate(length, (seed + index) % 2**64, middle, _decode(pipe, middle), nll, chars, passes))
+    chosen = min(range(len(candidates)), key=lambda i: candidates[i].score) if len(candidates) > 1 else 0
+    best = candidates[chosen]
+    yield CommitEvent(0, chosen, list(best.middle_ids), best.middle or "", True)
+    prefix_text, suffix_text = _as_text(pipe, prefix), _as_text(pipe, suffix)
+    text = None if best.middle is None or prefix_text is None else prefix_text + best.middle + suffix_text
+    start = len(prefix_text) if prefix_text is not None else 0
+    stats = EditStats(
+        prefix_tokens=len(context),
+        suffix_tokens=len(suffix_ids),
+        clamped_tokens=windows[chosen],
+        length=best.length,
+        candidates=len(candidates),
+        forward_passes=sum(c.forward_passes for c in candidates),
+        scoring_passes=scoring_passes,
+        wall_time_s=time.perf_counter() - started,
+    )
+    result = EditResult(text=text, middle=best.middle, start=start, end=start + len(best.middle or ""),
+                        middle_ids=list(best.middle_ids), seed=best.seed, stats=stats,
+                        candidates=candidates if len(candidates) > 1 else [])
+    yield DoneEvent(0, result)
+
+
+def _denoise_span(model, cache, length: int, clamp: torch.Tensor, settings: SamplerSettings,
+                  generator: torch.Generator, banned: torch.Tensor, canvas_index: int,
+                  step_events: bool):
+    """Denoise `length` free positions in front of the clamped suffix tokens `clamp` (1, K).
+
+    The sampler steps are the engine's (temperature schedule, entropy-bound acceptance, uniform
+    re-noising, stable-and-confident stop), restricted to the free positions. Yields SpanStepEvents;
+    returns (the committed argmax middle as a list, decoder passes).
+    """
+    device = clamp.device
+    vocab = model.config.vocab_size
+    clamped = clamp.shape[1]
+    canvas = torch.cat([uniform_tokens(length, vocab, generator, device), clamp], dim=1)
+    tracker = StabilityTracker(settings.stability_threshold, 1, length, device)
+    pass_probs = model.dtype == torch.float32  # as the engine: fp32 feeds back probabilities, else logits
+    feedback = None
+    steps = settings.max_denoising_steps
+    step = steps
+    while True:
+        if pass_probs:
+            logits = model.denoise(canvas, cache, self_conditioning_probs=feedback)
+        else:
+            logits = model.denoise(canvas, cache, feedback)
+        processed = logits / step_temperature(step, settings)
+        # A middle is text inside a document: no <bos>, <eos> or <pad> may be chosen for a free position.
+        processed[:, :length, banned] = float("-inf")
+        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        span_logits = processed[0, :length]
+        entropy = token_entropy(span_logits)
+        argmax = torch.argmax(span_logits, dim=-1)
+        accepted = entropy_bound_accept(entropy[None], settings.entropy_bound)[0]
+        if settings.sample_accepted_only:
+            free = uniform_tokens(length, vocab, generator, device)[0]
+            free[accepted] = sample_canvas(probs[0, :length][accepted], generator)
+        else:
+            sampled = sample_canvas(probs[0, :length], generator)
+            free = torch.where(accepted, sampled, uniform_tokens(length, vocab, generator, device)[0])
+        canvas = torch.cat([free[None], clamp], dim=1)
+        stable = bool(tracker.update(argmax[None])[0])
+        stopped = stable and bool(entropy.mean() < settings.confidence_threshold)
+        step -= 1
+        if step_events:
+            yield SpanStepEvent(
+                request=0, canvas=canvas_index, step=steps - step, max_steps=steps,
+                tokens=canvas[0].tolist(),
+                argmax=argmax.tolist() + clamp[0].tolist(),
+                accepted=accepted.tolist() + [True] * clamped,
+                stopped=stopped, span=length,
+            )
+        if stopped or step == 0:
+            return argmax.tolist(), steps - step
+        feedback = probs if pass_probs else processed.to(model.dtype)
+
+
+def _join_nll(pipe, cache, first_logits: torch.Tensor, middle: list[int], scored: list[int]) -> tuple[float, int]:
+    """NLL of middle + scored suffix tokens after the cached prefix, under the model's causal head."""
+    scratch = cache.rows([0])  # a copy: the prefix cache stays as it is for the next candidate
+    ids = middle + scored
+    logits = pipe.model.encode(torch.tensor([ids], device=cache.device), scratch, logits="all")[0]
+    logits = torch.cat([first_logits[None], logits[:-1]]).float()
+    targets = torch.tensor(ids, device=cache.device)
+    nll = float(-torch.log_softmax(logits, dim=-1)[torch.arange(len(ids)), targets].sum())
+    if pipe.tokenizer is None:
+        return nll, len(ids)
+    return nll, len(pipe.decode(ids))
+
+
+# --------------------------------------------------------------------------------------------
+# Input handling
+# --------------------------------------------------------------------------------------------
+
+
+def _consume(events: Iterator[Event], on_event: Callable[[Event], None] | None) -> EditResult:
+    result = None
+    for event in events:
+        if on_event is not None:
+            on_event(event)
+        if isinstance(event, DoneEvent):
+            result = event.result
+    return result
+
+
+def _tokenize(pipe, text: str) -> list[int]:
+    # A flag of the shared Tokenizer object that other code may flip: set it every time (as Pipeline does).
+    pipe.tokenizer.encode_special_tokens = False
+    return list(pipe.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _ids(pipe, value: Text, name: str) -> list[int]:
+    if isinstance(value, str):
+        if not value:
+            return []
+        if pipe.tokenizer is None:
+            raise GenerationError(f"this model has no tokenizer (tokenizer.json); give the {name} as token ids")
+        return _tokenize(pipe, value)
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, Sequence) or not all(_is_int(t) for t in value):
+        raise GenerationError(f"the {name} must be text or a list of token ids")
+    return [int(t) for t in value]
+
+
+def _as_text(pipe, value: Text) -> str | None:
+    if isinstance(value, str):
+        return value
+    return None if pipe.tokenizer is None else pipe.decode(list(value))
+
+
+def _decode(pipe, ids: list[int]) -> str | None:
+    return None if pipe.tokenizer is None else pipe.decode(ids)
+
+
+def _check_vocab(ids: list[int], vocab: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
+
+def _lengths(length, canvas_length: int) -> list[int]:
+    if length is None:
+        return default_lengths(canvas_length)
+    lengths = [length] if _is_int(length) else length
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
+        raise GenerationError(f"length must be a positive integer or a list of them, got {length!r}")
+    for n in lengths:
+        if not _is_int(n) or n <= 0:
+            raise GenerationError(f"length must be a positive integer, got {n!r}")
+        if n > canvas_length:
+            raise GenerationError(f"length {n} exceeds the canvas of {canvas_length} tokens; "
+                                  "a middle is generated in one canvas")
+    return [int(n) for n in lengths]
+
+
+def _banned_ids(pipe, settings: SamplerSettings) -> torch.Tensor:
+    g = pipe.generation_config
+    ids = set(settings.eos_token_ids)
+    ids.update(t for t in (settings.pad_token_id, g.bos_token_id, pipe.config.text.pad_token_id) if t is not None)
+    vocab = pipe.config.text.vocab_size
+    return torch.tensor(sorted(t for t in ids if 0 <= t < vocab), dtype=torch.long)
+
+
+def _seed(seed) -> int:
+    if seed is None:
+        # Drawn from the global generator so that torch.manual_seed makes unseeded calls repeatable.
+        return int(torch.randint(0, 2**62, (1,)))
+    if not _is_int(seed) or not 0 <= seed < 2**64:
+        raise GenerationError(f"a seed must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def result_json(result: EditResult) -> dict:
+    """A JSON-ready dict of an EditResult (the CLI's --json and an HTTP endpoint's answer)."""
+    payload = dataclasses.asdict(result)
+    for candidate, raw in zip(result.candidates, payload["candidates"]):
+        raw["score"] = candidate.score
+    return payload
