@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
+from printpress.edit_command import register_edit
 from printpress.errors import GenerationError, PrintpressError
 
 Register = Callable[[argparse._SubParsersAction], None]
@@ -251,7 +252,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=command.run)
 
 
-COMMANDS: list[Register] = [register_generate, register_train]
+COMMANDS: list[Register] = [register_generate, register_train, register_edit]
 
 
 def build_parser() -> argparse.ArgumentParser:
