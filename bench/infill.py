@@ -1,0 +1,175 @@
+"""Infilling quality on held-out Shakespeare: diffusion infill against two AR baselines, same weights.
+
+    OMP_NUM_THREADS=1 python bench/infill.py --spans 100 --out docs/results/infill.json
+
+Spans are cut from the validation works of the shipped models (the 5% of works held out by
+`split_documents(load_corpus("shakespeare"), 0.05)`, as in their training recipe): half are whole
+lines of dialogue (the middle is the line, the newlines stay in the prefix and suffix), half are 2-3
+consecutive words inside such a line (the middle starts with its space, as the BPE attaches it).
+Each span gets the 400 characters before it as the prefix and the 200 after it as the suffix.
+
+Methods (the joint model's weights for all, except the judge):
+- diffusion infill at the true span's token count (oracle length), the suffix clamped in the canvas;
+- the same with a length search (editing.default_lengths, chosen by the model's own causal head);
+- the same at the oracle length with no suffix visible (suffix_window 0): what the suffix contributes;
+- the same at the oracle length with a longer canvas at inference (32 suffix tokens visible);
+- AR, prefix only, greedy, oracle length in tokens;
+- AR given "suffix + blank line + prefix" as its prompt, greedy, oracle length.
+
+Figures per method and span kind: exact match (stripped text), token accuracy (position-wise over the
+true span's tokens, the generated middle re-tokenised), judged NLL per character of the middle after
+the prefix, and judged NLL per character of the next 100 suffix characters after prefix + middle (how
+well the middle joins the right side), under the AR twin (models/shakespeare-ar). The true middle is
+scored too, as the floor. Diffusion uses the checkpoint's sampler defaults, seed = span index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import printpress
+from printpress import editing
+from printpress.corpora import load_corpus, split_documents
+from printpress.eval.judge import nll_per_char
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX_CHARS, SUFFIX_CHARS, JOIN_CHARS = 400, 200, 100
+
+
+def dialogue_lines(text: str) -> list[tuple[int, int]]:
+    """(start, end) of lines that are verse or prose: 20-70 characters, 4+ words, not a speaker or stage line."""
+    out, pos = [], 0
+    for line in text.split("\n"):
+        start, pos = pos, pos + len(line) + 1
+        stripped = line.strip()
+        if not 20 <= len(stripped) <= 70 or len(stripped.split()) < 4 or line != stripped:
+            continue
+        if stripped.isupper() or stripped.startswith("[") or stripped.endswith("]"):
+            continue
+        if start < PREFIX_CHARS:
+            continue
+        out.append((start, start + len(line)))
+    return out
+
+
+def make_spans(count: int, seed: int = 0) -> list[dict]:
+    _, validation = split_documents(load_corpus("shakespeare"), val_fraction=0.05)
+    rng = random.Random(seed)
+    spans = []
+    for i in range(count):
+        doc = rng.choice(validation)
+        start, end = rng.choice(dialogue_lines(doc.text))
+        kind = "line" if i % 2 == 0 else "words"
+        if kind == "words":
+            line = doc.text[start:end]
+            starts = [j for j, ch in enumerate(line) if ch == " "]  # a word starts after each space
+            n = rng.choice((2, 3))
+            first = rng.randrange(0, max(1, len(starts) - n + 1))
+            cut = starts[first:first + n + 1]
+            stop = cut[n] if len(cut) > n else len(line)
+            start, end = start + cut[0], start + stop
+        spans.append({"doc": doc.name, "kind": kind, "start": start, "end": end,
+                      "prefix": doc.text[start - PREFIX_CHARS:start], "middle": doc.text[start:end],
+                      "suffix": doc.text[end:end + SUFFIX_CHARS]})
+    return spans
+
+
+def ar_middle(pipe, prompt: str, tokens: int) -> str:
+    result = pipe.generate(prompt, mode="ar", temperature=0.0, max_new_tokens=tokens, seed=0)
+    return result.text
+
+
+def token_accuracy(pipe, generated: str, true: str) -> float:
+    tok = pipe.tokenizer
+    want = tok.encode(true, add_special_tokens=False).ids
+    got = tok.encode(generated, add_special_tokens=False).ids
+    return sum(1 for a, b in zip(want, got) if a == b) / len(want)
+
+
+def score(pipe, judge, span: dict, middle: str) -> dict:
+    prefix, suffix = span["prefix"], span["suffix"]
+    return {
+        "middle": middle,
+        "exact": middle.strip() == span["middle"].strip(),
+        "token_accuracy": token_accuracy(pipe, middle, span["middle"]),
+        "middle_nll": nll_per_char(judge, prefix, middle) if middle else None,
+        "join_nll": nll_per_char(judge, prefix + middle, suffix[:JOIN_CHARS]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--joint", default=str(ROOT / "models" / "shakespeare-joint"))
+    parser.add_argument("--ar", default=str(ROOT / "models" / "shakespeare-ar"))
+    parser.add_argument("--spans", type=int, default=100)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "infill.json"))
+    parser.add_argument("--note", default="", help="what else ran on the machine")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pipe, judge = printpress.load(args.joint), printpress.load(args.ar)
+    spans = make_spans(args.spans)
+    methods = {
+        "original (the true middle)": lambda s, i, n: s["middle"],
+        "diffusion infill, oracle length": lambda s, i, n: editing.infill(
+            pipe, s["prefix"], s["suffix"], length=n, seed=i),
+        "diffusion infill, length search": lambda s, i, n: editing.infill(
+            pipe, s["prefix"], s["suffix"], seed=i),
+        "diffusion, oracle length, no suffix seen": lambda s, i, n: editing.infill(
+            pipe, s["prefix"], s["suffix"], length=n, seed=i, suffix_window=0),
+        "diffusion infill, oracle length, canvas + 32 suffix tokens": lambda s, i, n: editing.infill(
+            pipe, s["prefix"], s["suffix"], length=n, seed=i, suffix_window=32),
+        "AR greedy, prefix only": lambda s, i, n: ar_middle(pipe, s["prefix"], n),
+        "AR greedy, suffix + blank line + prefix": lambda s, i, n: ar_middle(pipe, s["suffix"] + "\n\n" + s["prefix"], n),
+    }
+    records = {name: [] for name in methods}
+    seconds = {name: 0.0 for name in methods}
+    for i, span in enumerate(spans):
+        n = len(pipe.tokenizer.encode(span["middle"], add_special_tokens=False).ids)
+        for name, method in methods.items():
+            started = time.perf_counter()
+            out = method(span, i, n)
+            seconds[name] += time.perf_counter() - started
+            extra = {"true_tokens": n}
+            if isinstance(out, editing.EditResult):
+                extra["length"] = out.stats.length
+                extra["candidates"] = [[c.length, c.join_nll, c.join_chars, c.middle] for c in out.candidates]
+                out = out.middle
+            records[name].append({"span": i, **score(pipe, judge, span, out), **extra})
+        if (i + 1) % 10 == 0:
+            print(f"{i + 1}/{len(spans)} spans", flush=True)
+    rows = []
+    for name in methods:
+        for kind in ("line", "words", "all"):
+            recs = [r for r in records[name] if kind == "all" or spans[r["span"]]["kind"] == kind]
+            middles = [r["middle_nll"] for r in recs if r["middle_nll"] is not None]
+            rows.append({
+                "method": name, "kind": kind, "spans": len(recs),
+                "exact_match": statistics.mean(r["exact"] for r in recs),
+                "token_accuracy": statistics.mean(r["token_accuracy"] for r in recs),
+                "middle_nll_per_char": statistics.mean(middles) if middles else None,
+                "join_nll_per_char": statistics.mean(r["join_nll"] for r in recs),
+                "seconds_per_span": seconds[name] / len(spans),
+            })
+            print(f"{name:58s} {kind:5s} exact {rows[-1]['exact_match']:.2f} tok-acc {rows[-1]['token_accuracy']:.3f} "
+                  f"middle {rows[-1]['middle_nll_per_char'] or float('nan'):.3f} join {rows[-1]['join_nll_per_char']:.3f}"
+                  f" {rows[-1]['seconds_per_span']:.2f} s/span", flush=True)
+    meta = {"command": f"OMP_NUM_THREADS=1 python bench/infill.py --spans {args.spans}", "threads": 1,
+            "model": Path(args.joint).name, "judge": Path(args.ar).name, "spans": len(spans),
+            "prefix_chars": PREFIX_CHARS, "suffix_chars": SUFFIX_CHARS, "join_chars": JOIN_CHARS,
+            "sampler": "checkpoint defaults (32 steps, entropy bound 0.1, t 0.8->0.4), seed = span index",
+            "note": args.note}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "spans": spans, "records": records}, indent=1,
+                              ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()
