@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from printpress.edit_command import register_edit
+from printpress.eval.command import register as register_eval
 from printpress.errors import GenerationError, PrintpressError
 
 Register = Callable[[argparse._SubParsersAction], None]
@@ -252,7 +253,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=command.run)
 
 
-COMMANDS: list[Register] = [register_generate, register_train, register_edit]
+COMMANDS: list[Register] = [register_generate, register_train, register_edit, register_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:
