@@ -1,0 +1,240 @@
+"""The wire format: pydantic models of the OpenAI-compatible requests and responses, and printpress's extensions.
+
+Requests follow OpenAI's `/v1/completions` and `/v1/chat/completions` schemas for the fields printpress can
+honour, and forbid every other field, so a typo or an unsupported option ("top_p", "logprobs") is a 400 that
+names the field instead of being silently ignored. The diffusion settings are extra top-level fields
+(`steps`, `entropy_bound`, `t_min`, `t_max`, ...), which the openai client sends with `extra_body={...}`.
+
+Value ranges that are the same for every deployment are checked here (pydantic); limits that are settings
+of the server (longest output, longest prompt) and checks that need the model (vocabulary, temperature
+schedule) are made by the app, which answers with the same error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_SEED = 2**64 - 1
+MAX_STOP_SEQUENCES = 4
+MAX_PROMPTS = 16  # prompts in one /v1/completions request (each takes its own scheduler slot)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="Send one more chunk, with empty choices, carrying usage.")
+
+
+class GenerationFields(_Strict):
+    """Fields shared by both endpoints: OpenAI's, then printpress's diffusion settings and extensions."""
+
+    model: str | None = Field(None, description="The served model's id (GET /v1/models). Optional: one model is served.")
+    stream: bool = Field(False, description="Answer with server-sent events in OpenAI's chunk format.")
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same settings, same prompt: same text.")
+    stop: str | list[str] | None = Field(
+        None, description=f"Up to {MAX_STOP_SEQUENCES} strings; the text ends before the first one generated."
+    )
+    n: Literal[1] = Field(1, description="Only one choice per prompt is generated.")
+    user: str | None = Field(None, max_length=256, description="Accepted for compatibility; not used or logged.")
+    temperature: float | None = Field(None, ge=0, le=10, description="mode='ar' only: sampling temperature (0 = greedy).")
+    # printpress's diffusion settings (default: the checkpoint's generation_config.json).
+    mode: Literal["diffusion", "ar"] | None = Field(None, description="diffusion (default) or ar (the encoder as a causal LM).")
+    steps: int | None = Field(None, ge=1, le=4096, description="Maximum denoising steps per canvas.")
+    entropy_bound: float | None = Field(None, gt=0, le=1e6, description="Entropy bound for accepting positions per step.")
+    t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.")
+    t_max: float | None = Field(None, gt=0, le=100, description="Temperature at the first denoising step.")
+    stability_threshold: int | None = Field(None, ge=0, le=4096, description="Stable steps needed to stop a canvas early.")
+    confidence_threshold: float | None = Field(None, gt=0, le=1e6, description="Mean entropy needed to stop early.")
+    sample_accepted_only: bool | None = Field(
+        None, description="Faster sampler with the same distribution, not the reference's random stream."
+    )
+    top_k: int | None = Field(None, ge=1, description="mode='ar' only: sample among the k most likely tokens.")
+    # printpress's extension: the step stream.
+    stream_steps: bool = Field(
+        False,
+        description="With stream=true, also send every denoising step's canvas as `event: printpress.step` "
+        "and every committed canvas as `event: printpress.commit` (see docs/server.md).",
+    )
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description=f"Text, token ids, or a list of up to {MAX_PROMPTS} of either."
+    )
+    max_tokens: int | None = Field(None, ge=1, description="New tokens at most (default: the checkpoint's max_new_tokens).")
+    echo: bool = Field(False, description="Put the prompt text before the completion.")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=64, description="The speaker's name (the plain template uses it).")
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Responses
+# ------------------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Stats(BaseModel):
+    """printpress's figures for one choice (the field `printpress` of a response)."""
+
+    mode: str
+    seed: int
+    canvases: int
+    denoising_steps: int
+    forward_passes: int
+    tokens_per_forward: float
+    wall_time_s: float
+    tokens_per_second: float
+    finish_reason: str = Field(description="The engine's: eos or length (before stop sequences and max_tokens).")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    printpress: list[Stats | None] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    printpress: list[Stats | None] | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    printpress: list[Stats | None] | None = None
+
+
+class StepPayload(BaseModel):
+    """`event: printpress.step`: one denoising step of one choice's canvas.
+
+    `argmax` is the canvas as it would be committed now; `tokens` is what the next step sees: the accepted
+    positions keep their sample, every other position was re-noised with a uniformly random token.
+    `argmax_text` and `tokens_text` hold each position's token as text (special tokens included).
+    """
+
+    object: Literal["printpress.step"] = "printpress.step"
+    id: str
+    index: int
+    canvas: int
+    step: int
+    max_steps: int
+    accepted: list[bool]
+    argmax: list[int]
+    tokens: list[int]
+    argmax_text: list[str]
+    tokens_text: list[str]
+    stopped: bool
+
+
+class CommitPayload(BaseModel):
+    """`event: printpress.commit`: a canvas (or an AR token) was appended to one choice's output."""
+
+    object: Literal["printpress.commit"] = "printpress.commit"
+    id: str
+    index: int
+    canvas: int
+    token_ids: list[int]
+    text: str = Field(description="The text this commit added to the choice (after max_tokens and stop).")
+    finished: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "printpress"
+    canvas_length: int
+    max_position_embeddings: int
+    vocab_size: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    active: int = Field(description="Requests being generated now.")
+    queued: int = Field(description="Requests waiting for a slot.")
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,326 @@
+// The printpress page: a prompt, settings, and the canvas drawn live as it denoises.
+//
+// Plain JavaScript, no build step. Three parts, each usable on its own so that more features (say,
+// "select a span -> rewrite it in place") can be added beside them:
+//   1. streamEvents(): POST a JSON body and read the server-sent events of the answer (any endpoint).
+//   2. CanvasView: draws committed text plus one live canvas into an element (any number of views).
+//   3. The page controller: reads the form, runs one generation, feeds a list of consumers.
+// Everything is exposed on window.printpress for extensions and tests.
+"use strict";
+
+(function () {
+  // ---------------------------------------------------------------------------------------------
+  // 1. Server-sent events over fetch (EventSource cannot POST a body or send headers)
+  // ---------------------------------------------------------------------------------------------
+
+  /** POST `body` to `url` and call onEvent(name, data) for every SSE event until the stream ends. */
+  async function streamEvents(url, body, { headers = {}, signal, onEvent }) {
+    const response = await fetch(url, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", Accept: "text/event-stream", ...headers },
+      body: JSON.stringify(body),
+      signal,
+    });
+    if (!response.ok) {
+      throw new Error(await errorMessage(response));
+    }
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");
+      let end;
+      while ((end = buffer.indexOf("\n\n")) !== -1) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const parsed = parseEvent(block);
+        if (parsed) onEvent(parsed.name, parsed.data);
+      }
+    }
+  }
+
+  function parseEvent(block) {
+    let name = "message";
+    const data = [];
+    for (const line of block.split("\n")) {
+      if (line.startsWith("event:")) name = line.slice(6).trim();
+      else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+    }
+    return data.length ? { name, data: data.join("\n") } : null;
+  }
+
+  async function errorMessage(response) {
+    try {
+      const payload = await response.json();
+      return `${response.status}: ${payload.error ? payload.error.message : JSON.stringify(payload)}`;
+    } catch (_) {
+      return `${response.status} ${response.statusText}`;
+    }
+  }
+
+  function authHeaders(apiKey) {
+    return apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+  }
+
+  /**
+   * Stream one completion with the step stream on; `consumer` may define any of
+   * step(payload), commit(payload), text(delta), finish(choice, stats), usage(usage).
+   */
+  async function streamCompletion(body, consumer, { apiKey, signal } = {}) {
+    const request = { ...body, stream: true, stream_steps: true, stream_options: { include_usage: true } };
+    await streamEvents("/v1/completions", request, {
+      headers: authHeaders(apiKey),
+      signal,
+      onEvent(name, data) {
+        if (data === "[DONE]") return;
+        const payload = JSON.parse(data);
+        if (payload.error) throw new Error(payload.error.message);
+        if (name === "printpress.step") call(consumer, "step", payload);
+        else if (name === "printpress.commit") call(consumer, "commit", payload);
+        else {
+          if (payload.usage) call(consumer, "usage", payload.usage);
+          for (const choice of payload.choices || []) {
+            if (choice.text) call(consumer, "text", choice.text);
+            if (choice.finish_reason) call(consumer, "finish", choice, (payload.printpress || [])[0] || null);
+          }
+        }
+      },
+    });
+  }
+
+  function call(consumer, method, ...args) {
+    if (typeof consumer[method] === "function") consumer[method](...args);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // 2. CanvasView: committed text, then the canvas being denoised
+  // ---------------------------------------------------------------------------------------------
+
+  const visible = (text) => text.replace(/\n/g, "⏎\n").replace(/\t/g, "⇥");
+
+  class CanvasView {
+    /** `committedEl` receives the text, `canvasEl` one span per canvas position. */
+    constructor(committedEl, canvasEl, { noiseView = () => "guess" } = {}) {
+      this.committedEl = committedEl;
+      this.canvasEl = canvasEl;
+      this.noiseView = noiseView;
+      this.pending = null; // the latest step, drawn at the next animation frame
+    }
+
+    reset(promptText = "") {
+      this.committedEl.textContent = "";
+      if (promptText) {
+        const prompt = document.createElement("span");
+        prompt.className = "prompt-text";
+        prompt.textContent = promptText;
+        this.committedEl.appendChild(prompt);
+      }
+      this.clearCanvas();
+    }
+
+    step(payload) {
+      if (this.pending === null) requestAnimationFrame(() => this.draw());
+      this.pending = payload;
+    }
+
+    draw() {
+      const payload = this.pending;
+      this.pending = null;
+      if (!payload) return;
+      const showNoise = this.noiseView() === "noise";
+      const cells = payload.accepted.map((settled, i) => {
+        const cell = document.createElement("span");
+        cell.className = `tok ${settled ? "settled" : "renoised"}`;
+        const text = settled || !showNoise ? payload.argmax_text[i] : payload.tokens_text[i];
+        cell.textContent = visible(text);
+        cell.dataset.position = String(i);
+        return cell;
+      });
+      this.canvasEl.replaceChildren(...cells);
+      this.canvasEl.dataset.canvas = String(payload.canvas);
+      this.canvasEl.dataset.step = String(payload.step);
+    }
+
+    commit() {
+      this.clearCanvas();
+    }
+
+    text(delta) {
+      this.committedEl.appendChild(document.createTextNode(delta));
+    }
+
+    clearCanvas() {
+      this.pending = null;
+      this.canvasEl.replaceChildren();
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // 3. The page controller
+  // ---------------------------------------------------------------------------------------------
+
+  const $ = (id) => document.getElementById(id);
+  const form = $("generate-form");
+  const NUMBER_FIELDS = { max_tokens: parseInt, steps: parseInt, seed: parseInt, entropy_bound: parseFloat,
+                          t_min: parseFloat, t_max: parseFloat };
+
+  /** The request body the form describes (empty fields keep the model's defaults). */
+  function readSettings() {
+    const data = new FormData(form);
+    const body = { prompt: data.get("prompt"), mode: data.get("mode") };
+    for (const [name, parse] of Object.entries(NUMBER_FIELDS)) {
+      const raw = String(data.get(name) || "").trim();
+      if (raw !== "") body[name] = parse(raw);
+    }
+    return body;
+  }
+
+  const pageOptions = () => {
+    const data = new FormData(form);
+    return { apiKey: String(data.get("api_key") || ""), delay: Number(data.get("delay") || 0),
+             noiseView: String(data.get("noise_view")) };
+  };
+
+  const view = new CanvasView($("committed"), $("canvas"), { noiseView: () => pageOptions().noiseView });
+
+  /** A consumer that keeps the status line, step counter and statistics up to date. */
+  function statusConsumer() {
+    let steps = 0;
+    let completionTokens = null;
+    let finalStats = null;
+    const started = performance.now();
+    return {
+      step(payload) {
+        steps += 1;
+        $("steps-received").textContent = String(steps);
+        $("progress").textContent = `canvas ${payload.canvas + 1} · step ${payload.step}/${payload.max_steps}` +
+          ` · ${payload.accepted.filter(Boolean).length}/${payload.accepted.length} settled`;
+      },
+      usage(usage) {
+        completionTokens = usage.completion_tokens;
+        showStats(finalStats, completionTokens, performance.now() - started);
+      },
+      finish(choice, stats) {
+        finalStats = stats;
+        $("progress").textContent = `finished: ${choice.finish_reason}`;
+        showStats(finalStats, completionTokens, performance.now() - started);
+      },
+    };
+  }
+
+  function showStats(stats, completionTokens, elapsedMs) {
+    const rows = [];
+    if (stats) {
+      rows.push(["tokens/s", stats.tokens_per_second.toFixed(1)],
+                ["tokens per forward", stats.tokens_per_forward.toFixed(2)],
+                ["denoising steps", String(stats.denoising_steps)],
+                ["canvases", String(stats.canvases)],
+                ["generation time", `${stats.wall_time_s.toFixed(2)} s`],
+                ["mode", stats.mode], ["seed", String(stats.seed)]);
+    }
+    if (completionTokens !== null) rows.push(["completion tokens", String(completionTokens)]);
+    rows.push(["round trip", `${(elapsedMs / 1000).toFixed(2)} s`]);
+    $("stats").replaceChildren(...rows.flatMap(([name, value]) => {
+      const dt = document.createElement("dt");
+      dt.textContent = name;
+      const dd = document.createElement("dd");
+      dd.textContent = value;
+      dd.dataset.stat = name;
+      return [dt, dd];
+    }));
+  }
+
+  /** Wrap consumers so that calls are replayed `delay` ms apart after each step (to watch slowly). */
+  function paced(consumers, delay) {
+    const fanOut = (method, args) => consumers.forEach((c) => call(c, method, ...args));
+    if (!delay) {
+      return { consumer: new Proxy({}, { get: (_, method) => (...args) => fanOut(method, args) }), drained: () => Promise.resolve() };
+    }
+    const queue = [];
+    let draining = Promise.resolve();
+    const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+    const consumer = new Proxy({}, {
+      get: (_, method) => (...args) => {
+        queue.push([method, args]);
+        draining = draining.then(async () => {
+          const [m, a] = queue.shift();
+          fanOut(m, a);
+          if (m === "step") await sleep(delay);
+        });
+      },
+    });
+    return { consumer, drained: () => draining };
+  }
+
+  let controller = null;
+
+  /** Extra consumers (e.g. a second view) may be pushed here; each gets every stream callback. */
+  const extraConsumers = [];
+
+  async function run(event) {
+    event.preventDefault();
+    if (controller) return;
+    const body = readSettings();
+    const options = pageOptions();
+    controller = new AbortController();
+    setRunning(true);
+    $("error").hidden = true;
+    $("stats").replaceChildren();
+    $("steps-received").textContent = "0";
+    $("status").textContent = "generating";
+    view.reset(body.prompt);
+    const { consumer, drained } = paced([view, statusConsumer(), ...extraConsumers], options.delay);
+    try {
+      await streamCompletion(body, consumer, { apiKey: options.apiKey, signal: controller.signal });
+      await drained();
+      view.clearCanvas();
+      $("status").textContent = "done";
+    } catch (error) {
+      if (error.name === "AbortError") {
+        $("status").textContent = "stopped";
+      } else {
+        $("status").textContent = "error";
+        $("error").textContent = error.message;
+        $("error").hidden = false;
+      }
+    } finally {
+      controller = null;
+      setRunning(false);
+    }
+  }
+
+  function setRunning(running) {
+    $("generate").disabled = running;
+    $("stop").disabled = !running;
+    document.body.dataset.running = running ? "1" : "0";
+  }
+
+  /** A button in the action bar, for features added later (e.g. rewrite the selected span). */
+  function addAction(label, handler) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "secondary";
+    button.textContent = label;
+    button.addEventListener("click", handler);
+    $("actions").appendChild(button);
+    return button;
+  }
+
+  async function showModel() {
+    try {
+      const response = await fetch("/v1/models", { headers: authHeaders(pageOptions().apiKey) });
+      if (response.ok) $("model-name").textContent = (await response.json()).data[0].id;
+    } catch (_) {
+      /* the page still works without the name */
+    }
+  }
+
+  form.addEventListener("submit", run);
+  $("stop").addEventListener("click", () => controller && controller.abort());
+  showModel();
+
+  window.printpress = { streamEvents, streamCompletion, authHeaders, CanvasView, readSettings, addAction,
+                        extraConsumers, view };
+})();

@@ -1,0 +1,422 @@
+"""The HTTP server: the official openai client against a real uvicorn server on loopback, the step stream,
+access control, limits and bad input (always a 4xx JSON error, never a 500), and schemathesis over the
+OpenAPI document.
+
+The server runs the shipped model (models/shakespeare-joint, 5.6M parameters, ~12 ms a denoising step on
+one core) with 4 denoising steps per canvas, so a 32-token request takes a few tens of milliseconds. What
+the server returns is compared with what `Pipeline.generate` returns for the same prompt, seed and settings.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import printpress
+from printpress.serve.app import create_app
+from printpress.serve.chat import ChatFormatter, plain_prompt
+from printpress.serve.output import ChoiceText
+from printpress.serve.protocol import ChatMessage
+from printpress.serve.scheduler import Limits, Scheduler
+
+KEY = "sk-test-0123456789"
+MODEL = "shakespeare-joint"
+STEPS = 4  # denoising steps per canvas in these tests (the shipped default is 32)
+LIMITS = dict(max_new_tokens=96, max_prompt_tokens=64, max_steps=8)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@dataclass
+class Server:
+    url: str
+    app: object
+    scheduler: Scheduler
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(pipe, api_key: str | None = KEY, max_rows: int = 4, max_queued: int = 8,
+                   timeout_s: float = 60.0, max_body_bytes: int = 64 * 1024) -> Iterator[Server]:
+    """A real uvicorn server on a free loopback port, in a thread of this process."""
+    limits = Limits(max_rows=max_rows, max_queued=max_queued, max_prompt_tokens=LIMITS["max_prompt_tokens"],
+                    max_new_tokens=LIMITS["max_new_tokens"], request_timeout_s=timeout_s)
+    scheduler = Scheduler(pipe, limits)
+    app = create_app(pipe, scheduler, model_name=MODEL, api_key=api_key, max_body_bytes=max_body_bytes, **LIMITS)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield Server(f"http://127.0.0.1:{port}", app, scheduler)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return printpress.load()
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    with running_server(pipe) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def expected(pipe, prompt: str, seed: int, max_new_tokens: int = 32, **settings):
+    return pipe.generate(prompt, seed=seed, max_new_tokens=max_new_tokens, max_denoising_steps=STEPS, **settings)
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, str]]:
+    """(event name, data) for every server-sent event of a response."""
+    events, name, data = [], "message", []
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+        elif line == "" and data:
+            events.append((name, "\n".join(data)))
+            name, data = "message", []
+    return events
+
+
+# ------------------------------------------------------------------------------------------------
+# The openai client: plain, streamed and chat completions
+# ------------------------------------------------------------------------------------------------
+
+
+def test_openai_completion_equals_the_library(client, pipe):
+    out = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=64, seed=3, extra_body={"steps": STEPS})
+    want = expected(pipe, "ROMEO:", seed=3, max_new_tokens=64)
+    assert out.choices[0].text == want.text
+    assert out.choices[0].finish_reason == ("stop" if want.stats.finish_reason == "eos" else "length")
+    assert out.usage.prompt_tokens == len(pipe.encode_text("ROMEO:")) == 5
+    assert out.usage.completion_tokens == want.stats.new_tokens
+    assert out.usage.total_tokens == 5 + want.stats.new_tokens
+    stats = out.model_extra["printpress"][0]
+    assert stats["denoising_steps"] == want.stats.denoising_steps
+    assert stats["seed"] == 3 and stats["mode"] == "diffusion"
+    assert stats["tokens_per_forward"] == pytest.approx(want.stats.tokens_per_forward)
+
+
+def test_the_same_seed_gives_the_same_text_and_another_seed_another(client):
+    def text(seed):
+        return client.completions.create(model=MODEL, prompt="To be", max_tokens=32, seed=seed,
+                                         extra_body={"steps": STEPS}).choices[0].text
+
+    assert text(11) == text(11)
+    assert text(11) != text(12)
+
+
+def test_streamed_completion_adds_up_to_the_plain_one(client, pipe):
+    stream = client.completions.create(model=MODEL, prompt="JULIET:", max_tokens=64, seed=5, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"steps": STEPS})
+    chunks = list(stream)
+    want = expected(pipe, "JULIET:", seed=5, max_new_tokens=64)
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == want.text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] in ("stop", "length")
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert len(text_chunks) >= 2  # the text arrives canvas by canvas, not at the end
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == want.stats.new_tokens
+    assert usage.prompt_tokens == len(pipe.encode_text("JULIET:"))
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_completion_uses_the_plain_template(client, pipe):
+    messages = [{"role": "system", "content": "A scene in Verona."},
+                {"role": "user", "content": "Who is there?", "name": "Romeo"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, seed=9,
+                                         extra_body={"steps": STEPS})
+    prompt = "A scene in Verona.\n\nROMEO: Who is there?\n\nASSISTANT:"
+    assert plain_prompt([ChatMessage(**m) for m in messages]) == prompt
+    want = expected(pipe, prompt, seed=9)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == want.text
+    assert out.usage.prompt_tokens == len(pipe.encode_text(prompt))
+    assert out.object == "chat.completion"
+
+
+def test_streamed_chat_completion(client, pipe):
+    messages = [{"role": "user", "content": "Speak."}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=32, seed=2,
+                                            stream=True, extra_body={"steps": STEPS})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == expected(pipe, "USER: Speak.\n\nASSISTANT:", seed=2).text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_autoregressive_mode_through_the_api(client, pipe):
+    out = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=12, temperature=0,
+                                    extra_body={"mode": "ar"})
+    want = pipe.generate("ROMEO:", mode="ar", temperature=0, max_new_tokens=12, seed=0)
+    assert out.choices[0].text == want.text
+    assert out.model_extra["printpress"][0]["mode"] == "ar"
+
+
+def test_max_tokens_cuts_inside_a_canvas(client, pipe):
+    out = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=5, seed=4, extra_body={"steps": STEPS})
+    full = expected(pipe, "ROMEO:", seed=4, max_new_tokens=5)  # the engine commits a whole canvas of 32
+    assert len(full.completion_ids) > 5, "this seed must not end within 5 tokens for the test to mean anything"
+    assert out.choices[0].text == pipe.decode(full.completion_ids[:5])
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5
+
+
+def test_stop_sequence_ends_the_text_before_it(client, pipe):
+    full = expected(pipe, "ROMEO:", seed=6, max_new_tokens=64).text
+    stop = full[10:13]
+    assert full.find(stop) >= 0
+    out = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=64, seed=6, stop=[stop, "zzzz"],
+                                    extra_body={"steps": STEPS})
+    assert out.choices[0].text == full[: full.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=64, seed=6, stop=stop,
+                                         stream=True, extra_body={"steps": STEPS})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full[: full.find(stop)]
+
+
+def test_several_prompts_in_one_request(client, pipe):
+    out = client.completions.create(model=MODEL, prompt=["ROMEO:", "JULIET:"], max_tokens=32, seed=8,
+                                    extra_body={"steps": STEPS})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [expected(pipe, p, seed=8).text for p in ("ROMEO:", "JULIET:")]
+
+
+def test_token_id_prompts_and_echo(client, pipe):
+    ids = pipe.encode_text("ROMEO:")
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=32, seed=1, echo=True,
+                                    extra_body={"steps": STEPS})
+    assert out.choices[0].text == pipe.decode(ids) + expected(pipe, "ROMEO:", seed=1).text
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["canvas_length"] == 32
+    assert client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+    doc = httpx.get(server.url + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(doc["paths"])
+    fields = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"steps", "entropy_bound", "t_min", "t_max", "mode", "stream_steps", "seed"} <= set(fields)
+
+
+# ------------------------------------------------------------------------------------------------
+# The step stream
+# ------------------------------------------------------------------------------------------------
+
+
+def test_step_stream_shows_every_step_and_commit(server, pipe):
+    body = dict(model=MODEL, prompt="ROMEO:", max_tokens=64, seed=7, steps=STEPS, stream=True, stream_steps=True)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == ("message", "[DONE]")
+    steps = [json.loads(d) for n, d in events if n == "printpress.step"]
+    commits = [json.loads(d) for n, d in events if n == "printpress.commit"]
+    chunks = [json.loads(d) for n, d in events[:-1] if n == "message"]
+    want = expected(pipe, "ROMEO:", seed=7, max_new_tokens=64)
+    assert len(steps) == want.stats.denoising_steps
+    assert len(commits) == want.stats.canvases
+    for step in steps:
+        assert step["object"] == "printpress.step" and step["max_steps"] == STEPS
+        assert len(step["accepted"]) == len(step["argmax"]) == len(step["tokens"]) == 32
+        assert step["argmax_text"] == [pipe.tokenizer.decode([t], skip_special_tokens=False) for t in step["argmax"]]
+        # Accepted positions keep their sample; the others hold fresh noise.
+        assert all(isinstance(a, bool) for a in step["accepted"])
+    # The last step of each canvas is what gets committed.
+    for canvas, commit in enumerate(commits):
+        last = [s for s in steps if s["canvas"] == canvas][-1]
+        assert commit["token_ids"] == want.token_ids[32 * canvas: 32 * (canvas + 1)]
+        argmax = last["argmax"]
+        if 1 in argmax:  # pad (0) after the first EOS (1), as the engine commits
+            argmax = argmax[: argmax.index(1) + 1] + [0] * (31 - argmax.index(1))
+        assert commit["token_ids"] == argmax
+    assert "".join(c["text"] for c in commits) == want.text
+    assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == want.text
+    # Every step event comes before the commit of its canvas.
+    order = [(n, json.loads(d).get("canvas")) for n, d in events[:-1] if n != "message"]
+    for canvas in range(len(commits)):
+        last_step = max(i for i, (n, c) in enumerate(order) if n == "printpress.step" and c == canvas)
+        assert order[last_step + 1] == ("printpress.commit", canvas)
+
+
+def test_steps_are_not_streamed_unless_asked(server):
+    body = dict(prompt="ROMEO:", max_tokens=32, seed=7, steps=STEPS, stream=True)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        names = {n for n, _ in sse_events(response)}
+    assert names == {"message"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Access
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
+                                     {"Authorization": KEY}])
+def test_api_routes_need_the_key(server, headers):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+        response = httpx.request(method, server.url + path, headers=headers, json={"prompt": "x"})
+        assert response.status_code == 401, path
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert KEY not in response.text
+
+
+def test_openai_client_with_a_wrong_key_gets_401(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        bad.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=8)
+    assert info.value.status_code == 401
+
+
+def test_page_health_and_openapi_are_open(server):
+    for path in ("/", "/app.js", "/style.css", "/health", "/openapi.json"):
+        assert httpx.get(server.url + path).status_code == 200, path
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a 4xx JSON error naming the problem, never a 500
+# ------------------------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    # (path, raw body or JSON, status, words in the message, param)
+    ("/v1/completions", b'{"prompt": "ROMEO:", ', 400, "not valid JSON", None),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "greater than or equal to 1", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400, "at most 96 tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "'gpt-4' does not exist", "model"),
+    ("/v1/completions", {"prompt": "word " * 200}, 400, "at most 64", "prompt"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0.9}, 400, "unknown field 'top_p'", "top_p"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "unknown field 'logprobs'", "logprobs"),
+    ("/v1/completions", {}, 400, "missing required field 'prompt'", "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty", None),
+    ("/v1/completions", {"prompt": [[]]}, 400, "empty", "prompt"),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, "outside the vocabulary", "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 17}, 400, "at most 16", "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "seed"),
+    ("/v1/completions", {"prompt": "x", "steps": 9}, 400, "at most 8 denoising steps", "steps"),
+    ("/v1/completions", {"prompt": "x", "t_min": 0.9, "t_max": 0.5}, 400, "t_min (0.9) must not exceed t_max", None),
+    ("/v1/completions", {"prompt": "x", "temperature": 0.7}, 400, "temperature and top_k apply to mode='ar'", None),
+    ("/v1/completions", {"prompt": "x", "mode": "magic"}, 400, "mode", "mode"),
+    ("/v1/completions", {"prompt": "x", "stream_steps": True}, 400, "stream_steps needs stream=true", "stream_steps"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role", "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+                              "max_completion_tokens": 8}, 400, "not both", "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages", "messages"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, words, param", BAD_REQUESTS,
+                         ids=[f"{i}-{b if isinstance(b, bytes) else list(b)}"[:60] for i, (_, b, *_) in
+                              enumerate(BAD_REQUESTS)])
+def test_bad_input_is_a_clear_4xx(server, path, body, status, words, param):
+    if isinstance(body, bytes):
+        response = httpx.post(server.url + path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+    else:
+        response = httpx.post(server.url + path, json=body, headers=AUTH)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"]
+    assert error["param"] == param
+    assert "Traceback" not in response.text
+
+
+def test_unknown_routes_and_methods_are_json_errors(server):
+    response = httpx.get(server.url + "/v1/nothing", headers=AUTH)
+    assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+    response = httpx.get(server.url + "/v1/completions", headers=AUTH)
+    assert response.status_code == 405 and "error" in response.json()
+
+
+def test_body_size_limit(server):
+    body = json.dumps({"prompt": "x" * (70 * 1024)}).encode()
+    response = httpx.post(server.url + "/v1/completions", content=body, headers={**AUTH, "Content-Type":
+                                                                                 "application/json"})
+    assert response.status_code == 413
+    assert "larger than 65536 bytes" in response.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit holds for a streamed body too
+        for _ in range(70):
+            yield b"x" * 1024
+
+    response = httpx.post(server.url + "/v1/completions", content=chunked(), headers=AUTH)
+    assert response.status_code == 413
+
+
+# ------------------------------------------------------------------------------------------------
+# Pieces: the chat template and the output cuts
+# ------------------------------------------------------------------------------------------------
+
+
+def test_model_chat_template_is_rendered_in_a_sandbox():
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    chat = ChatFormatter(template, {"bos_token": "<bos>"})
+    messages = [ChatMessage(role="user", content=[{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}])]
+    assert chat(messages) == "<bos><user>hi there</user><assistant>"
+    assert chat.kind == "model" and ChatFormatter().kind == "plain"
+    strict = ChatFormatter("{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}")
+    with pytest.raises(printpress.PrintpressError, match="system first"):
+        strict(messages)
+    unsafe = ChatFormatter("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(printpress.PrintpressError, match="rejected"):
+        unsafe(messages)
+
+
+def test_output_cuts_hold_back_what_may_still_change():
+    def decode(ids):
+        return "".join(chr(i) for i in ids)
+
+    text = ChoiceText(decode, max_tokens=100, eos_token_ids=[1], stop=["END"])
+    assert text.add([ord(c) for c in "abcE"]) == "abc"  # "E" may start "END"
+    assert text.add([ord(c) for c in "Nx"]) == "ENx"  # it did not
+    assert text.add([ord(c) for c in "yEND tail"]) == "y"
+    assert text.hit_stop and text.done and text.finish_reason == "stop" and text.text == "abcENxy"
+    assert text.finish() == ""
+    cut = ChoiceText(decode, max_tokens=3, eos_token_ids=[1])
+    assert cut.add([ord("a"), ord("b"), ord("c"), ord("d")]) == "abc"
+    assert cut.finish_reason == "length" and cut.completion_tokens == 3
+    eos = ChoiceText(decode, max_tokens=10, eos_token_ids=[1])
+    assert eos.add([ord("a"), 1, 0, 0]) == "a" and eos.finish_reason == "stop" and eos.completion_tokens == 2
+    broken = ChoiceText(lambda ids: "ok\ufffd" if len(ids) == 1 else "ok!", max_tokens=10)
+    assert broken.add([7]) == "ok" and broken.add([8]) == "!"
