@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_reference
+from test_engine import save_checkpoint, word_tokenizer
 
 import printpress
 from printpress import editing
 from printpress.cli import main
 from printpress.engine import CommitEvent, DoneEvent, StepEvent
 from printpress.errors import GenerationError
-
-from conftest import make_reference
-from test_engine import save_checkpoint, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CANVAS = 8
@@ -169,23 +168,23 @@ def test_token_ids_work_without_a_tokenizer(folders):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(prefix="", suffix=""), "nothing to condition on: the prefix and the suffix are both empty"),
-        (dict(length=0), "length must be a positive integer, got 0"),
-        (dict(length=-2), "length must be a positive integer, got -2"),
-        (dict(length="3"), "length must be a positive integer or a list of them, got '3'"),
-        (dict(length=CANVAS + 1), f"length {CANVAS + 1} exceeds the canvas of {CANVAS} tokens"),
-        (dict(length=[2, 0]), "length must be a positive integer, got 0"),
-        (dict(suffix_window=-1), "suffix_window must be an integer >= 0, got -1"),
-        (dict(mode="ar"), "editing uses the diffusion sampler; mode='ar' is not supported"),
-        (dict(max_denoising_steps=0), "steps (max_denoising_steps) must be a positive integer"),
-        (dict(beam=3), "unknown generation setting(s): beam"),
-        (dict(prefix=[5, 999]), "token id 999 is outside the vocabulary (0..127)"),
-        (dict(seed=-1), "a seed must be an integer in [0, 2**64), got -1"),
-        (dict(prefix="w5 " * 510), "the model's position limit is 512; shorten the prefix"),
+        ({"prefix": "", "suffix": ""}, "nothing to condition on: the prefix and the suffix are both empty"),
+        ({"length": 0}, "length must be a positive integer, got 0"),
+        ({"length": -2}, "length must be a positive integer, got -2"),
+        ({"length": "3"}, "length must be a positive integer or a list of them, got '3'"),
+        ({"length": CANVAS + 1}, f"length {CANVAS + 1} exceeds the canvas of {CANVAS} tokens"),
+        ({"length": [2, 0]}, "length must be a positive integer, got 0"),
+        ({"suffix_window": -1}, "suffix_window must be an integer >= 0, got -1"),
+        ({"mode": "ar"}, "editing uses the diffusion sampler; mode='ar' is not supported"),
+        ({"max_denoising_steps": 0}, "steps (max_denoising_steps) must be a positive integer"),
+        ({"beam": 3}, "unknown generation setting(s): beam"),
+        ({"prefix": [5, 999]}, "token id 999 is outside the vocabulary (0..127)"),
+        ({"seed": -1}, "a seed must be an integer in [0, 2**64), got -1"),
+        ({"prefix": "w5 " * 510}, "the model's position limit is 512; shorten the prefix"),
     ],
 )
 def test_bad_infill_input_is_one_clear_error(pipe, kwargs, message):
-    args = dict(prefix="w5", suffix="w6", length=2)
+    args = {"prefix": "w5", "suffix": "w6", "length": 2}
     args.update(kwargs)
     with pytest.raises(GenerationError) as caught:
         editing.infill(pipe, args.pop("prefix"), args.pop("suffix"), **args)
@@ -235,7 +234,7 @@ def test_cli_rewrite_json_has_the_span_and_candidates(folders, capsys):
 
 
 def test_cli_show_steps_draws_one_line_per_step(folders, capsys):
-    code, out, err = run_cli(capsys, "-m", folders["text"], "--prefix", "w7", "--suffix", "w11 w12", "--length", "2",
+    code, _out, err = run_cli(capsys, "-m", folders["text"], "--prefix", "w7", "--suffix", "w11 w12", "--length", "2",
                              "--steps", "3", "--seed", "0", "--show-steps")
     lines = [line for line in err.splitlines() if line.startswith("[0] canvas 0")]
     assert code == 0 and len(lines) == 3
