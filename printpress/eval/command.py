@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 
 from printpress.errors import GenerationError
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         "info": outcome.get("info", {}),
         "samples": outcome.get("samples", []),
     }
+    payload["command"] = reproduce(args)
     json_path, md_path = write_report(args.results, args.task, payload)
     if args.json:
         print(json.dumps(metrics, indent=2))
@@ -108,6 +110,28 @@ def run(args: argparse.Namespace) -> int:
             print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     print(f"report: {json_path} and {md_path}", file=sys.stderr)
     return 0
+
+
+def reproduce(args: argparse.Namespace) -> str:
+    """The `printpress eval` command that repeats this run: every option that was given, spelled out."""
+    words = ["printpress", "eval", "--task", args.task]
+    if args.model is not None:
+        words += ["--model", args.model]
+    if args.limit is not None:
+        words += ["--limit", str(args.limit)]
+    words += ["--seed", str(args.seed), "--results", args.results]
+    for flag, dest, _, _ in TASK_FLAGS + SAMPLER_FLAGS:
+        if getattr(args, dest) is not None:
+            words += [flag, str(getattr(args, dest))]
+    if args.eos is not None:
+        words += ["--eos", args.eos]
+    if args.sample_accepted_only:
+        words.append("--sample-accepted-only")
+    if args.dtype != "float32":
+        words += ["--dtype", args.dtype]
+    if args.device != "cpu":
+        words += ["--device", args.device]
+    return shlex.join(words)
 
 
 def _model_facts(pipe, given: str | None) -> dict:

@@ -91,7 +91,10 @@ def write_report(results_dir: str | os.PathLike, name: str, payload: dict[str, A
             "command": payload.get("command") or command_line(), "machine": machine()}
     card.update({k: v for k, v in payload.items() if k != "command"})
     stem = f"{created:%Y%m%d-%H%M%S}-{name}"
-    json_path, md_path = folder / f"{stem}.json", folder / f"{stem}.md"
+    json_path, md_path, n = folder / f"{stem}.json", folder / f"{stem}.md", 1
+    while json_path.exists() or md_path.exists():  # two runs in the same second
+        n += 1
+        json_path, md_path = folder / f"{stem}-{n}.json", folder / f"{stem}-{n}.md"
     json_path.write_text(json.dumps(card, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
     md_path.write_text(markdown(card, json_path.name), encoding="utf-8")
     return json_path, md_path
