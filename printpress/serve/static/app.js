@@ -98,7 +98,7 @@
   // 2. CanvasView: committed text, then the canvas being denoised
   // ---------------------------------------------------------------------------------------------
 
-  const visible = (text) => text.replace(/\n/g, "⏎\n").replace(/\t/g, "⇥");
+  const visible = (text) => text.replace(/\n/g, "⏎").replace(/\t/g, "⇥"); // one line: the canvas stays compact
 
   class CanvasView {
     /** `committedEl` receives the text, `canvasEl` one span per canvas position. */
@@ -232,26 +232,31 @@
     }));
   }
 
-  /** Wrap consumers so that calls are replayed `delay` ms apart after each step (to watch slowly). */
-  function paced(consumers, delay) {
+  /**
+   * Fan stream callbacks out to `consumers`; with `delay` > 0 they are replayed `delay` ms apart after each
+   * step (to watch slowly). `drained()` resolves when all is shown, or rejects with AbortError on `signal`.
+   */
+  function paced(consumers, delay, signal) {
     const fanOut = (method, args) => consumers.forEach((c) => call(c, method, ...args));
-    if (!delay) {
-      return { consumer: new Proxy({}, { get: (_, method) => (...args) => fanOut(method, args) }), drained: () => Promise.resolve() };
-    }
-    const queue = [];
+    const aborted = () => new DOMException("stopped", "AbortError");
     let draining = Promise.resolve();
     const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
     const consumer = new Proxy({}, {
       get: (_, method) => (...args) => {
-        queue.push([method, args]);
+        if (!delay) return fanOut(method, args);
         draining = draining.then(async () => {
-          const [m, a] = queue.shift();
-          fanOut(m, a);
-          if (m === "step") await sleep(delay);
+          if (signal.aborted) return;
+          fanOut(method, args);
+          if (method === "step") await sleep(delay);
         });
       },
     });
-    return { consumer, drained: () => draining };
+    const drained = () => new Promise((resolve, reject) => {
+      if (signal.aborted) return reject(aborted());
+      signal.addEventListener("abort", () => reject(aborted()), { once: true });
+      draining.then(resolve);
+    });
+    return { consumer, drained };
   }
 
   let controller = null;
@@ -271,7 +276,9 @@
     $("steps-received").textContent = "0";
     $("status").textContent = "generating";
     view.reset(body.prompt);
-    const { consumer, drained } = paced([view, statusConsumer(), ...extraConsumers], options.delay);
+    if (!$("model-name").textContent) showModel(); // the first try may have lacked the API key
+    const { consumer, drained } = paced([view, statusConsumer(), ...extraConsumers], options.delay,
+                                          controller.signal);
     try {
       await streamCompletion(body, consumer, { apiKey: options.apiKey, signal: controller.signal });
       await drained();

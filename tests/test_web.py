@@ -1,0 +1,106 @@
+"""The web page in a real browser: Debian's Chromium, headless, driven by Playwright for Python.
+
+The page is loaded from a real server (the shipped model), a prompt is submitted with the API key typed
+into the settings, step updates are seen arriving while the canvas denoises (settled and re-noised
+positions drawn differently), and the final text equals what the API returns for the same seed. A
+screenshot is saved under test-artifacts/ (git-ignored) for a person to look at.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_server import AUTH, KEY, MODEL, running_server
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+# As root on a machine with a closed network: no sandbox, and no background connections that would fail.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists() and shutil.which("chromium") is None,
+                                reason="Debian's chromium is not installed (the test setup installs it)")
+
+
+@pytest.fixture(scope="module")
+def server():
+    import printpress
+
+    with running_server(printpress.load()) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from playwright.sync_api import sync_playwright
+
+    executable = str(CHROMIUM if CHROMIUM.exists() else shutil.which("chromium"))
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+def test_page_draws_the_canvas_forming_and_shows_the_final_text(server, browser):
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(server.url + "/")
+    page.fill("input[name=api_key]", KEY)
+    page.fill("#prompt", "ROMEO:")
+    page.fill("input[name=max_tokens]", "64")
+    page.fill("input[name=steps]", "8")
+    page.fill("input[name=seed]", "21")
+    page.fill("input[name=delay]", "40")  # slow the drawing so that intermediate canvases can be seen
+
+    page.click("#generate")
+    # While it runs: step events arrive and the canvas shows settled and re-noised positions.
+    page.wait_for_function("Number(document.getElementById('steps-received').textContent) >= 3")
+    page.wait_for_selector("#canvas .tok.renoised", state="attached")
+    live = page.eval_on_selector_all("#canvas .tok", "cells => cells.map(c => c.className)")
+    assert len(live) == 32 and all(c in ("tok settled", "tok renoised") for c in live)
+    page.wait_for_function("document.getElementById('status').textContent === 'done'", timeout=60_000)
+
+    final = page.inner_text("#committed")
+    api = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                     json={"model": MODEL, "prompt": "ROMEO:", "max_tokens": 64, "steps": 8, "seed": 21}).json()
+    assert final == "ROMEO:" + api["choices"][0]["text"]
+    stats = api["printpress"][0]
+    assert int(page.inner_text("#steps-received")) == stats["denoising_steps"]
+    assert page.inner_text("[data-stat='denoising steps']") == str(stats["denoising_steps"])
+    assert page.inner_text("[data-stat='tokens per forward']") == f"{stats['tokens_per_forward']:.2f}"
+    assert float(page.inner_text("[data-stat='tokens/s']")) > 0
+    assert page.inner_text("[data-stat='completion tokens']") == str(api["usage"]["completion_tokens"])
+    assert page.eval_on_selector_all("#canvas .tok", "cells => cells.length") == 0  # the canvas was committed
+    assert page.inner_text("#model-name") == MODEL
+    assert errors == []
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web-page-final.png"), full_page=True)
+    page.close()
+
+
+def test_page_shows_api_errors_and_stop_cancels(server, browser):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    page.fill("#prompt", "ROMEO:")
+    page.click("#generate")  # no key typed: the server answers 401 and the page says so
+    page.wait_for_function("document.getElementById('status').textContent === 'error'")
+    assert "401" in page.inner_text("#error") and "API key" in page.inner_text("#error")
+
+    page.fill("input[name=api_key]", KEY)
+    page.fill("input[name=max_tokens]", "96")
+    page.fill("input[name=steps]", "8")
+    page.fill("input[name=delay]", "200")
+    page.click("#generate")
+    page.wait_for_function("Number(document.getElementById('steps-received').textContent) >= 1")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web-page-denoising.png"), full_page=True)
+    page.click("#stop")
+    page.wait_for_function("document.getElementById('status').textContent === 'stopped'")
+    assert page.is_enabled("#generate")
+    page.close()
