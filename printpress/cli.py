@@ -24,6 +24,7 @@ from typing import TextIO
 from printpress.edit_command import register_edit
 from printpress.eval.command import register as register_eval
 from printpress.errors import GenerationError, PrintpressError
+from printpress.serve.command import register as register_serve
 
 Register = Callable[[argparse._SubParsersAction], None]
 
@@ -253,7 +254,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=command.run)
 
 
-COMMANDS: list[Register] = [register_generate, register_train, register_edit, register_eval]
+COMMANDS: list[Register] = [register_generate, register_train, register_edit, register_eval, register_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
