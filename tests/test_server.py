@@ -9,6 +9,7 @@ the server returns is compared with what `Pipeline.generate` returns for the sam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -23,6 +24,7 @@ import pytest
 import uvicorn
 
 import printpress
+import printpress.engine
 from printpress.serve.app import create_app
 from printpress.serve.chat import ChatFormatter, plain_prompt
 from printpress.serve.output import ChoiceText
@@ -420,3 +422,46 @@ def test_output_cuts_hold_back_what_may_still_change():
     assert eos.add([ord("a"), 1, 0, 0]) == "a" and eos.finish_reason == "stop" and eos.completion_tokens == 2
     broken = ChoiceText(lambda ids: "ok\ufffd" if len(ids) == 1 else "ok!", max_tokens=10)
     assert broken.add([7]) == "ok" and broken.add([8]) == "!"
+
+
+# ------------------------------------------------------------------------------------------------
+# schemathesis: generated requests (valid and invalid) against the OpenAPI document, none may get a 5xx
+# ------------------------------------------------------------------------------------------------
+
+SCHEMATHESIS_EXAMPLES = 25  # per operation; bounded so the whole test takes well under a minute
+
+
+@pytest.fixture(scope="module")
+def cheap_server(pipe):
+    """The same weights with cheap checkpoint defaults (2 steps, 32 tokens): requests that leave the settings
+    out, as generated ones mostly do, then take milliseconds."""
+    defaults = dataclasses.replace(pipe.generation_config, max_denoising_steps=2, max_new_tokens=32)
+    with running_server(printpress.engine.Pipeline(pipe.model, pipe.config, defaults, pipe.tokenizer),
+                        max_rows=4, max_queued=64) as s:
+        yield s
+
+
+def test_schemathesis_finds_no_server_error(cheap_server):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    server = cheap_server
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    seen: dict[str, set[int]] = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        statuses = seen.setdefault(operation.label, set())
+
+        @settings(max_examples=SCHEMATHESIS_EXAMPLES, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def check(case):
+            response = case.call(base_url=server.url, headers=AUTH, timeout=60)
+            statuses.add(response.status_code)
+            assert response.status_code < 500, f"{case.method} {case.path} {case.body!r} -> {response.text}"
+            if response.status_code >= 400:
+                assert response.json()["error"]["message"]
+
+        check()
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health"} <= set(seen)
+    assert 200 in seen["POST /v1/completions"] and 400 in seen["POST /v1/completions"], seen

@@ -672,6 +672,22 @@ def web_router() -> APIRouter:
 # ------------------------------------------------------------------------------------------------
 
 
+def _document_model_name(app: FastAPI, model_name: str) -> None:
+    """The OpenAPI document names the one model id the `model` fields accept."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = build()
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                field_schema = document["components"]["schemas"][name]["properties"]["model"]
+                field_schema["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(pipeline, scheduler, *, model_name: str, max_new_tokens: int, max_prompt_tokens: int,
                max_steps: int = 1024, api_key: str | None = None, chat: ChatFormatter | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_scheduler: bool = True,
@@ -701,6 +717,7 @@ def create_app(pipeline, scheduler, *, model_name: str, max_new_tokens: int, max
     app.state.printpress = ServerState(pipeline=pipeline, scheduler=scheduler, model_name=model_name,
                                        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                                        max_steps=max_steps, api_key=api_key or None, chat=chat or ChatFormatter())
+    _document_model_name(app, model_name)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.include_router(api_router())
