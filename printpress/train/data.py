@@ -313,6 +313,9 @@ class BatchSampler:
     rank: int = 0
     world_size: int = 1
     step: int = 0
+    # Windows start only at multiples of seq_len: for data whose documents are exactly seq_len tokens
+    # (task data such as Sudoku), so every window is one whole example and canvases line up with it.
+    aligned: bool = False
 
     def __post_init__(self) -> None:
         self.local_batch_size = _check_sharding(self.batch_size, self.rank, self.world_size)
@@ -326,6 +329,9 @@ class BatchSampler:
     def global_starts(self, step: int) -> np.ndarray:
         """Start offsets of all `batch_size` windows of batch `step` (identical on every rank)."""
         gen = torch.Generator().manual_seed(_step_seed(self.seed, step))
+        if self.aligned:
+            windows = len(self.tokens) // self.seq_len
+            return torch.randint(0, windows, (self.batch_size,), generator=gen).numpy() * self.seq_len
         high = len(self.tokens) - self.seq_len + 1
         return torch.randint(0, high, (self.batch_size,), generator=gen).numpy()
 

@@ -266,7 +266,8 @@ class Trainer:
             if len(tokens.tokens) <= settings.seq_len:
                 raise TrainingError(f"the {name} split has {len(tokens.tokens)} tokens, fewer than seq_len={settings.seq_len}")
         self.sampler = BatchSampler(splits.train.tokens, settings.seq_len, settings.batch_size, seed=settings.seed,
-                                    rank=self.env.rank, world_size=self.env.world)
+                                    rank=self.env.rank, world_size=self.env.world,
+                                    aligned=bool(data.get("aligned_windows", False)))
         self.eval_windows = list(eval_batches(splits.val.tokens, settings.seq_len, max(1, settings.batch_size // self.env.world),
                                               max_batches=settings.eval_batches, rank=self.env.rank,
                                               world_size=self.env.world))
@@ -311,6 +312,12 @@ class Trainer:
         if saved.exists():
             return load_tokenizer(saved)
         data = self.run.data
+        if data.get("tokenizer"):  # a task's fixed vocabulary (e.g. "sudoku"), not a BPE trained on the corpus
+            from printpress.tasks import fixed_tokenizer
+
+            tokenizer = fixed_tokenizer(data["tokenizer"])
+            save_tokenizer(tokenizer, saved.parent, hf_config=False)
+            return tokenizer
         docs = load_corpus(data.get("sources", ["shakespeare"]), text_field=data.get("text_field", "text"))
         train, _ = split_documents(docs, data.get("val_fraction", 0.05))
         tokenizer = train_tokenizer(train, data.get("vocab_size", 4096))
