@@ -711,7 +711,8 @@ def create_app(pipeline, scheduler, *, model_name: str, max_new_tokens: int, max
 
     from printpress import __version__
 
-    app = FastAPI(title="printpress", version=__version__, lifespan=lifespan,
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN; /openapi.json is served.
+    app = FastAPI(title="printpress", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="An OpenAI-compatible API for text-diffusion models, with a step stream "
                               "(see docs/server.md).")
     app.state.printpress = ServerState(pipeline=pipeline, scheduler=scheduler, model_name=model_name,
