@@ -41,6 +41,7 @@ from printpress.eval.judge import nll_per_char
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX_CHARS, SUFFIX_CHARS, JOIN_CHARS = 400, 200, 100
+BASELINE = "AR greedy, prefix only"
 
 
 def dialogue_lines(text: str) -> list[tuple[int, int]]:
@@ -111,7 +112,14 @@ def main() -> None:
     parser.add_argument("--spans", type=int, default=100)
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "infill.json"))
     parser.add_argument("--note", default="", help="what else ran on the machine")
+    parser.add_argument("--summarize", default=None, help="only recompute the summary of a saved result file")
     args = parser.parse_args()
+    if args.summarize:
+        path = Path(args.summarize)
+        data = json.loads(path.read_text())
+        data.update(summarize(data))
+        path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        return
     torch.set_num_threads(1)
     pipe, judge = printpress.load(args.joint), printpress.load(args.ar)
     spans = make_spans(args.spans)
@@ -144,31 +152,60 @@ def main() -> None:
             records[name].append({"span": i, **score(pipe, judge, span, out), **extra})
         if (i + 1) % 10 == 0:
             print(f"{i + 1}/{len(spans)} spans", flush=True)
-    rows = []
-    for name in methods:
-        for kind in ("line", "words", "all"):
-            recs = [r for r in records[name] if kind == "all" or spans[r["span"]]["kind"] == kind]
-            middles = [r["middle_nll"] for r in recs if r["middle_nll"] is not None]
-            rows.append({
-                "method": name, "kind": kind, "spans": len(recs),
-                "exact_match": statistics.mean(r["exact"] for r in recs),
-                "token_accuracy": statistics.mean(r["token_accuracy"] for r in recs),
-                "middle_nll_per_char": statistics.mean(middles) if middles else None,
-                "join_nll_per_char": statistics.mean(r["join_nll"] for r in recs),
-                "seconds_per_span": seconds[name] / len(spans),
-            })
-            print(f"{name:58s} {kind:5s} exact {rows[-1]['exact_match']:.2f} tok-acc {rows[-1]['token_accuracy']:.3f} "
-                  f"middle {rows[-1]['middle_nll_per_char'] or float('nan'):.3f} join {rows[-1]['join_nll_per_char']:.3f}"
-                  f" {rows[-1]['seconds_per_span']:.2f} s/span", flush=True)
     meta = {"command": f"OMP_NUM_THREADS=1 python bench/infill.py --spans {args.spans}", "threads": 1,
             "model": Path(args.joint).name, "judge": Path(args.ar).name, "spans": len(spans),
             "prefix_chars": PREFIX_CHARS, "suffix_chars": SUFFIX_CHARS, "join_chars": JOIN_CHARS,
             "sampler": "checkpoint defaults (32 steps, entropy bound 0.1, t 0.8->0.4), seed = span index",
-            "note": args.note}
+            "seconds_per_span": {name: seconds[name] / len(spans) for name in methods}, "note": args.note}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "spans": spans, "records": records}, indent=1,
-                              ensure_ascii=False) + "\n")
+    data = {"meta": meta, "spans": spans, "records": records}
+    data.update(summarize(data))
+    out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+
+
+def summarize(data: dict) -> dict:
+    """Per method and span kind means, and how the length search chose (from the records alone)."""
+    spans, records = data["spans"], data["records"]
+    seconds = data["meta"].get("seconds_per_span") or {r["method"]: r["seconds_per_span"] for r in data["rows"]}
+    rows = []
+    for name, recs_all in records.items():
+        for kind in ("line", "words", "all"):
+            recs = [r for r in recs_all if kind == "all" or spans[r["span"]]["kind"] == kind]
+            middles = [r["middle_nll"] for r in recs if r["middle_nll"] is not None]
+            row = {"method": name, "kind": kind, "spans": len(recs),
+                   "exact_match": statistics.mean(r["exact"] for r in recs),
+                   "token_accuracy": statistics.mean(r["token_accuracy"] for r in recs),
+                   "middle_nll_per_char": statistics.mean(middles) if middles else None,
+                   "join_nll_per_char": statistics.mean(r["join_nll"] for r in recs),
+                   "seconds_per_span": seconds[name]}
+            # Paired against AR-prefix-only on the same spans: mean difference of the join NLL and its standard error.
+            base = {r["span"]: r["join_nll"] for r in records[BASELINE]}
+            diffs = [r["join_nll"] - base[r["span"]] for r in recs]
+            row["join_minus_ar_prefix_only"] = statistics.mean(diffs)
+            row["join_minus_ar_prefix_only_stderr"] = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+            rows.append(row)
+            print(f"{name:58s} {kind:5s} exact {row['exact_match']:.2f} tok-acc {row['token_accuracy']:.3f} "
+                  f"middle {row['middle_nll_per_char'] or float('nan'):.3f} join {row['join_nll_per_char']:.3f}"
+                  f" ({row['join_minus_ar_prefix_only']:+.3f} vs AR) {row['seconds_per_span']:.2f} s/span", flush=True)
+    search = {}
+    for name, recs in records.items():
+        if not any(r.get("candidates") for r in recs):
+            continue
+        per_char = [r["length"] for r in recs]
+        total = [min(r["candidates"], key=lambda c: c[1])[0] for r in recs]
+        truth = [r["true_tokens"] for r in recs]
+        nearest = [min((c[0] for c in r["candidates"]), key=lambda n, t=r["true_tokens"]: abs(n - t)) for r in recs]
+        search[name] = {
+            "mean_true_tokens": statistics.mean(truth),
+            "mean_chosen_length_per_char_rule": statistics.mean(per_char),
+            "mean_chosen_length_total_nll_rule": statistics.mean(total),
+            "chose_the_candidate_nearest_the_truth": statistics.mean(a == b for a, b in zip(per_char, nearest)),
+            "mean_abs_error_tokens": statistics.mean(abs(a - b) for a, b in zip(per_char, truth)),
+            "chosen_lengths": {str(n): per_char.count(n) for n in sorted(set(per_char))},
+        }
+        print(name, search[name])
+    return {"rows": rows, "length_search": search}
 
 
 if __name__ == "__main__":
