@@ -163,7 +163,8 @@ async def main_async(args) -> dict:
         alone_summary = summary(alone, alone_wall, reference, args)
         plain, plain_wall = await phase(url, args, args.requests, args.concurrency, False)
         streamed, streamed_wall = await phase(url, args, args.requests, args.concurrency, True)
-        health = httpx.get(url + "/health").json()
+        async with httpx.AsyncClient(base_url=url) as client:
+            health = (await client.get("/health")).json()
     finally:
         process.terminate()
         process.wait(timeout=30)
