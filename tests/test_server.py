@@ -449,6 +449,43 @@ def test_a_request_over_the_time_limit_is_a_408(pipe):
         assert json.loads(events[-1][1])["error"]["type"] == "timeout_error"
 
 
+def test_printpress_serve_command_serves_and_never_logs_the_key(tmp_path):
+    """The real command in its own process: loopback by default, the key from the environment, never logged."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    secret = "sk-never-logged-5f3a9c"
+    log = tmp_path / "server.log"
+    env = dict(os.environ, PRINTPRESS_API_KEY=secret, OMP_NUM_THREADS="1")
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "printpress", "-vv", "serve", "--port", str(port),
+                                    "--log-level", "debug"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _ready(url), timeout_s=60), log.read_text()
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer " + secret[:-1]}).status_code == 401
+        ok = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer " + secret}, timeout=60,
+                        json={"prompt": "ROMEO:", "max_tokens": 8, "steps": 2})
+        assert ok.status_code == 200 and ok.json()["model"] == MODEL
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    text = log.read_text()
+    assert f"serving {MODEL} on http://127.0.0.1:{port} (API key required)" in text
+    assert "POST /v1/completions" in text  # the access log is on, and still has no key in it
+    assert secret not in text and secret[:-1] not in text
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 # ------------------------------------------------------------------------------------------------
 # Pieces: the chat template and the output cuts
 # ------------------------------------------------------------------------------------------------

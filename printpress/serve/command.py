@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     runtime = p.add_argument_group("runtime")
     runtime.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
-    runtime.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    # No "trace": at that level uvicorn logs whole ASGI scopes, headers (and so the API key) included.
+    runtime.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                         help="uvicorn's log level (default info)")
 
 
 def _positive(name: str, value: float | None) -> None:
