@@ -85,3 +85,4 @@ def test_machine_facts_name_the_cpu_and_memory():
     assert facts["usable_cores"] <= facts["cores"]
     assert facts["memory_gb"] is None or facts["memory_gb"] > 0
     assert facts["torch_threads"] == torch.get_num_threads()
+    assert facts["load_average_1m"] >= 0

@@ -39,6 +39,8 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_gb": _memory_gb(),
+        # Shared machines: a busy one slows every figure down, so the card says how busy it was.
+        "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
