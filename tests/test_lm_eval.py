@@ -159,3 +159,19 @@ def test_the_likelihood_follows_the_checkpoints_objective_and_bad_arguments_are_
         PrintpressLM(pipeline=pipe, stepz=3)
     with pytest.raises(PrintpressError, match="mc_samples must be at least 1"):
         PrintpressLM(pipeline=pipe, mc_samples=0)
+
+
+@pytest.mark.parametrize("likelihood", ["ar", "diffusion"])
+def test_documents_longer_than_the_model_are_scored_in_windows(checkpoint, likelihood):
+    from lm_eval.api.instance import Instance
+
+    lm = PrintpressLM(pretrained=str(checkpoint), likelihood=likelihood, mc_samples=2)
+    text = "the cat sat on the mat, and the dog sat on the log. " * 40
+    tokens = len(lm.tok_encode(text, add_special_tokens=False))
+    assert tokens > 2 * lm.max_length
+    (total,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    assert math.isfinite(total) and total < 0
+    if likelihood == "ar":
+        # Each token predicted once: the windows' scores add up to more than the first window alone.
+        first, _ = lm.score([lm.prefix_token_id], lm.tok_encode(text, add_special_tokens=False)[: lm.max_length])
+        assert total < first

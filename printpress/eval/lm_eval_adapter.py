@@ -175,8 +175,10 @@ class PrintpressLM(TemplateLM):
         for request in tqdm(requests, desc="printpress: loglikelihood_rolling", disable=disable_tqdm):
             (text,) = request.args
             tokens = self.tok_encode(text, add_special_tokens=False)
+            # A diffusion window also needs room for its last canvas's padding and at least one context token.
+            span = self.max_length if self.likelihood == "ar" else self.max_length - self.pipe.canvas_length
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)]
+                token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=span, context_len=1)]
             total = sum(self.score(context, continuation)[0] for context, continuation in windows)
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
