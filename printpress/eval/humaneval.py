@@ -123,7 +123,7 @@ def generate_completions(pipe, prompt: str, samples: int, seed: int, overrides: 
         elif isinstance(event, DoneEvent):
             done[event.request] = True
         if all(done):
-            break  # closing the generator ends the batch: nothing after a stop sequence is kept
+            break  # every completion is finished: what the batch would write next would be cut anyway
     events.close()
     seconds = time.perf_counter() - started
     return texts, {"tokens": tokens, "forwards": forwards, "seconds": seconds}
