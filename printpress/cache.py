@@ -27,6 +27,17 @@ class LayerKV:
     sliding: bool
 
 
+@dataclass
+class RingSnapshot:
+    """Sliding-ring contents a block is about to overwrite (see `KVCache.snapshot`)."""
+
+    length: int  # cache length when taken: the block starts here
+    new_tokens: int
+    slots: torch.Tensor  # ring slots the block writes, in block order
+    slot_positions: torch.Tensor  # positions those slots held before
+    saved: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer: old keys/values at `slots` (sliding only)
+
+
 class KVCache:
     """Keys and values of the encoded context, written by `encode` and only read by `denoise`."""
 
@@ -156,6 +167,40 @@ class KVCache:
         first = self.length + new_tokens - keep
         return torch.arange(first, first + keep, device=self.device) % self.window
 
+    # -- rolling back (speculative decoding) ------------------------------------------------------------
+    def snapshot(self, new_tokens: int) -> RingSnapshot:
+        """Save what writing a block of `new_tokens` would overwrite in the sliding rings, so `truncate` can
+        undo part of that block. Full layers need nothing saved: positions past the length are never read."""
+        slots = self._ring_slots(new_tokens)
+        saved = [(layer.keys[:, :, slots], layer.values[:, :, slots]) if layer.sliding else None
+                 for layer in self.layers]
+        return RingSnapshot(self.length, new_tokens, slots, self.slot_positions[slots], saved)
+
+    def truncate(self, length: int, snapshot: RingSnapshot) -> None:
+        """Forget every position from `length` on, as if only the block's first `length - start` tokens had
+        been encoded after `snapshot` was taken: ring slots those tokens did not write get their old keys,
+        values and positions back, bit for bit."""
+        start, end = snapshot.length, snapshot.length + snapshot.new_tokens
+        if self.length != end or not start <= length <= end:
+            raise GenerationError(
+                f"cannot truncate to {length}: the snapshot covers positions {start}..{end} and the cache holds {self.length}"
+            )
+        if snapshot.new_tokens > self.window and length not in (start, end):
+            # The ring kept only the block's last `window` positions: the ones before are gone.
+            raise GenerationError(
+                f"cannot truncate a block of {snapshot.new_tokens} tokens part way: the sliding window keeps {self.window}"
+            )
+        written = torch.arange(end - snapshot.slots.numel(), end, device=self.device)  # position each slot got
+        restore = written >= length
+        slots = snapshot.slots[restore]
+        for layer, saved in zip(self.layers, snapshot.saved):
+            if saved is not None:
+                layer.keys[:, :, slots] = saved[0][:, :, restore]
+                layer.values[:, :, slots] = saved[1][:, :, restore]
+        self.slot_positions[slots] = snapshot.slot_positions[restore]
+        self.pad_mask[:, length:end] = False
+        self.length = length
+
     # -- batch management -------------------------------------------------------------------------------
     def select(self, rows: torch.Tensor | list[int]) -> None:
         """Keep only `rows` (in that order), in place: finished requests stop costing compute."""
@@ -187,3 +232,69 @@ class KVCache:
         self.pad_mask.zero_()
         self.offsets.zero_()
         self.slot_positions.fill_(-1)
+
+
+class StackedCache:
+    """A read-only batch of single-request caches of different lengths, for one shared decoder pass.
+
+    Continuous batching keeps one `KVCache` per request, so requests can join, commit and leave at any
+    step. The decoder reads a batch: each request's keys/values are placed right-aligned (left padded)
+    in fresh tensors, keeping each request's own storage order, ring rotation included, so that a
+    request's attention sums the same terms in the same order as when it runs alone. Padding is masked
+    out. Free slots after the prefix hold the canvas, as with `KVCache.full_with_block`.
+
+    It offers exactly what `DiffusionGemma.denoise` reads; `encode` needs a real `KVCache`.
+    """
+
+    def __init__(self, caches: list[KVCache], canvas_length: int) -> None:
+        first = caches[0]
+        device = first.device
+        self.batch_size = len(caches)
+        self.length = max(c.length for c in caches)
+        self.max_length = self.length + canvas_length
+        lengths = torch.tensor([c.length for c in caches], device=device)
+        self.offsets = self.length - lengths + torch.stack([c.offsets[0] for c in caches])
+        slots = torch.arange(self.length, device=device)
+        self._full_valid = slots[None, :] >= (self.length - lengths)[:, None]
+        for row, cache in enumerate(caches):  # a request's own left padding stays masked
+            self._full_valid[row, self.length - cache.length:] &= cache.pad_mask[0, : cache.length]
+        filled = torch.tensor([c.filled_slots for c in caches], device=device)
+        self.filled_slots = int(filled.max())
+        ring = torch.arange(self.filled_slots, device=device)
+        self._sliding_valid = ring[None, :] >= (self.filled_slots - filled)[:, None]
+        for row, cache in enumerate(caches):
+            own = cache.prefix_valid(True)[0]
+            self._sliding_valid[row, self.filled_slots - own.numel():] &= own
+        self.layers: list[LayerKV] = []
+        for index, layer in enumerate(first.layers):
+            size = self.filled_slots if layer.sliding else self.max_length
+            shape = (self.batch_size, layer.keys.shape[1], size, layer.keys.shape[3])
+            keys = layer.keys.new_zeros(shape)
+            values = layer.values.new_zeros(shape)
+            for row, cache in enumerate(caches):
+                past_k, past_v = cache.sliding_prefix(index) if layer.sliding else cache.full_prefix(index)
+                end = self.filled_slots if layer.sliding else self.length
+                keys[row, :, end - past_k.shape[2] : end] = past_k[0]
+                values[row, :, end - past_v.shape[2] : end] = past_v[0]
+            self.layers.append(LayerKV(keys, values, layer.sliding))
+
+    @property
+    def device(self) -> torch.device:
+        return self._full_valid.device
+
+    def prefix_valid(self, sliding: bool) -> torch.Tensor:
+        return self._sliding_valid if sliding else self._full_valid
+
+    def full_prefix(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[index]
+        return layer.keys[:, :, : self.length], layer.values[:, :, : self.length]
+
+    def sliding_prefix(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[index]
+        return layer.keys, layer.values
+
+    def has_room(self, new_tokens: int) -> bool:
+        return self.length + new_tokens <= self.max_length
+
+    full_with_block = KVCache.full_with_block
+    row_positions = KVCache.row_positions

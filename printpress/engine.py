@@ -1,12 +1,15 @@
 """The generation engine: the canvas loop (diffusion), the token loop (AR), batching and events.
 
-One call serves a batch of requests. Prompts are left padded into one batch; every request owns a
-`torch.Generator` seeded from its own seed, and every random draw is made per request with the
-shape the reference uses for a batch of one. So a request gets the same tokens whichever requests
-share its batch, and a request alone matches transformers' `generate` under `torch.manual_seed`.
-Requests that finish are dropped from the batch (and from the KV cache), so they stop costing
-compute; inside a canvas, requests whose denoising has stopped are left out of later decoder
-passes.
+Every request owns a `torch.Generator` seeded from its own seed, and every random draw is made per
+request with the shape the reference uses for a batch of one. So a request gets the same tokens
+whichever requests share its batch, and a request alone matches transformers' `generate` under
+`torch.manual_seed`.
+
+Diffusion requests are served by `DiffusionBatch` (continuous batching): each request keeps its own
+KV cache, requests join and leave between decoder steps, and each step is one decoder pass over the
+canvases of every request still denoising, so a finished request stops costing compute at once. The
+server's scheduler drives the same object. AR batches are left padded into one cache; rows that
+finish are dropped from it.
 
 The loops are generators of small event dataclasses (`StepEvent`, `CommitEvent`, `DoneEvent`):
 the CLI, the server and `Pipeline.generate` are all consumers of the same stream.
@@ -25,6 +28,7 @@ from typing import Union
 
 import torch
 
+from printpress.cache import KVCache, StackedCache
 from printpress.errors import GenerationError, PrintpressError
 from printpress.sampling import (
     SamplerSettings,
@@ -148,7 +152,12 @@ class _Row:
     first_commit: float | None = None
     eos_at: int | None = None  # index of the first EOS in `tokens`
     text: str = ""
+    step_events: bool = True
     # Inside a canvas (diffusion only):
+    cache: KVCache | None = None
+    canvas: torch.Tensor | None = None  # (1, C): the canvas the next decoder pass reads
+    self_conditioning: torch.Tensor | None = None  # the previous step's probabilities (or logits), (1, C, V)
+    tracker: StabilityTracker | None = None
     step: int = 0
     committed_canvas: torch.Tensor | None = None
 
@@ -191,8 +200,13 @@ def run(
     for request in requests:
         request.settings.validate()
     check_prompts(model.config, canvas_length, requests)
-    if requests[0].settings.mode == "ar":
+    mode = requests[0].settings.mode
+    if mode == "ar":
         yield from _autoregressive(model, requests, decode)
+    elif mode == "speculative":
+        from printpress.speculative import speculative
+
+        yield from speculative(model, requests, decode)
     else:
         yield from _diffusion(model, canvas_length, requests, decode, step_events)
 
@@ -216,14 +230,17 @@ def check_prompts(text_config, canvas_length: int, requests: Sequence[Request]) 
             raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         if len(ids) >= limit:
             raise GenerationError(f"the prompt has {len(ids)} tokens; the model's position limit is {limit}")
-    # Left padding puts every row at the longest prompt's positions, so the batch is checked as a whole.
-    longest = max(len(r.prompt_ids) for r in requests)
-    budget = max(new_token_budget(r.settings, canvas_length) for r in requests)
-    if longest + budget > limit:
-        raise GenerationError(
-            f"a prompt of {longest} tokens plus {budget} new tokens exceeds the model's position limit of {limit}; "
-            "lower max_new_tokens or shorten the prompt"
-        )
+    # AR batches are left padded, which puts every row at the longest prompt's positions; diffusion requests
+    # each keep their own cache, so each is checked alone.
+    groups = [requests] if requests[0].settings.mode == "ar" else [[r] for r in requests]
+    for group in groups:
+        longest = max(len(r.prompt_ids) for r in group)
+        budget = max(new_token_budget(r.settings, canvas_length) for r in group)
+        if longest + budget > limit:
+            raise GenerationError(
+                f"a prompt of {longest} tokens plus {budget} new tokens exceeds the model's position limit of "
+                f"{limit}; lower max_new_tokens or shorten the prompt"
+            )
 
 
 def _left_pad(rows: list[_Row], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -247,7 +264,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 # --------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def _diffusion(
     model: torch.nn.Module,
     canvas_length: int,
@@ -255,38 +271,11 @@ def _diffusion(
     decode: Decode | None,
     step_events: bool,
 ) -> Iterator[Event]:
-    device = _model_device(model)
-    started = time.perf_counter()
-    rows = [_new_row(i, r, device, started) for i, r in enumerate(requests)]
-    for row in rows:
-        row.canvases_left = canvases_for(row.settings.max_new_tokens, canvas_length)
-    pad_id = _pad_id(model, rows)
-    ids, mask = _left_pad(rows, pad_id, device)
-    longest_canvases = max(row.canvases_left for row in rows)
-    cache = model.new_cache(len(rows), ids.shape[1] + longest_canvases * canvas_length)
-    model.encode(ids, cache, attention_mask=mask, logits="none")
-
-    canvas_index = 0
-    while True:
-        yield from _denoise_canvas(model, cache, rows, canvas_index, canvas_length, step_events)
-        keep: list[int] = []
-        for position, row in enumerate(rows):
-            yield from _commit_canvas(row, canvas_index, decode)
-            if row.canvases_left > 0 and row.eos_at is None:
-                keep.append(position)
-            else:
-                result = _result(row, "diffusion", decode)
-                logger.info("request %d done: %s", row.index, result.stats)
-                yield DoneEvent(row.index, result)
-        if not keep:
-            return
-        if len(keep) < len(rows):
-            cache.select(torch.tensor(keep, dtype=torch.long, device=device))
-            rows = [rows[k] for k in keep]
-        # The next canvas sees the committed one through the cache, as the reference re-encodes it.
-        committed = torch.stack([row.committed_canvas for row in rows])
-        model.encode(committed, cache, logits="none")
-        canvas_index += 1
+    batch = DiffusionBatch(model, canvas_length, decode)
+    for index, request in enumerate(requests):
+        batch.add(index, request, step_events)
+    while batch:
+        yield from batch.step()
 
 
 def _pad_id(model: torch.nn.Module, rows: list[_Row]) -> int:
@@ -296,84 +285,120 @@ def _pad_id(model: torch.nn.Module, rows: list[_Row]) -> int:
     return 0 if pad is None else int(pad)
 
 
-def _denoise_canvas(
-    model: torch.nn.Module,
-    cache,
-    rows: list[_Row],
-    canvas_index: int,
-    canvas_length: int,
-    step_events: bool,
-) -> Iterator[StepEvent]:
-    """Denoise one canvas for every row; leaves each row's argmax canvas in `row.committed_canvas`."""
-    device = cache.device
-    vocab = model.config.vocab_size
-    # Per-row draws in row order: generators are independent, so the order across rows is free.
-    canvas = torch.cat([uniform_tokens(canvas_length, vocab, row.generator, device) for row in rows])
-    for row in rows:
+class DiffusionBatch:
+    """Diffusion requests decoded together: one shared decoder pass per step (continuous batching).
+
+    Requests join (`add`) and leave (`remove`, or when they finish) between steps, and each request
+    moves through its canvases on its own clock: a request whose canvas stopped early commits it,
+    encodes it into its cache and starts its next canvas at the next step, while the others go on.
+
+    Each request owns a one-row `KVCache` and its own generator. A step stacks the caches of the
+    requests it serves (`StackedCache`, rebuilt only when a request joins, commits or leaves; a request
+    alone reads its own cache), runs one decoder pass, and samples each row with its own generator
+    in the reference's order. So a request's tokens do not depend on who shares its steps.
+    """
+
+    def __init__(self, model: torch.nn.Module, canvas_length: int, decode: Decode | None = None) -> None:
+        self.model = model
+        self.canvas_length = canvas_length
+        self.decode = decode
+        self.device = _model_device(model)
+        self.rows: list[_Row] = []
+        self._stacked: StackedCache | None = None
+        self._stacked_key: tuple | None = None
+        # In fp32 the reference's self-conditioning softmax equals the sampler's probabilities bit for bit, so
+        # they are passed on; in half precision it first casts the logits, so the logits are passed instead.
+        self._pass_probs = model.dtype == torch.float32
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def add(self, handle: int, request: Request, step_events: bool = True) -> None:
+        """Encode the prompt of a new request and start its first canvas; events carry `handle`."""
+        request.settings.validate()
+        check_prompts(self.model.config, self.canvas_length, [request])
+        row = _new_row(handle, request, self.device, time.perf_counter())
+        row.step_events = step_events
+        row.canvases_left = canvases_for(row.settings.max_new_tokens, self.canvas_length)
+        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        row.cache = self.model.new_cache(1, prompt.shape[1] + row.canvases_left * self.canvas_length)
+        self.model.encode(prompt, row.cache, logits="none")
+        self._start_canvas(row)
+        self.rows.append(row)
+
+    def remove(self, handle: int) -> None:
+        """Drop a request (cancelled): it costs nothing from the next step on."""
+        self.rows = [row for row in self.rows if row.index != handle]
+
+    def _start_canvas(self, row: _Row) -> None:
+        row.canvas = uniform_tokens(self.canvas_length, self.model.config.vocab_size, row.generator, self.device)
         row.step = row.settings.max_denoising_steps
-    active = list(range(len(rows)))  # rows (positions in `rows`) still denoising
-    threshold = rows[0].settings.stability_threshold
-    uniform_threshold = all(row.settings.stability_threshold == threshold for row in rows)
-    trackers = _Trackers(rows, canvas_length, device, threshold if uniform_threshold else None)
-    sub_cache = cache
-    self_conditioning = None
-    # In fp32 the reference's self-conditioning softmax equals the sampler's probabilities bit for bit, so
-    # they are passed on; in half precision it first casts the logits, so the logits are passed instead.
-    pass_probs = model.dtype == torch.float32
-    while active:
-        live = [rows[a] for a in active]
-        if pass_probs:
-            logits = model.denoise(canvas[active], sub_cache, self_conditioning_probs=self_conditioning)
+        row.self_conditioning = None
+        row.tracker = StabilityTracker(row.settings.stability_threshold, 1, self.canvas_length, self.device)
+
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        """One decoder pass over every request; returns its step, commit and done events."""
+        model, rows = self.model, self.rows
+        canvas = torch.cat([row.canvas for row in rows])
+        conditioning, mask = self._self_conditioning(rows)
+        cache = self._cache(rows)
+        if self._pass_probs:
+            logits = model.denoise(canvas, cache, self_conditioning_probs=conditioning, self_conditioning_mask=mask)
         else:
-            logits = model.denoise(canvas[active], sub_cache, self_conditioning)
-        outcome = _sample_step(logits, canvas[active], live, vocab, canvas_length, device)
-        stable = trackers.update(outcome.argmax)
+            logits = model.denoise(canvas, cache, conditioning, self_conditioning_mask=mask)
+        outcome = _sample_step(logits, canvas, rows, model.config.vocab_size, self.canvas_length, self.device)
+        fed_back = outcome.probs if self._pass_probs else outcome.processed.to(model.dtype)
         confident = outcome.entropy.mean(dim=-1)
-        done: list[bool] = []
-        for j, row in enumerate(live):
+        events: list[Event] = []
+        finished: list[_Row] = []
+        for j, row in enumerate(rows):
             row.forward_passes += 1
-            stopped = bool(stable[j]) and bool(confident[j] < row.settings.confidence_threshold)
+            stable = bool(row.tracker.update(outcome.argmax[j : j + 1])[0])
+            stopped = stable and bool(confident[j] < row.settings.confidence_threshold)
             row.step -= 1
-            finished = stopped or row.step == 0
-            if finished:
+            if row.step_events:
+                events.append(_step_event(row, row.canvases, outcome, j, stopped))
+            if stopped or row.step == 0:
                 row.committed_canvas = outcome.argmax[j].clone()
-            done.append(finished)
-            if step_events:
-                yield _step_event(row, canvas_index, outcome, j, stopped)
-        canvas[active] = outcome.next_canvas
-        # The reference feeds back the temperature-scaled logits, cast to the weights' dtype.
-        self_conditioning = outcome.probs if pass_probs else outcome.processed.to(model.dtype)
-        if any(done):
-            keep = [j for j, d in enumerate(done) if not d]
-            active = [active[j] for j in keep]
-            if active:
-                keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-                self_conditioning = self_conditioning[keep_t]
-                trackers.select(keep_t)
-                sub_cache = cache.rows(torch.tensor(active, dtype=torch.long, device=device))
+                finished.append(row)
+            else:
+                row.canvas = outcome.next_canvas[j : j + 1]
+                row.self_conditioning = fed_back[j : j + 1]
+        for row in finished:
+            events.extend(_commit_canvas(row, row.canvases, self.decode))
+            if row.canvases_left > 0 and row.eos_at is None:
+                # The next canvas sees the committed one through the cache, as the reference re-encodes it.
+                model.encode(row.committed_canvas[None], row.cache, logits="none")
+                self._start_canvas(row)
+            else:
+                result = _result(row, "diffusion", self.decode)
+                logger.info("request %d done: %s", row.index, result.stats)
+                events.append(DoneEvent(row.index, result))
+                self.rows.remove(row)
+        return events
 
+    def _cache(self, rows: list[_Row]):
+        if len(rows) == 1:
+            return rows[0].cache
+        key = tuple((id(row), row.cache.length) for row in rows)
+        if key != self._stacked_key:
+            self._stacked = StackedCache([row.cache for row in rows], self.canvas_length)
+            self._stacked_key = key
+        return self._stacked
 
-class _Trackers:
-    """Stability trackers: one batched tracker when rows share a threshold, else one per row."""
-
-    def __init__(self, rows: list[_Row], canvas_length: int, device: torch.device, shared: int | None):
-        if shared is not None:
-            self.batched: StabilityTracker | None = StabilityTracker(shared, len(rows), canvas_length, device)
-            self.each: list[StabilityTracker] = []
-        else:
-            self.batched = None
-            self.each = [StabilityTracker(r.settings.stability_threshold, 1, canvas_length, device) for r in rows]
-
-    def update(self, argmax: torch.Tensor) -> torch.Tensor:
-        if self.batched is not None:
-            return self.batched.update(argmax)
-        return torch.cat([t.update(argmax[j : j + 1]) for j, t in enumerate(self.each)])
-
-    def select(self, keep: torch.Tensor) -> None:
-        if self.batched is not None:
-            self.batched.select(keep)
-        else:
-            self.each = [self.each[int(k)] for k in keep]
+    def _self_conditioning(self, rows: list[_Row]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The previous step's signal per row; rows at their first step get zeros, masked out."""
+        previous = [row.self_conditioning for row in rows]
+        if all(p is None for p in previous):
+            return None, None
+        template = next(p for p in previous if p is not None)
+        stacked = torch.cat([template.new_zeros(template.shape) if p is None else p for p in previous])
+        if all(p is not None for p in previous):
+            return stacked, None
+        mask = torch.tensor([p is not None for p in previous], device=self.device)
+        return stacked, mask
 
 
 @dataclass
@@ -618,8 +643,9 @@ class Pipeline:
         if unknown:
             raise GenerationError(f"unknown generation setting(s): {', '.join(unknown)}")
         mode = overrides.get("mode") or self.default_settings().mode
-        if mode != "ar" and (overrides.get("temperature") is not None or overrides.get("top_k") is not None):
-            raise GenerationError("temperature and top_k apply to mode='ar'; diffusion uses t_min/t_max")
+        if mode == "diffusion" and (overrides.get("temperature") is not None or overrides.get("top_k") is not None):
+            raise GenerationError("temperature and top_k apply to mode='ar' and 'speculative'; diffusion uses "
+                                  "t_min/t_max")
         return self.default_settings().with_overrides(**overrides).validate()
 
     # -- text <-> ids ---------------------------------------------------------------------------------------

@@ -412,14 +412,16 @@ class DiffusionGemma(nn.Module):
         cache: KVCache,
         self_conditioning_logits: torch.Tensor | None = None,
         self_conditioning_probs: torch.Tensor | None = None,
+        self_conditioning_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Bidirectional pass over the canvas (B, C) and the cached context; returns float32 logits (B, C, V).
 
         Self-conditioning takes the previous step's logits, or their float32 softmax if the caller already
-        has it (the sampler does: passing it saves one softmax over the vocabulary per step)."""
+        has it (the sampler does: passing it saves one softmax over the vocabulary per step).
+        `self_conditioning_mask` (B,) marks rows that have a previous step (the others get none)."""
         c = canvas_ids.shape[1]
         positions = torch.arange(cache.length, cache.length + c, device=canvas_ids.device)
-        x = self.embed_canvas(canvas_ids, self_conditioning_logits, probs=self_conditioning_probs)
+        x = self.embed_canvas(canvas_ids, self_conditioning_logits, self_conditioning_mask, probs=self_conditioning_probs)
         masks = Masks(sliding=self._decoder_mask(cache, c, sliding=True), full=self._decoder_mask(cache, c, sliding=False))
         scratch = cache.has_room(c)  # free slots after the prefix hold the canvas: no copy of the prefix
 

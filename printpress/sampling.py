@@ -22,7 +22,7 @@ import torch
 from printpress.config import GenerationConfig
 from printpress.errors import GenerationError
 
-MODES = ("diffusion", "ar")
+MODES = ("diffusion", "ar", "speculative")
 
 
 _DEFAULTS = GenerationConfig()
@@ -69,10 +69,11 @@ class SamplerSettings:
                  f"sample_accepted_only must be true or false, got {self.sample_accepted_only!r}")
         _require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
                  f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.mode == "ar":
+        if self.mode in ("ar", "speculative"):  # speculative decoding samples (or not) like AR
             _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
             _require(self.top_k is None or (_is_int(self.top_k) and self.top_k > 0),
                      f"top_k must be a positive integer, got {self.top_k!r}")
+        if self.mode == "ar":
             return self
         _require(_is_int(self.max_denoising_steps) and self.max_denoising_steps > 0,
                  f"steps (max_denoising_steps) must be a positive integer, got {self.max_denoising_steps!r}")

@@ -16,6 +16,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 import printpress
 from printpress.engine import (
     CommitEvent,
+    DiffusionBatch,
     DoneEvent,
     GenerationResult,
     Request,
@@ -202,9 +203,10 @@ def test_finished_rows_stop_costing_compute(models_, monkeypatch):
     results = pipe.generate(BATCH, seed=5, **CASES[9][1])
     assert sum(decoded_rows) == sum(r.stats.forward_passes for r in results)
     assert min(decoded_rows) < len(BATCH)
-    # One prefill, then one encode per canvas committed by a row that goes on.
-    assert encoded_rows[0] == len(BATCH)
-    assert sum(encoded_rows[1:]) == sum(r.stats.canvases - 1 for r in results)
+    # One prefill per request, then one encode per canvas committed by a request that goes on; each request
+    # owns its cache, so each encode is one row.
+    assert set(encoded_rows) == {1}
+    assert len(encoded_rows) == len(BATCH) + sum(r.stats.canvases - 1 for r in results)
 
 
 # -- streaming -----------------------------------------------------------------------------------------
@@ -409,3 +411,47 @@ def test_sample_accepted_only_is_opt_in_repeatable_and_keeps_the_acceptance(mode
     assert pipe.generate(PROMPTS[0], seed=4, **settings).token_ids == expected
     with pytest.raises(GenerationError, match="sample_accepted_only must be true or false"):
         pipe.generate(PROMPTS[0], seed=4, sample_accepted_only="yes", **settings)
+
+
+# -- continuous batching --------------------------------------------------------------------------------
+
+
+def test_requests_joining_between_steps_get_what_they_get_alone(models_):
+    """Requests join a running batch at different steps, with prompts shorter and longer than the sliding
+    window (the stacked caches then mix ring rotations), and leave at different times."""
+    _, pipe = models_["peaked"]
+    settings = pipe.settings(max_new_tokens=24, max_denoising_steps=5, t_min=0.02, t_max=0.05, entropy_bound=1.0,
+                             confidence_threshold=0.05, eos_token_ids=[20, 21])
+    prompts = [BATCH[0], list(range(2, 40)), BATCH[1], list(range(60, 71))]
+    joins = {0: 0, 1: 0, 2: 2, 3: 5}  # request -> the step before which it joins
+    batch = DiffusionBatch(pipe.model, pipe.canvas_length)
+    results, steps, widths = {}, 0, []
+    while len(results) < len(prompts):
+        for request, at in joins.items():
+            if at == steps:
+                batch.add(request, Request(prompts[request], settings, seed=30 + request))
+        widths.append(len(batch))
+        for event in batch.step():
+            if isinstance(event, DoneEvent):
+                results[event.request] = event.result
+        steps += 1
+    assert max(widths) >= 3 and len(set(widths)) > 2  # the batch really grew and shrank
+    for request, prompt in enumerate(prompts):
+        alone = pipe.generate(prompt, seed=30 + request, **{k: getattr(settings, k) for k in (
+            "max_new_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound", "confidence_threshold",
+            "eos_token_ids")})
+        assert results[request].token_ids == alone.token_ids
+        assert results[request].stats.forward_passes == alone.stats.forward_passes
+
+
+def test_a_removed_request_stops_costing_compute(models_):
+    _, pipe = models_["gqa"]
+    settings = pipe.settings(max_new_tokens=32, max_denoising_steps=4)
+    batch = DiffusionBatch(pipe.model, pipe.canvas_length)
+    batch.add(0, Request(BATCH[0], settings, seed=1))
+    batch.add(1, Request(BATCH[1], settings, seed=2))
+    batch.step()
+    batch.remove(0)
+    assert len(batch) == 1
+    events = batch.step()
+    assert {e.request for e in events} == {1}
