@@ -6,12 +6,11 @@ import asyncio
 import threading
 
 import pytest
+from test_engine import models_  # noqa: F401  (the tiny checkpoints fixture)
 
 from printpress.engine import CommitEvent, DoneEvent, Request
 from printpress.errors import GenerationError
 from printpress.serve.scheduler import Limits, QueueFull, RequestTimeout, Scheduler
-
-from test_engine import models_  # noqa: F401  (the tiny checkpoints fixture)
 
 PROMPTS = [[2, 7, 9, 11, 13, 17], [2, 40], list(range(2, 30)), [2, 5, 6, 7]]
 SETTINGS = dict(max_new_tokens=24, max_denoising_steps=5, t_min=0.02, t_max=0.05, entropy_bound=1.0,

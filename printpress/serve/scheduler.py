@@ -15,6 +15,7 @@ alone with the same seed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -24,7 +25,16 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from printpress.engine import CommitEvent, DiffusionBatch, DoneEvent, Event, Pipeline, Request, check_prompts, run
+from printpress.engine import (
+    CommitEvent,
+    DiffusionBatch,
+    DoneEvent,
+    Event,
+    Pipeline,
+    Request,
+    check_prompts,
+    run,
+)
 from printpress.errors import GenerationError, PrintpressError
 
 logger = logging.getLogger(__name__)
@@ -158,8 +168,6 @@ class _OneByOne:
 
 
 def _renumbered(stream: Iterator[Event], handle: int) -> Iterator[Event]:
-    import dataclasses
-
     for event in stream:
         yield dataclasses.replace(event, request=handle)
 
