@@ -16,6 +16,9 @@ Methods (the joint model's weights for all, except the judge):
 - AR, prefix only, greedy, oracle length in tokens;
 - AR given "suffix + blank line + prefix" as its prompt, greedy, oracle length.
 
+`--variant sampler` runs the oracle-length diffusion infill at other temperatures and step counts;
+`--variant core --joint FOLDER` runs the suffix ablation and the AR baseline for another checkpoint.
+
 Figures per method and span kind: exact match (stripped text), token accuracy (position-wise over the
 true span's tokens, the generated middle re-tokenised), judged NLL per character of the middle after
 the prefix, and judged NLL per character of the next 100 suffix characters after prefix + middle (how
@@ -112,6 +115,9 @@ def main() -> None:
     parser.add_argument("--spans", type=int, default=100)
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "infill.json"))
     parser.add_argument("--note", default="", help="what else ran on the machine")
+    parser.add_argument("--variant", choices=("main", "sampler", "core"), default="main",
+                        help="main: the methods above; sampler: diffusion infill at other temperatures/steps; "
+                             "core: original, diffusion with and without the suffix, AR prefix-only")
     parser.add_argument("--summarize", default=None, help="only recompute the summary of a saved result file")
     args = parser.parse_args()
     if args.summarize:
@@ -136,6 +142,17 @@ def main() -> None:
         "AR greedy, prefix only": lambda s, i, n: ar_middle(pipe, s["prefix"], n),
         "AR greedy, suffix + blank line + prefix": lambda s, i, n: ar_middle(pipe, s["suffix"] + "\n\n" + s["prefix"], n),
     }
+    if args.variant == "core":  # for another checkpoint (--joint): the suffix's effect and the AR baseline
+        keep = ("original (the true middle)", "diffusion infill, oracle length", "diffusion, oracle length, no suffix seen",
+                BASELINE)
+        methods = {name: methods[name] for name in keep}
+    if args.variant == "sampler":  # the sampler's temperature and step budget, at the oracle length
+        keep = ("original (the true middle)", "diffusion infill, oracle length", BASELINE)
+        methods = {name: methods[name] for name in keep}
+        for t_max, t_min, steps in ((0.4, 0.1, 32), (0.2, 0.05, 32), (0.8, 0.4, 64)):
+            methods[f"diffusion infill, oracle length, t {t_max}->{t_min}, {steps} steps"] = (
+                lambda s, i, n, a=t_max, b=t_min, c=steps: editing.infill(
+                    pipe, s["prefix"], s["suffix"], length=n, seed=i, t_max=a, t_min=b, max_denoising_steps=c))
     records = {name: [] for name in methods}
     seconds = {name: 0.0 for name in methods}
     for i, span in enumerate(spans):
@@ -152,7 +169,9 @@ def main() -> None:
             records[name].append({"span": i, **score(pipe, judge, span, out), **extra})
         if (i + 1) % 10 == 0:
             print(f"{i + 1}/{len(spans)} spans", flush=True)
-    meta = {"command": f"OMP_NUM_THREADS=1 python bench/infill.py --spans {args.spans}", "threads": 1,
+    command = (f"OMP_NUM_THREADS=1 python bench/infill.py --spans {args.spans} --variant {args.variant} "
+               f"--joint {args.joint} --out {args.out}")
+    meta = {"command": command, "threads": 1,
             "model": Path(args.joint).name, "judge": Path(args.ar).name, "spans": len(spans),
             "prefix_chars": PREFIX_CHARS, "suffix_chars": SUFFIX_CHARS, "join_chars": JOIN_CHARS,
             "sampler": "checkpoint defaults (32 steps, entropy bound 0.1, t 0.8->0.4), seed = span index",
