@@ -169,7 +169,8 @@ def infill_stream(
     """
     if overrides.get("mode") not in (None, "diffusion"):
         raise GenerationError(f"editing uses the diffusion sampler; mode={overrides['mode']!r} is not supported")
-    overrides.pop("max_new_tokens", None)  # the length decides what is generated
+    if overrides.get("max_new_tokens") is not None:
+        raise GenerationError("editing generates `length` tokens; max_new_tokens does not apply")
     settings = pipe.settings(**overrides)
     prefix_ids, suffix_ids = _ids(pipe, prefix, "prefix"), _ids(pipe, suffix, "suffix")
     if not prefix_ids and not suffix_ids:
