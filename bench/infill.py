@@ -119,7 +119,12 @@ def main() -> None:
                         help="main: the methods above; sampler: diffusion infill at other temperatures/steps; "
                              "core: original, diffusion with and without the suffix, AR prefix-only")
     parser.add_argument("--summarize", default=None, help="only recompute the summary of a saved result file")
+    parser.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
+                        help="paired join NLL differences (B - A) of the methods both result files ran")
     args = parser.parse_args()
+    if args.compare:
+        compare(*args.compare)
+        return
     if args.summarize:
         path = Path(args.summarize)
         data = json.loads(path.read_text())
@@ -181,6 +186,19 @@ def main() -> None:
     data = {"meta": meta, "spans": spans, "records": records}
     data.update(summarize(data))
     out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+
+
+def compare(path_a: str, path_b: str) -> None:
+    """Per method run by both files (same spans and seeds): mean join and middle NLL of B minus A, ± stderr."""
+    a, b = json.loads(Path(path_a).read_text()), json.loads(Path(path_b).read_text())
+    for name in a["records"]:
+        if name not in b["records"]:
+            continue
+        for key in ("join_nll", "middle_nll"):
+            diffs = [y[key] - x[key] for x, y in zip(a["records"][name], b["records"][name])
+                     if x[key] is not None and y[key] is not None]
+            err = statistics.stdev(diffs) / len(diffs) ** 0.5
+            print(f"{name:58s} {key:10s} B - A = {statistics.mean(diffs):+.3f} ± {err:.3f} ({len(diffs)} spans)")
 
 
 def summarize(data: dict) -> dict:
