@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from printpress.edit_command import register_edit
-from printpress.eval.command import register as register_eval
 from printpress.errors import GenerationError, PrintpressError
+from printpress.eval.bench import register as register_bench
+from printpress.eval.command import register as register_eval
 from printpress.serve.command import register as register_serve
 
 Register = Callable[[argparse._SubParsersAction], None]
@@ -254,7 +255,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=command.run)
 
 
-COMMANDS: list[Register] = [register_generate, register_train, register_edit, register_eval, register_serve]
+COMMANDS: list[Register] = [register_generate, register_train, register_edit, register_eval, register_serve, register_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

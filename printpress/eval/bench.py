@@ -1,0 +1,805 @@
+"""`printpress bench`: a diffusion model against its AR twin — speed and quality, same prompts, one run.
+
+    printpress bench                                   # the shipped pair, the default sweep (~10 min, 1 thread)
+    printpress bench --steps 32 8 --entropy-bounds 0.1 4 --limit 2 --no-heldout     # a quick look
+    printpress bench --out docs/results/pair.json      # also a stable copy of the JSON and the frontier PNG
+
+Every side decodes the same prompts with the same seeds (prompt i, seed i); the sides are interleaved
+prompt by prompt (prompt 0 on every side, then prompt 1, ...), so a change in machine load hits every
+side alike, and speed is reported as ratios to the AR twin measured in the same run. Sides:
+
+- the AR twin (`--ar`, AR decoding) — the reference for speed and quality;
+- the diffusion model (`--diffusion`) decoded autoregressively (a joint model is also a causal LM);
+- the diffusion model decoded by diffusion over a grid of denoising steps x entropy bounds, plus any
+  `--setting` points (temperature schedule, `sample_accepted_only`, speculative mode, ...).
+
+Per side: tokens/s (generated tokens over the wall time of `generate`, prefill included), tokens per
+forward, time to the first committed canvas (diffusion) or token (AR), the likelihood of the samples under
+the judges (NLL per character; lower is better): the AR twin, and SmolLM2-135M from GGUF when
+`printpress.eval.gguf_judge` is installed; for diffusion, how confident the sampler was (entropy of the
+accepted tokens, tokens accepted per step, how often the adaptive stop fired). Then the held-out losses
+of both models (the training loop's own validation: AR NLL per token and the diffusion loss), the cost of
+one decoder forward against one AR step on this machine, and the headline: the speed ratio at matched
+judged quality, or, where no diffusion setting reaches the AR twin's quality, the ratio at the best
+diffusion quality, the gap, and the speed the diffusion frontier reaches at each quality level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from printpress.errors import PrintpressError
+
+# Shakespeare-style openings (the same eight as bench/quality_sweep.py, so figures stay comparable).
+PROMPTS = ("ROMEO:\n", "To be, or not to be", "KING HENRY:\nMy lords,", "Enter HAMLET and HORATIO.\n\nHAMLET:",
+           "JULIET:\nO", "FIRST CITIZEN:\nWe are", "DUKE:\nWhat news", "Exeunt.\n\nSCENE II.")
+
+# AR sampling as in the model cards: what the twins' published samples and judged NLLs used.
+AR_SAMPLING = {"temperature": 0.8, "top_k": 50}
+
+# --setting keys: name -> (Pipeline.generate keyword, type)
+SETTING_KEYS = {
+    "mode": ("mode", str),
+    "steps": ("max_denoising_steps", int),
+    "entropy_bound": ("entropy_bound", float),
+    "t_min": ("t_min", float),
+    "t_max": ("t_max", float),
+    "stability_threshold": ("stability_threshold", int),
+    "confidence_threshold": ("confidence_threshold", float),
+    "sample_accepted_only": ("sample_accepted_only", lambda v: _boolean(v)),
+    "temperature": ("temperature", float),
+    "top_k": ("top_k", int),
+}
+
+
+class BenchError(PrintpressError):
+    """A benchmark that cannot run as asked (bad setting, missing judge, no held-out data)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sides
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Side:
+    """One way of decoding: which model (`diffusion` or `ar`), and the generate() overrides."""
+
+    label: str
+    model: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """ar | diffusion | speculative: how it decodes."""
+        return self.overrides.get("mode", "diffusion")
+
+
+def default_sides(steps: list[int], bounds: list[float], extra: list[dict[str, Any]]) -> list[Side]:
+    sides = [Side("AR twin", "ar", {"mode": "ar", **AR_SAMPLING}),
+             Side("diffusion model, AR decoding", "diffusion", {"mode": "ar", **AR_SAMPLING})]
+    for n in steps:
+        for bound in bounds:
+            sides.append(Side(f"diffusion, {n} steps, bound {bound:g}", "diffusion",
+                              {"max_denoising_steps": n, "entropy_bound": bound}))
+    for overrides in extra:
+        sides.append(Side(describe(overrides), "diffusion", overrides))
+    labels = [s.label for s in sides]
+    duplicates = sorted({x for x in labels if labels.count(x) > 1})
+    if duplicates:
+        raise BenchError(f"the same setting is asked for twice: {', '.join(duplicates)}")
+    return sides
+
+
+def parse_setting(text: str) -> dict[str, Any]:
+    """`steps=8,entropy_bound=4,t_max=0.4` -> generate() overrides (mode=speculative gets AR sampling)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in SETTING_KEYS:
+            raise BenchError(f"--setting {text!r}: expected key=value pairs with keys among "
+                             f"{', '.join(SETTING_KEYS)}, got {item!r}")
+        name, kind = SETTING_KEYS[key.strip()]
+        try:
+            out[name] = kind(value.strip())
+        except ValueError:
+            raise BenchError(f"--setting {text!r}: {key.strip()} cannot be {value.strip()!r}") from None
+    if not out:
+        raise BenchError("--setting needs at least one key=value pair")
+    if out.get("mode") in ("ar", "speculative"):
+        out = {**AR_SAMPLING, **out}
+    return out
+
+
+def describe(overrides: dict[str, Any]) -> str:
+    mode = overrides.get("mode", "diffusion")
+    parts = []
+    names = {v[0]: k for k, v in SETTING_KEYS.items()}
+    for key, value in overrides.items():
+        if key in ("mode",) or (mode != "diffusion" and key in AR_SAMPLING and AR_SAMPLING[key] == value):
+            continue
+        parts.append(f"{names.get(key, key)} {value:g}" if isinstance(value, float) else f"{names.get(key, key)} {value}")
+    return f"{mode}, " + ", ".join(parts) if parts else mode
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+# --------------------------------------------------------------------------------------------
+# Instruments: forward counts and times, and what the diffusion sampler decided at each step
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """What one generate call did inside: model calls and their time, sampler decisions (diffusion)."""
+
+    decoder_calls: int = 0
+    decoder_s: float = 0.0
+    encoder_calls: int = 0
+    encoder_s: float = 0.0
+    accepted: list[Any] = field(default_factory=list)  # per step: (entropy (C,), accepted mask (C,)) tensors
+    canvas_stops: list[bool] = field(default_factory=list)  # per committed canvas: did the adaptive stop fire?
+    steps_per_canvas: list[int] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def instrumented(models: list[Any]) -> Iterator[list[Trace]]:
+    """Count and time `denoise`/`encode` on the given models, and record the sampler's acceptance and the
+    adaptive stop of the diffusion loop, into the `Trace` that is last in the yielded list.
+
+    The recording keeps tensor references only (no reductions inside the timed loop), so it costs next to
+    nothing; everything is restored on exit.
+    """
+    from printpress import engine
+
+    traces = [Trace()]
+    originals = []
+
+    def timed(model, name: str):
+        fn = getattr(model, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            trace = traces[-1]
+            if name == "denoise":
+                trace.decoder_calls += 1
+                trace.decoder_s += time.perf_counter() - start
+            else:
+                trace.encoder_calls += 1
+                trace.encoder_s += time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    sample_step, commit_canvas = engine._sample_step, engine._commit_canvas
+
+    def recording_sample_step(*args, **kwargs):
+        outcome = sample_step(*args, **kwargs)
+        for j in range(outcome.entropy.shape[0]):
+            traces[-1].accepted.append((outcome.entropy[j], outcome.accepted[j]))
+        return outcome
+
+    def recording_commit(row, *args, **kwargs):
+        # At commit `row.step` counts the steps left: above zero, the adaptive stop ended the canvas early.
+        traces[-1].canvas_stops.append(row.step > 0)
+        traces[-1].steps_per_canvas.append(row.settings.max_denoising_steps - row.step)
+        return commit_canvas(row, *args, **kwargs)
+
+    try:
+        for model in models:
+            for name in ("denoise", "encode"):
+                originals.append((model, name))
+                setattr(model, name, timed(model, name))
+        engine._sample_step, engine._commit_canvas = recording_sample_step, recording_commit
+        yield traces
+    finally:
+        engine._sample_step, engine._commit_canvas = sample_step, commit_canvas
+        for model, name in originals:
+            delattr(model, name)  # the instance attribute shadowed the class's method
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding every side on every prompt, interleaved
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    side: str
+    prompt: str
+    seed: int
+    text: str
+    new_tokens: int
+    forward_passes: int
+    seconds: float
+    first_commit_s: float | None
+    trace: Trace
+    extra: dict[str, Any]
+
+
+def decode_all(pipes: dict[str, Any], sides: list[Side], prompts: list[str], max_new_tokens: int,
+               progress: bool) -> dict[str, list[Sample]]:
+    """Every side on every prompt; prompt-major order, the side order rotated per prompt."""
+    from tqdm import tqdm
+
+    samples: dict[str, list[Sample]] = {s.label: [] for s in sides}
+    models = list({id(p.model): p.model for p in pipes.values()}.values())
+    # Warm-up (allocator, first-call costs) on a short budget, untimed.
+    for side in sides:
+        pipes[side.model].generate(prompts[0], seed=0, max_new_tokens=min(max_new_tokens, 8), **side.overrides)
+    bar = tqdm(total=len(sides) * len(prompts), desc="decode", disable=not progress, dynamic_ncols=True)
+    with instrumented(models) as traces:
+        for seed, prompt in enumerate(prompts):
+            order = sides[seed % len(sides):] + sides[: seed % len(sides)]
+            for side in order:
+                bar.set_postfix_str(side.label)
+                traces.append(Trace())
+                start = time.perf_counter()
+                result = pipes[side.model].generate(prompt, seed=seed, max_new_tokens=max_new_tokens, **side.overrides)
+                seconds = time.perf_counter() - start
+                stats = result.stats
+                extra = {k: getattr(stats, k) for k in ("verifications", "drafted_tokens", "accepted_drafts",
+                                                        "accepted_per_verification") if hasattr(stats, k)}
+                samples[side.label].append(Sample(side.label, prompt, seed, result.text or "", stats.new_tokens,
+                                                  stats.forward_passes, seconds, stats.time_to_first_commit_s,
+                                                  traces[-1], extra))
+                bar.update(1)
+    bar.close()
+    return samples
+
+
+# --------------------------------------------------------------------------------------------
+# Judges
+# --------------------------------------------------------------------------------------------
+
+
+def load_gguf_judge(choice: str):
+    """SmolLM2-135M read from GGUF (printpress.eval.gguf_judge), if that module is installed here."""
+    if choice == "off":
+        return None, "off (--gguf-judge off)"
+    try:
+        from printpress.eval.gguf_judge import GGUFJudge
+    except ImportError as exc:
+        if choice == "on":
+            raise BenchError(f"--gguf-judge on: the GGUF judge is not available ({exc})") from None
+        return None, f"not available ({exc})"
+    judge = GGUFJudge.load()
+    return judge, f"{type(judge).__name__} ({getattr(judge, 'name', 'SmolLM2-135M, GGUF')})"
+
+
+def judge_samples(samples: dict[str, list[Sample]], twin, gguf, progress: bool) -> dict[str, dict[str, list[float]]]:
+    """NLL per character of each sample's text after its prompt, under each judge (nan for empty text)."""
+    from tqdm import tqdm
+
+    from printpress.eval.judge import nll_per_char
+
+    total = sum(len(v) for v in samples.values())
+    scores: dict[str, dict[str, list[float]]] = {}
+    with tqdm(total=total, desc="judge", disable=not progress, dynamic_ncols=True) as bar:
+        for label, items in samples.items():
+            row = {"ar_twin": []}
+            if gguf is not None:
+                row["gguf"] = []
+            for s in items:
+                row["ar_twin"].append(nll_per_char(twin, s.prompt, s.text))
+                if gguf is not None:
+                    row["gguf"].append(float(gguf.nll_per_char(s.prompt, s.text)) if s.text else math.nan)
+                bar.update(1)
+            scores[label] = row
+    return scores
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries
+# --------------------------------------------------------------------------------------------
+
+
+def _mean(values: list[float]) -> float | None:
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.fmean(kept) if kept else None
+
+
+def _stderr(values: list[float]) -> float | None:
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.stdev(kept) / math.sqrt(len(kept)) if len(kept) > 1 else None
+
+
+def summarize(side: Side, items: list[Sample], scores: dict[str, list[float]]) -> dict[str, Any]:
+    tokens = sum(s.new_tokens for s in items)
+    seconds = sum(s.seconds for s in items)
+    forwards = sum(s.forward_passes for s in items)
+    decoder_calls = sum(s.trace.decoder_calls for s in items)
+    encoder_calls = sum(s.trace.encoder_calls for s in items)
+    row: dict[str, Any] = {
+        "label": side.label,
+        "kind": side.kind,
+        "model": side.model,
+        "settings": side.overrides,
+        "prompts": len(items),
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "forward_passes": forwards,
+        "tokens_per_forward": tokens / forwards if forwards else None,
+        "wall_ms_per_forward": 1e3 * seconds / forwards if forwards else None,
+        "time_to_first_commit_s": _mean([s.first_commit_s for s in items]),
+        "decoder_calls": decoder_calls,
+        "decoder_ms_per_call": 1e3 * sum(s.trace.decoder_s for s in items) / decoder_calls if decoder_calls else None,
+        "encoder_calls": encoder_calls,
+        "encoder_ms_per_call": 1e3 * sum(s.trace.encoder_s for s in items) / encoder_calls if encoder_calls else None,
+    }
+    for judge, values in scores.items():
+        row[f"judge_{judge}_nll_per_char"] = _mean(values)
+        row[f"judge_{judge}_stderr"] = _stderr(values)
+        row[f"judge_{judge}_per_prompt"] = values
+    if side.kind == "diffusion":
+        row.update(confidence(items))
+    if side.kind == "speculative":
+        row["verifications"] = sum(s.extra.get("verifications", 0) for s in items)
+        row["accepted_drafts"] = sum(s.extra.get("accepted_drafts", 0) for s in items)
+        row["drafted_tokens"] = sum(s.extra.get("drafted_tokens", 0) for s in items)
+        row["tokens_per_verification"] = tokens / row["verifications"] if row["verifications"] else None
+    return row
+
+
+def confidence(items: list[Sample]) -> dict[str, Any]:
+    """How sure the diffusion sampler was: entropy of what it accepted, how much per step, and its stops."""
+    import torch
+
+    steps = [step for s in items for step in s.trace.accepted]
+    canvases = [stop for s in items for stop in s.trace.canvas_stops]
+    if not steps:
+        return {}
+    entropy = torch.stack([e for e, _ in steps]).float()
+    accepted = torch.stack([a for _, a in steps])
+    per_canvas = [n for s in items for n in s.trace.steps_per_canvas]
+    return {
+        "accepted_per_step": accepted.sum(dim=1).float().mean().item(),
+        "accepted_entropy_mean": entropy[accepted].mean().item(),
+        "canvas_entropy_mean": entropy.mean().item(),
+        "steps_per_canvas": statistics.fmean(per_canvas) if per_canvas else None,
+        "canvases": len(canvases),
+        "adaptive_stops": sum(canvases),
+        "adaptive_stop_rate": sum(canvases) / len(canvases) if canvases else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The headline: speed at matched quality, or the honest substitute
+# --------------------------------------------------------------------------------------------
+
+
+def frontier(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Diffusion rows no other diffusion row beats on both speed and judged NLL, fastest first."""
+    points = [r for r in rows if r["kind"] == "diffusion" and r.get(key) is not None]
+    best = [r for r in points if not any(
+        o is not r and o["tokens_per_s"] >= r["tokens_per_s"] and o[key] <= r[key]
+        and (o["tokens_per_s"] > r["tokens_per_s"] or o[key] < r[key]) for o in points)]
+    return sorted(best, key=lambda r: -r["tokens_per_s"])
+
+
+def speed_at(front: list[dict[str, Any]], key: str, level: float) -> float | None:
+    """Tokens/s the diffusion frontier reaches at judged NLL `level`: log-linear between frontier points;
+    None if no setting is that good; the fastest setting's speed if every setting is at least that good."""
+    if not front:
+        return None
+    by_quality = sorted(front, key=lambda r: r[key])  # best quality (slowest) first
+    level = max(level, by_quality[0][key]) if level > by_quality[0][key] - 1e-9 else level
+    if level < by_quality[0][key]:
+        return None
+    if level >= by_quality[-1][key]:
+        return by_quality[-1]["tokens_per_s"]
+    for a, b in itertools.pairwise(by_quality):
+        if a[key] <= level <= b[key]:
+            w = 0.0 if b[key] == a[key] else (level - a[key]) / (b[key] - a[key])
+            return math.exp((1 - w) * math.log(a["tokens_per_s"]) + w * math.log(b["tokens_per_s"]))
+    return None
+
+
+def headline(rows: list[dict[str, Any]], key: str = "judge_ar_twin_nll_per_char") -> dict[str, Any]:
+    reference = next(r for r in rows if r["label"] == "AR twin")
+    ar_nll, ar_speed = reference[key], reference["tokens_per_s"]
+    front = frontier(rows, key)
+    out: dict[str, Any] = {"judge": key, "ar_twin_nll_per_char": ar_nll, "ar_twin_tokens_per_s": ar_speed,
+                           "frontier": [r["label"] for r in front]}
+    if not front:
+        return out
+    best = min(front, key=lambda r: r[key])
+    fastest = max(front, key=lambda r: r["tokens_per_s"])
+    matched = speed_at(front, key, ar_nll)
+    out.update({
+        "matched_quality_reached": matched is not None,
+        "speed_ratio_at_matched_quality": None if matched is None else matched / ar_speed,
+        "best_diffusion": {"label": best["label"], "nll_per_char": best[key], "tokens_per_s": best["tokens_per_s"],
+                           "speed_ratio_vs_ar_twin": best["tokens_per_s"] / ar_speed,
+                           "tokens_per_forward": best["tokens_per_forward"]},
+        "quality_gap_nats_per_char": best[key] - ar_nll,
+        "fastest_diffusion": {"label": fastest["label"], "nll_per_char": fastest[key],
+                              "tokens_per_s": fastest["tokens_per_s"],
+                              "speed_ratio_vs_ar_twin": fastest["tokens_per_s"] / ar_speed},
+    })
+    worst = max(r[key] for r in front)
+    levels = [ar_nll, best[key]]
+    level = math.ceil(best[key] * 4) / 4
+    while level <= worst + 1e-9:
+        levels.append(level)
+        level += 0.25
+    out["speed_at_quality"] = [
+        {"nll_per_char": lv, "tokens_per_s": speed_at(front, key, lv),
+         "speed_ratio_vs_ar_twin": None if speed_at(front, key, lv) is None else speed_at(front, key, lv) / ar_speed}
+        for lv in sorted(set(levels))]
+    spec = [r for r in rows if r["kind"] == "speculative"]
+    if spec:
+        out["speculative"] = [{"label": r["label"], "nll_per_char": r[key], "tokens_per_s": r["tokens_per_s"],
+                               "speed_ratio_vs_ar_twin": r["tokens_per_s"] / ar_speed} for r in spec]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Per-forward cost and held-out losses
+# --------------------------------------------------------------------------------------------
+
+
+def forward_cost(pipe, prompt_tokens: int = 64, reps: int = 15) -> dict[str, Any]:
+    """One decoder forward over a canvas (self-conditioned, as every step after the first) against one AR
+    step (encode one token), both after `prompt_tokens` of context, interleaved; medians in ms."""
+    import torch
+
+    model, canvas_length = pipe.model, pipe.canvas_length
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (1, prompt_tokens), generator=gen)
+    canvas = torch.randint(0, vocab, (1, canvas_length), generator=gen)
+    with torch.no_grad():
+        cache = model.new_cache(1, prompt_tokens)
+        model.encode(prompt, cache, logits="none")
+        probs = torch.softmax(model.denoise(canvas, cache) / 0.8, dim=-1)
+        ar_cache = model.new_cache(1, prompt_tokens + 2 * reps + 2)
+        model.encode(prompt, ar_cache, logits="none")
+        token = torch.tensor([[5]])
+        decoder, ar = [], []
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            model.denoise(canvas, cache, self_conditioning_probs=probs)
+            decoder.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            model.encode(token, ar_cache, logits="last")
+            ar.append(time.perf_counter() - start)
+    decoder_ms, ar_ms = 1e3 * statistics.median(decoder[1:]), 1e3 * statistics.median(ar[1:])
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    l3 = _l3_bytes()
+    return {
+        "canvas_length": canvas_length,
+        "context_tokens": prompt_tokens,
+        "reps": reps,
+        "decoder_forward_ms": decoder_ms,
+        "ar_step_ms": ar_ms,
+        "decoder_over_ar_step": decoder_ms / ar_ms,
+        "parameter_bytes": params,
+        "l3_bytes": l3,
+        "cache_resident": None if l3 is None else params <= l3,
+    }
+
+
+def _l3_bytes() -> int | None:
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "3":
+                size = (index / "size").read_text().strip()
+                return int(size[:-1]) * {"K": 2**10, "M": 2**20}.get(size[-1], 1)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len: int, batch_size: int,
+                   batches: int, val_fraction: float, cache: Path) -> dict[str, Any]:
+    """The training loop's own validation (`Trainer.evaluate`: fixed windows, fixed noise) on a saved model.
+
+    `objective` "joint" gives both the AR NLL (`val_ar`, nats/token) and the diffusion loss (`val_diffusion`:
+    x0 cross-entropy over every canvas position, noise t ~ U(0, 1), uniform weighting — the training
+    objective, not a tight likelihood bound); "ar" gives `val_ar` only. Also nats per character of the
+    AR NLL, from the characters the validation windows decode to, to set beside the judge's figures.
+    """
+    from printpress.train.loop import RunConfig, Trainer
+
+    run = RunConfig.from_dict({
+        "init_from": model_path,
+        "data": {"sources": list(sources), "val_fraction": val_fraction},
+        "train": {"objective": objective, "seq_len": seq_len, "batch_size": batch_size, "eval_batches": batches,
+                  "seed": 0},
+    })
+    trainer = Trainer(run, cache)
+    losses = trainer.evaluate()
+    tokens = sum(w.numel() for w in trainer.eval_windows)
+    chars = sum(len(trainer.tokenizer.decode(row.tolist())) for w in trainer.eval_windows for row in w)
+    out: dict[str, Any] = dict(losses)
+    out.update(objective=objective, windows=sum(w.shape[0] for w in trainer.eval_windows), seq_len=seq_len,
+               tokens=tokens, chars_per_token=chars / tokens)
+    if "val_ar" in losses:
+        # Each window predicts seq_len - 1 tokens; the per-token mean carries over to characters by the ratio.
+        out["val_ar_nats_per_char"] = losses["val_ar"] * tokens / chars
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Plot
+# --------------------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict[str, Any]], head: dict[str, Any], png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = head["judge"]
+    ar_speed = head["ar_twin_tokens_per_s"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
+    styles = {"ar": ("s", "tab:red"), "diffusion": ("o", "tab:blue"), "speculative": ("D", "tab:green")}
+    for row in rows:
+        if row.get(key) is None:
+            continue
+        marker, color = styles[row["kind"]]
+        for ax, x in ((left, row["tokens_per_s"] / ar_speed), (right, row["tokens_per_forward"])):
+            ax.scatter(x, row[key], marker=marker, color=color, s=36, zorder=3)
+            ax.annotate(row["label"].replace("diffusion, ", "").replace("speculative, ", "spec, "), (x, row[key]),
+                        fontsize=6, xytext=(3, 2), textcoords="offset points")
+    front = sorted((r for r in rows if r["label"] in head.get("frontier", [])), key=lambda r: r["tokens_per_s"])
+    if front:
+        left.plot([r["tokens_per_s"] / ar_speed for r in front], [r[key] for r in front], "-", color="tab:blue",
+                  alpha=0.5, label="diffusion frontier")
+    for ax in (left, right):
+        ax.axhline(head["ar_twin_nll_per_char"], color="tab:red", ls=":", alpha=0.7,
+                   label=f"AR twin quality ({head['ar_twin_nll_per_char']:.2f})")
+        ax.set_xscale("log", base=2)
+        ax.set_ylabel("judged NLL per character (AR twin judge; lower is better)")
+        ax.grid(alpha=0.3, which="both")
+    left.axvline(1.0, color="gray", alpha=0.5)
+    left.set_xlabel("tokens/s relative to the AR twin (same run; log2)")
+    right.set_xlabel("tokens per forward (log2)")
+    left.scatter([], [], marker="s", color="tab:red", label="AR decoding")
+    left.scatter([], [], marker="o", color="tab:blue", label="diffusion decoding")
+    if any(r["kind"] == "speculative" for r in rows):
+        left.scatter([], [], marker="D", color="tab:green", label="speculative (AR output distribution)")
+    left.legend(fontsize=7)
+    left.set_title("speed-quality frontier")
+    right.set_title("quality against tokens per forward")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Mount `printpress bench` on the CLI."""
+    p = subparsers.add_parser("bench", help="diffusion model vs its AR twin: speed, quality, frontier plot",
+                              description=(__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--diffusion", default=None, help="the diffusion model (default: the shipped shakespeare-joint)")
+    p.add_argument("--ar", default=None, help="its AR twin, also the judge (default: the shipped shakespeare-ar)")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line (default: eight Shakespeare openings)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default 96: 3 canvases of 32)")
+    p.add_argument("--steps", type=int, nargs="+", default=[64, 32, 16, 8, 4], help="denoising steps of the grid")
+    p.add_argument("--entropy-bounds", type=float, nargs="+", default=[0.1, 1.0, 4.0], help="entropy bounds of the grid")
+    p.add_argument("--setting", action="append", default=[], metavar="K=V,...",
+                   help="an extra side, e.g. 'steps=8,entropy_bound=4,t_max=0.4,t_min=0.1' or "
+                        "'mode=speculative,steps=1' (repeatable; keys: " + ", ".join(SETTING_KEYS) + ")")
+    p.add_argument("--gguf-judge", choices=("auto", "on", "off"), default="auto",
+                   help="also judge with SmolLM2-135M from GGUF (auto: when printpress.eval.gguf_judge exists)")
+    p.add_argument("--no-heldout", action="store_true", help="skip the held-out losses")
+    p.add_argument("--heldout-data", nargs="+", default=["shakespeare"], help="corpus for held-out losses")
+    p.add_argument("--heldout-val-fraction", type=float, default=0.05, help="as the training recipes (0.05)")
+    p.add_argument("--heldout-seq-len", type=int, default=128, help="validation window length (as training: 128)")
+    p.add_argument("--heldout-batch-size", type=int, default=16, help="windows per validation batch (16)")
+    p.add_argument("--heldout-batches", type=int, default=8, help="validation batches (as training: 8)")
+    p.add_argument("--forward-reps", type=int, default=15, help="repeats of the per-forward cost measurement")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared 2-core machine)")
+    p.add_argument("--results", default="results", metavar="DIR", help="folder for the report card (default ./results)")
+    p.add_argument("--out", default=None, metavar="JSON", help="also write the result here, and the plot beside it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def read_prompts(path: str | None, limit: int | None) -> list[str]:
+    if path is None:
+        prompts = list(PROMPTS)
+    else:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise BenchError(f"cannot read the prompts file {path}: {exc.strerror}") from None
+        prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise BenchError(f"the prompts file {path} holds no prompt")
+    if limit is not None:
+        if limit < 1:
+            raise BenchError(f"--limit must be a positive number of prompts, got {limit}")
+        prompts = prompts[:limit]
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.max_new_tokens < 1:
+        raise BenchError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if any(n < 1 for n in args.steps) or any(not b > 0 for b in args.entropy_bounds):
+        raise BenchError("--steps must be positive integers and --entropy-bounds positive numbers")
+    if args.threads < 1:
+        raise BenchError(f"--threads must be positive, got {args.threads}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from printpress.engine import Pipeline, default_model_path
+    from printpress.eval.report import command_line, write_report
+
+    load_start = os.getloadavg()
+    prompts = read_prompts(args.prompts_file, args.limit)
+    sides = default_sides(args.steps, args.entropy_bounds, [parse_setting(s) for s in args.setting])
+    diffusion_path = args.diffusion or str(default_model_path())
+    ar_path = args.ar or str(default_model_path().parent / "shakespeare-ar")
+    pipes = {"diffusion": Pipeline.from_pretrained(diffusion_path), "ar": Pipeline.from_pretrained(ar_path)}
+    for side in sides:  # every setting checked before any work
+        pipes[side.model].settings(max_new_tokens=args.max_new_tokens, **side.overrides).validate()
+    gguf, gguf_note = load_gguf_judge(args.gguf_judge)
+    progress = not args.no_progress
+
+    samples = decode_all(pipes, sides, prompts, args.max_new_tokens, progress)
+    scores = judge_samples(samples, pipes["ar"], gguf, progress)
+    rows = [summarize(side, samples[side.label], scores[side.label]) for side in sides]
+    ar_speed = rows[0]["tokens_per_s"]
+    ar_wall_ms = rows[0]["wall_ms_per_forward"]
+    for row in rows:
+        row["speed_ratio_vs_ar_twin"] = row["tokens_per_s"] / ar_speed
+        row["forward_cost_in_ar_steps"] = row["wall_ms_per_forward"] / ar_wall_ms if row["wall_ms_per_forward"] else None
+    cost = forward_cost(pipes["diffusion"], reps=args.forward_reps)
+    heldout: dict[str, Any] = {}
+    if not args.no_heldout:
+        from printpress.corpora import cache_dir
+
+        folder = cache_dir() / "bench-heldout"
+        for name, path, objective in (("diffusion", diffusion_path, "joint"), ("ar", ar_path, "ar")):
+            if progress:
+                print(f"held-out losses: {name} ({path})", file=sys.stderr, flush=True)
+            heldout[name] = heldout_losses(path, objective, args.heldout_data, args.heldout_seq_len,
+                                           args.heldout_batch_size, args.heldout_batches, args.heldout_val_fraction,
+                                           folder / Path(path).name)
+    head = headline(rows)
+    if gguf is not None:
+        head_gguf = headline(rows, "judge_gguf_nll_per_char")
+    else:
+        head_gguf = None
+
+    payload = {
+        "command": command_line(),
+        "metrics": headline_metrics(head),
+        "settings": {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "seeds": f"0..{len(prompts) - 1}",
+                     "steps": args.steps, "entropy_bounds": args.entropy_bounds, "extra": args.setting,
+                     "threads": args.threads, "ar_sampling": AR_SAMPLING,
+                     "canvas_length": pipes["diffusion"].canvas_length},
+        "model": {"diffusion": diffusion_path, "ar": ar_path,
+                  "parameters": sum(p.numel() for p in pipes["diffusion"].model.parameters())},
+        "info": {"load_average_start": [round(x, 2) for x in load_start],
+                 "load_average_end": [round(x, 2) for x in os.getloadavg()],
+                 "judges": {"ar_twin": ar_path, "gguf": gguf_note},
+                 "canvas_note": "canvas length is fixed by the checkpoint (trained at this length); not swept"},
+        "headline": head,
+        "headline_gguf": head_gguf,
+        "forward_cost": cost,
+        "heldout": heldout,
+        "rows": rows,
+        "samples": [{"side": s.side, "prompt": s.prompt, "seed": s.seed, "text": s.text} for v in samples.values()
+                    for s in v],
+    }
+    json_path, md_path = write_report(args.results, "bench", payload)
+    md_path.write_text(card_markdown(json_path), encoding="utf-8")
+    title = (f"{Path(diffusion_path).name} vs {Path(ar_path).name}: {len(prompts)} prompts x {args.max_new_tokens} "
+             f"tokens, {args.threads} thread(s), load {load_start[0]:.1f}")
+    plot(rows, head, json_path.with_suffix(".png"), title)
+    if args.out:
+        import json as _json
+
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        card = _json.loads(json_path.read_text(encoding="utf-8"))
+        out.write_text(_json.dumps(card, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        plot(rows, head, out.with_suffix(".png"), title)
+    print_table(rows, head, cost, heldout)
+    print(f"report: {json_path} and {md_path}", file=sys.stderr)
+    return 0
+
+
+def card_markdown(json_path: Path) -> str:
+    """The report card's page, with the per-side figures as one table instead of JSON cells."""
+    import json
+
+    from printpress.eval.report import markdown
+
+    card = json.loads(json_path.read_text(encoding="utf-8"))
+    rows = card.pop("rows")
+    card.pop("samples")
+    header = ("| side | judged NLL/char (AR twin) | tokens/s | x AR twin | tokens/forward | first commit s | "
+              "accepted entropy | accepted/step | adaptive stops |")
+    lines = ["## Sides", "", header, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r.get(k) for k in ("judge_ar_twin_nll_per_char", "tokens_per_s", "speed_ratio_vs_ar_twin",
+                                    "tokens_per_forward", "time_to_first_commit_s", "accepted_entropy_mean",
+                                    "accepted_per_step", "adaptive_stop_rate")]
+        lines.append(f"| {r['label']} | " + " | ".join("-" if c is None else f"{c:.3g}" for c in cells) + " |")
+    return markdown(card, json_path.name) + "\n" + "\n".join(lines) + "\n"
+
+
+def headline_metrics(head: dict[str, Any]) -> dict[str, Any]:
+    """The few numbers the report card's table shows."""
+    out = {"ar_twin_nll_per_char": head["ar_twin_nll_per_char"], "ar_twin_tokens_per_s": head["ar_twin_tokens_per_s"]}
+    if "best_diffusion" in head:
+        out.update(matched_quality_reached=head["matched_quality_reached"],
+                   speed_ratio_at_matched_quality=head["speed_ratio_at_matched_quality"],
+                   best_diffusion=head["best_diffusion"]["label"],
+                   best_diffusion_nll_per_char=head["best_diffusion"]["nll_per_char"],
+                   best_diffusion_speed_ratio=head["best_diffusion"]["speed_ratio_vs_ar_twin"],
+                   quality_gap_nats_per_char=head["quality_gap_nats_per_char"],
+                   fastest_diffusion_speed_ratio=head["fastest_diffusion"]["speed_ratio_vs_ar_twin"])
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], head: dict[str, Any], cost: dict[str, Any], heldout: dict) -> None:
+    has_gguf = any("judge_gguf_nll_per_char" in r for r in rows)
+    print(f"{'side':44s} {'nll/char':>8s} {'gguf':>6s} {'tok/s':>7s} {'xAR':>5s} {'tok/fwd':>7s} {'TTFC s':>7s} "
+          f"{'H acc':>6s} {'acc/st':>6s} {'stops':>5s}")
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        value = r.get(key)
+        text = format(value, fmt) if isinstance(value, (int, float)) else "-"
+        return text.rjust(len(format(0.0, fmt)))
+
+    for r in rows:
+        def f(key, fmt, r=r):
+            return cell(r, key, fmt)
+        print(f"{r['label'][:44]:44s} {f('judge_ar_twin_nll_per_char', '8.3f')} "
+              f"{f('judge_gguf_nll_per_char', '6.3f') if has_gguf else '     -'} {f('tokens_per_s', '7.1f')} "
+              f"{f('speed_ratio_vs_ar_twin', '5.2f')} {f('tokens_per_forward', '7.2f')} "
+              f"{f('time_to_first_commit_s', '7.3f')} {f('accepted_entropy_mean', '6.3f')} "
+              f"{f('accepted_per_step', '6.2f')} {f('adaptive_stop_rate', '5.2f')}")
+    print(f"decoder forward (canvas {cost['canvas_length']}) {cost['decoder_forward_ms']:.2f} ms = "
+          f"{cost['decoder_over_ar_step']:.2f} AR steps ({cost['ar_step_ms']:.2f} ms)")
+    for name, h in heldout.items():
+        print(f"held-out {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in h.items() if k.startswith("val_")))
+    if "best_diffusion" in head:
+        b = head["best_diffusion"]
+        if head["matched_quality_reached"]:
+            print(f"speed ratio at matched quality: {head['speed_ratio_at_matched_quality']:.2f}x the AR twin")
+        else:
+            print(f"no diffusion setting reaches the AR twin's quality ({head['ar_twin_nll_per_char']:.3f}); best: "
+                  f"{b['label']} {b['nll_per_char']:.3f} (gap {head['quality_gap_nats_per_char']:.3f}) at "
+                  f"{b['speed_ratio_vs_ar_twin']:.2f}x the AR twin's tokens/s")
