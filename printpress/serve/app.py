@@ -636,8 +636,7 @@ def health_router() -> APIRouter:
 
     @router.get("/health", response_model=p.Health, summary="Liveness: the model is loaded and the scheduler runs")
     def health(st: StateDep) -> p.Health:
-        load = getattr(st.scheduler, "load", None)
-        active, queued = load() if callable(load) else (0, 0)
+        active, queued = st.scheduler.load  # (running, waiting) requests
         return p.Health(model=st.model_name, active=active, queued=queued)
 
     return router
