@@ -281,3 +281,11 @@ def test_shipped_model_rewrites_a_span_in_place():
     assert result.stats.clamped_tokens == min(suffix_tokens, pipe.canvas_length - len(result.middle_ids))
     again = editing.rewrite(pipe, text, start, end, seed=0, max_denoising_steps=8)
     assert again.text == result.text
+
+
+def test_streams_check_their_input_before_the_first_event(pipe):
+    # An HTTP endpoint can answer 400 before it starts streaming: nothing has to be iterated to get the error.
+    with pytest.raises(GenerationError, match="nothing to condition on"):
+        editing.infill_stream(pipe, "", "")
+    with pytest.raises(GenerationError, match="the span start 4 is after its end 1"):
+        editing.rewrite_stream(pipe, TEXT, 4, 1)
