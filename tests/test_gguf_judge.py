@@ -255,6 +255,13 @@ def test_batch_equals_one_at_a_time(tiny_judge):
     assert tiny_judge.nll_per_char_batch([]) == []
 
 
+def test_vocab_head_in_small_chunks_gives_the_same_scores(tiny_judge, monkeypatch):
+    pairs = [("the cat", " sat on the mat"), ("", TEXTS[1]), ("a dog", "!")]
+    whole = tiny_judge.nll_per_char_batch(pairs)
+    monkeypatch.setattr(gguf_judge, "HEAD_CHUNK", 3)
+    assert tiny_judge.nll_per_char_batch(pairs) == pytest.approx(whole, rel=1e-6)
+
+
 def test_empty_completion_scores_nan(tiny_judge):
     assert math.isnan(tiny_judge.nll_per_char("the cat", ""))
     values = tiny_judge.nll_per_char_batch([("the cat", ""), ("the cat", " sat")])

