@@ -12,7 +12,15 @@ import torch
 from printpress import cli
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.engine import Pipeline
-from printpress.eval.bench import frontier, headline, parse_setting, speed_at
+from printpress.eval.bench import (
+    Sample,
+    Trace,
+    frontier,
+    headline,
+    judge_samples,
+    parse_setting,
+    speed_at,
+)
 from printpress.eval.judge import nll_per_char
 from printpress.model import DiffusionGemma
 from printpress.tokenizer import train_tokenizer
@@ -72,8 +80,12 @@ def test_every_side_ran_every_prompt_and_the_figures_add_up(report):
     for row in rows.values():
         assert row["prompts"] == 2
         assert row["tokens_per_s"] == pytest.approx(row["new_tokens"] / row["seconds"])
+        assert row["tokens_per_cpu_s"] == pytest.approx(row["new_tokens"] / row["cpu_seconds"])
+        assert 0 < row["cpu_seconds"] <= row["seconds"] * 1.05  # one thread: CPU time cannot exceed wall time
         assert row["tokens_per_forward"] == pytest.approx(row["new_tokens"] / row["forward_passes"])
         assert row["speed_ratio_vs_ar_twin"] == pytest.approx(row["tokens_per_s"] / rows["AR twin"]["tokens_per_s"])
+        assert row["cpu_speed_ratio_vs_ar_twin"] == pytest.approx(
+            row["tokens_per_cpu_s"] / rows["AR twin"]["tokens_per_cpu_s"])
     for label in ("AR twin", "diffusion model, AR decoding"):
         # AR: one token per forward, exactly, and every forward is an encoder pass (prefill included).
         assert rows[label]["tokens_per_forward"] == 1.0
@@ -121,9 +133,16 @@ def test_card_plot_and_headline(report):
     assert [p.suffix for p in cards] == [".json", ".md", ".png"]
     page = cards[1].read_text()
     assert "| AR twin |" in page and "## Sides" in page
-    head = report["headline"]
-    assert head["ar_twin_nll_per_char"] == report["rows"][0]["judge_ar_twin_nll_per_char"]
-    assert set(head["frontier"]) <= {r["label"] for r in report["rows"] if r["kind"] == "diffusion"}
+    assert set(report["headline"]) == {"ar_twin/wall", "ar_twin/cpu"}  # no second judge asked for
+    for name, head in report["headline"].items():
+        speed = "tokens_per_s" if name.endswith("wall") else "tokens_per_cpu_s"
+        assert head["speed"] == speed and head["ar_twin_speed"] == report["rows"][0][speed]
+        assert head["ar_twin_nll_per_char"] == report["rows"][0]["judge_ar_twin_nll_per_char"]
+        assert set(head["frontier"]) <= {r["label"] for r in report["rows"] if r["kind"] == "diffusion"}
+        best = head["best_diffusion"]
+        assert best["nll_per_char"] == min(r["judge_ar_twin_nll_per_char"] for r in report["rows"]
+                                           if r["kind"] == "diffusion")
+        assert head["quality_gap_nats_per_char"] == pytest.approx(best["nll_per_char"] - head["ar_twin_nll_per_char"])
     assert report["forward_cost"]["canvas_length"] == 8 and report["forward_cost"]["decoder_forward_ms"] > 0
     assert len(report["info"]["load_average_start"]) == 3
 
@@ -140,16 +159,16 @@ def test_headline_reports_the_ratio_at_matched_quality_when_it_exists():
     head = headline(rows)
     # log-linear between (0.9, 50) and (1.3, 400) at 1.0: 50 * 8 ** 0.25
     assert head["matched_quality_reached"] is True
-    assert head["speed_ratio_at_matched_quality"] == pytest.approx(50 * 8**0.25 / 100)
+    assert head["ratio_at_matched_quality"] == pytest.approx(50 * 8**0.25 / 100)
 
 
 def test_headline_without_matched_quality_reports_best_ratio_gap_and_levels():
     rows = [_row("AR twin", 1.0, 100.0, "ar"), _row("a", 1.9, 80.0), _row("b", 2.2, 160.0), _row("c", 2.9, 600.0)]
     head = headline(rows)
-    assert head["matched_quality_reached"] is False and head["speed_ratio_at_matched_quality"] is None
-    assert head["best_diffusion"]["label"] == "a" and head["best_diffusion"]["speed_ratio_vs_ar_twin"] == 0.8
+    assert head["matched_quality_reached"] is False and head["ratio_at_matched_quality"] is None
+    assert head["best_diffusion"]["label"] == "a" and head["best_diffusion"]["ratio_vs_ar_twin"] == 0.8
     assert head["quality_gap_nats_per_char"] == pytest.approx(0.9)
-    levels = {round(x["nll_per_char"], 2): x["tokens_per_s"] for x in head["speed_at_quality"]}
+    levels = {round(x["nll_per_char"], 2): x["speed"] for x in head["speed_at_quality"]}
     assert sorted(levels) == [1.0, 1.9, 2.0, 2.25, 2.5, 2.75]
     assert levels[1.0] is None and levels[1.9] == pytest.approx(80.0)
     assert levels[2.0] == pytest.approx(80 * 2 ** (1 / 3))
@@ -167,3 +186,20 @@ def test_settings_parse_and_bad_ones_are_one_line_errors(capsys, tiny):
     assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--setting", "t_min=0.9,t_max=0.5",
                      "--no-heldout"]) == 2
     assert "t_min (0.9) must not exceed t_max (0.5)" in capsys.readouterr().err
+
+
+class _LengthJudge:
+    """A stand-in second judge: scores a completion by its length, so the column's wiring can be checked."""
+
+    def nll_per_char(self, prompt: str, completion: str) -> float:
+        return float(len(prompt) + len(completion))
+
+
+def test_a_second_judge_scores_every_sample_in_its_own_column(tiny):
+    twin = Pipeline.from_pretrained(str(tiny))
+    samples = {"x": [Sample("x", "the cat", 0, " sat on", 3, 3, 0.1, 0.1, None, Trace(), {}),
+                     Sample("x", "the dog", 1, "", 0, 1, 0.1, 0.1, None, Trace(), {})]}
+    scores = judge_samples(samples, twin, _LengthJudge(), progress=False)["x"]
+    assert scores["gguf"] == [14.0, 7.0]
+    assert scores["ar_twin"][0] == pytest.approx(nll_per_char(twin, "the cat", " sat on"))
+    assert math.isnan(scores["ar_twin"][1])
