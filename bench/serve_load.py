@@ -149,6 +149,7 @@ def summary(results: list[dict], wall_s: float, reference: dict[int, str], args)
 
 
 async def main_async(args) -> dict:
+    load_before = os.getloadavg()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = start_server(args, port)
@@ -176,6 +177,7 @@ async def main_async(args) -> dict:
                        "indicative, ratios taken in one run)",
             "server": f"separate process, OMP_NUM_THREADS={args.server_threads}, --max-rows {args.max_rows}",
             "client": "this process, httpx async over loopback",
+            "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
             "model": args.model or "models/shakespeare-joint (default)",
             "request": {"max_tokens": args.max_tokens, "steps": args.steps or "model default",
                         "distinct_prompt_seed_pairs": args.distinct},
