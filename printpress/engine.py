@@ -732,6 +732,18 @@ class Pipeline:
                 results[event.request] = event.result
         return results[0] if single else list(results)
 
+    def infill(self, prefix, suffix, **kwargs):
+        """Generate the text between `prefix` and `suffix` (printpress.editing.infill): an EditResult."""
+        from printpress.editing import infill
+
+        return infill(self, prefix, suffix, **kwargs)
+
+    def rewrite(self, text: str, start: int, end: int, **kwargs):
+        """Regenerate the characters text[start:end] in place (printpress.editing.rewrite): an EditResult."""
+        from printpress.editing import rewrite
+
+        return rewrite(self, text, start, end, **kwargs)
+
     def _requests(self, prompt: Prompt, seed, overrides: dict) -> tuple[list[Request], bool]:
         settings = self.settings(**overrides)
         prompts, single = self.prompt_ids(prompt)

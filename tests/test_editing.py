@@ -289,3 +289,9 @@ def test_streams_check_their_input_before_the_first_event(pipe):
         editing.infill_stream(pipe, "", "")
     with pytest.raises(GenerationError, match="the span start 4 is after its end 1"):
         editing.rewrite_stream(pipe, TEXT, 4, 1)
+
+
+def test_pipeline_methods_delegate_to_the_editing_module(pipe):
+    assert pipe.infill("w7", "w9 w10", length=2, seed=3).middle_ids == editing.infill(pipe, "w7", "w9 w10", length=2,
+                                                                                       seed=3).middle_ids
+    assert pipe.rewrite(TEXT, 6, 12, seed=3).text == editing.rewrite(pipe, TEXT, 6, 12, seed=3).text
