@@ -18,6 +18,11 @@ original span (rewrite), or searched: each candidate length is denoised and the 
 (middle + the start of the suffix) is most probable per character under the model's own causal head
 wins. Design and measurements: docs/decisions/0005-infilling.md, docs/benchmarks-infill.md.
 
+    >>> pipe = printpress.load()
+    >>> pipe.infill("ROMEO:\nBut soft, what light", " breaks?\n", length=6, seed=0).text
+    >>> pipe.rewrite(text, start, end, seed=0)          # EditResult: text, middle, start, end, stats
+    >>> for event in infill_stream(pipe, prefix, suffix, seed=0): ...   # SpanStepEvent, CommitEvent, DoneEvent
+
 Everything is a generator of the engine's events (a `SpanStepEvent` per denoising step, one
 `CommitEvent` for the chosen middle, one `DoneEvent` holding an `EditResult`), so the CLI and an HTTP
 endpoint only consume `infill_stream` / `rewrite_stream`.
