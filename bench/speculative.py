@@ -1,0 +1,133 @@
+"""Self-speculative decoding against AR decoding on the same weights: speed, acceptance, exactness.
+
+For each setting (draft steps x draft length, canvas 32 unless said), every prompt is decoded greedily by
+`mode="ar"` and by `printpress.speculative.speculative` back to back, so both sides share the machine's load
+at that moment; the tokens must be identical (the script stops otherwise). Reported per setting: tokens/s
+of each side summed over the prompts and their ratio, mean tokens committed per verification (accepted
+drafts + the AR token), accepted drafts per verification, tokens per forward.
+
+    python bench/speculative.py [--model models/shakespeare-joint] [--tokens 128] [--threads 1] \
+        [--out docs/results/speculative.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import printpress
+from printpress.engine import DoneEvent, Request
+from printpress.speculative import speculative
+
+PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY.\nNow, lords,", "First Citizen:\nBefore we proceed"]
+# (draft steps, draft length, decoder canvas): the sweep the doc reports.
+SETTINGS = [(steps, drafts, 32) for steps in (1, 2, 4) for drafts in (31, 15, 7, 3)]
+SETTINGS += [(8, 31, 32), (8, 7, 32), (1, 7, 8), (1, 3, 4), (2, 7, 8)]
+
+
+def run_ar(pipe, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+    start = time.perf_counter()
+    result = pipe.generate(prompt, mode="ar", max_new_tokens=tokens)
+    return result.token_ids, time.perf_counter() - start
+
+
+def run_speculative(pipe, prompt: list[int], tokens: int, steps: int, drafts: int, canvas: int):
+    settings = pipe.settings(mode="ar", max_new_tokens=tokens, max_denoising_steps=steps)
+    start = time.perf_counter()
+    events = speculative(pipe.model, [Request(prompt, settings, 0)], None, canvas_length=canvas,
+                         draft_length=drafts, step_events=False)
+    result = next(e.result for e in events if isinstance(e, DoneEvent))
+    return result, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/shakespeare-joint")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="docs/results/speculative.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    pipe = printpress.load(args.model)
+    prompts = [pipe.encode_text(p) for p in PROMPTS]
+    for prompt in prompts:  # warm-up: first calls pay one-off allocation costs
+        run_ar(pipe, prompt, 8)
+        run_speculative(pipe, prompt, 8, 1, 31, 32)
+
+    rows = []
+    for steps, drafts, canvas in SETTINGS:
+        ar_time = spec_time = 0.0
+        tokens = verifications = accepted = forwards = decoder = 0
+        for prompt in prompts:
+            ar_ids, seconds = run_ar(pipe, prompt, args.tokens)
+            ar_time += seconds
+            result, seconds = run_speculative(pipe, prompt, args.tokens, steps, drafts, canvas)
+            spec_time += seconds
+            if result.token_ids != ar_ids:
+                raise SystemExit(f"speculative output differs from AR for {pipe.decode(prompt)!r} at {steps, drafts}")
+            s = result.stats
+            tokens += s.new_tokens
+            verifications += s.verifications
+            accepted += s.accepted_drafts
+            forwards += s.forward_passes
+            decoder += s.denoising_steps
+        row = {
+            "draft_steps": steps, "draft_length": drafts, "canvas": canvas, "identical": True, "new_tokens": tokens,
+            "ar_tokens_per_s": tokens / ar_time, "speculative_tokens_per_s": tokens / spec_time,
+            "ratio": ar_time / spec_time,
+            "tokens_per_verification": (tokens - len(prompts)) / verifications,
+            "accepted_drafts_per_verification": accepted / verifications,
+            "tokens_per_forward": tokens / forwards, "decoder_passes": decoder, "verifications": verifications,
+        }
+        rows.append(row)
+        print(f"steps {steps} drafts {drafts:2d} canvas {canvas:2d}: AR {row['ar_tokens_per_s']:6.1f} tok/s, "
+              f"speculative {row['speculative_tokens_per_s']:6.1f} tok/s, ratio {row['ratio']:.2f}, "
+              f"{row['tokens_per_verification']:.2f} tokens/verification, "
+              f"{row['tokens_per_forward']:.2f} tokens/forward", flush=True)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": "python bench/speculative.py " + " ".join(
+            f"--{k} {v}" for k, v in vars(args).items()),
+        "model": args.model, "prompts": PROMPTS, "max_new_tokens": args.tokens, "threads": args.threads,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}",
+        "decoding": "greedy (temperature 0); every speculative output checked identical to mode='ar'",
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for steps in sorted({r["draft_steps"] for r in rows}):
+        mine = [r for r in rows if r["draft_steps"] == steps and r["canvas"] == 32]
+        mine.sort(key=lambda r: r["draft_length"])
+        lengths = [r["draft_length"] for r in mine]
+        left.plot(lengths, [r["ratio"] for r in mine], marker="o", label=f"{steps} draft step(s)")
+        right.plot(lengths, [r["tokens_per_verification"] for r in mine], marker="o", label=f"{steps} draft step(s)")
+    left.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    left.set(xlabel="draft tokens verified per pass", ylabel="tokens/s, speculative / AR", xscale="log", title="speed")
+    right.set(xlabel="draft tokens verified per pass", ylabel="tokens committed per verification", xscale="log",
+              title="acceptance")
+    for ax in (left, right):
+        ax.set_xticks([3, 7, 15, 31], labels=["3", "7", "15", "31"])
+        ax.legend()
+    fig.suptitle("Self-speculative decoding, shakespeare-joint, greedy, canvas 32 (identical tokens to AR)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""Self-speculative decoding: the decoder drafts a canvas by diffusion, the encoder verifies it causally.
+
+A model trained with the joint objective is both a diffusion model (the bidirectional decoder) and an
+autoregressive LM (the causal encoder) on the same weights. This mode uses the first to guess and the second
+to decide, so the output is the AR model's:
+
+1. The cache holds the prompt and every committed token but the last one, `t` (its encoder pass has not run).
+   A canvas starts at that position with `t` clamped in its first slot and uniform noise elsewhere; a few
+   denoising steps (the engine's sampler: temperature schedule, entropy-bound acceptance, re-noising,
+   self-conditioning) turn the rest into a draft `d_1..d_m`.
+2. One encoder pass over `[t, d_1, .., d_m]` gives the AR model's next-token distribution after each of them.
+   Greedy (temperature 0): keep the drafts that equal the AR argmax, then add the AR argmax at the first
+   mismatch (or after the last draft), so every verification commits at least one token. Sampling: the
+   standard speculative-sampling rule (accept `d_i` with probability min(1, p/q), else draw from
+   norm(max(0, p - q)); a bonus draw from p when every draft is accepted), which makes the output follow the
+   AR distribution exactly whatever the draft is.
+3. The cache is rolled back to the accepted tokens (`KVCache.snapshot` / `truncate` restore the sliding-window
+   ring slots the rejected drafts overwrote), so it holds what AR decoding would hold.
+
+The same `t`-first layout makes the prefill's last logits give the first token, exactly as in `mode="ar"`.
+Requests are served one after another (not batched): each verification accepts a different number of tokens,
+and per-row rollback of a batched cache is not worth it for a mode meant for one local user.
+
+Counting: `forward_passes` = 1 (the prompt pass, which yields the first token) + decoder passes + verification
+passes, so `tokens_per_forward` compares with AR's 1.0. `SpeculativeStats` adds the verification count and
+`accepted_per_verification`: tokens committed per verification, the correction/bonus token included (>= 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from printpress.engine import (
+    CommitEvent,
+    Decode,
+    DoneEvent,
+    Event,
+    GenerationResult,
+    GenerationStats,
+    Request,
+    StepEvent,
+)
+from printpress.errors import GenerationError
+from printpress.sampling import (
+    SamplerSettings,
+    entropy_bound_accept,
+    sample_canvas,
+    sample_next_token,
+    step_temperature,
+    token_entropy,
+    uniform_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CANVAS = 32  # the shipped models' canvas, used when the caller does not pass the checkpoint's
+
+
+@dataclass
+class SpeculativeStats(GenerationStats):
+    verifications: int = 0  # encoder passes over a draft (the prompt pass not included)
+    drafted_tokens: int = 0  # draft tokens offered to verification
+    accepted_drafts: int = 0  # of those, how many were kept
+    accepted_per_verification: float = 0.0  # tokens committed per verification, the AR token included
+
+
+@dataclass
+class _State:
+    """One request in flight."""
+
+    index: int
+    request: Request
+    generator: torch.Generator
+    started: float
+    tokens: list[int]
+    text: str = ""
+    eos: bool = False
+    first_commit: float | None = None
+    decoder_passes: int = 0
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def settings(self) -> SamplerSettings:
+        return self.request.settings
+
+    @property
+    def finished(self) -> bool:
+        return self.eos or len(self.tokens) >= self.settings.max_new_tokens
+
+    def completion(self) -> list[int]:
+        return self.tokens[:-1] if self.eos else self.tokens
+
+
+@torch.no_grad()
+def speculative(
+    model: torch.nn.Module,
+    requests: Sequence[Request],
+    decode: Decode | None = None,
+    canvas_length: int | None = None,
+    draft_length: int | None = None,
+    step_events: bool = True,
+) -> Iterator[Event]:
+    """Generate for each request in turn, yielding the engine's events (same contract as `mode="ar"`).
+
+    Draft steps per verification are `settings.max_denoising_steps`; `temperature`/`top_k` are the AR
+    model's, as in `mode="ar"`. `canvas_length` is the decoder's canvas (the checkpoint's); `draft_length`
+    caps the drafts verified per pass (default: the whole canvas after the clamped token, canvas - 1).
+    """
+    canvas = DEFAULT_CANVAS if canvas_length is None else canvas_length
+    if canvas < 2:
+        raise GenerationError(f"speculative decoding needs a canvas of at least 2 positions, got {canvas}")
+    drafts = canvas - 1 if draft_length is None else draft_length
+    if not 0 <= drafts < canvas:
+        raise GenerationError(f"draft_length must be in 0..{canvas - 1} (canvas {canvas}), got {draft_length}")
+    for request in requests:
+        _check(request)
+    for index, request in enumerate(requests):
+        yield from _generate_one(model, index, request, decode, canvas, drafts, step_events)
+
+
+def _check(request: Request) -> None:
+    s = request.settings
+    if not request.prompt_ids:
+        raise GenerationError("the prompt is empty; give at least one token")
+    if not (isinstance(s.max_new_tokens, int) and s.max_new_tokens > 0):
+        raise GenerationError(f"max_new_tokens must be a positive integer, got {s.max_new_tokens!r}")
+    if not (isinstance(s.max_denoising_steps, int) and s.max_denoising_steps > 0):
+        raise GenerationError(f"steps (max_denoising_steps) must be a positive integer, got {s.max_denoising_steps!r}")
+    if s.temperature < 0:
+        raise GenerationError(f"temperature must be >= 0, got {s.temperature!r}")
+
+
+def _generate_one(
+    model: torch.nn.Module,
+    index: int,
+    request: Request,
+    decode: Decode | None,
+    canvas: int,
+    drafts: int,
+    step_events: bool,
+) -> Iterator[Event]:
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device)
+    generator.manual_seed(request.seed)
+    state = _State(index, request, generator, time.perf_counter(), [])
+    prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
+    # The last committed token is never encoded before the next verification: prompt + budget suffices.
+    cache = model.new_cache(1, prompt.shape[1] + state.settings.max_new_tokens)
+    logits = model.encode(prompt, cache, logits="last")
+    yield from _commit(state, [sample_next_token(logits[0, -1], state.settings, generator)], 0, decode)
+    # A block of m + 1 tokens may be rolled back part way only while the sliding ring holds all of it.
+    drafts = min(drafts, cache.window - 1)
+    round_index = 0
+    while not state.finished:
+        round_index += 1
+        last = state.tokens[-1]
+        m = min(drafts, state.settings.max_new_tokens - len(state.tokens) - 1)
+        draft, q = torch.empty(0, dtype=torch.long, device=device), None
+        if m > 0:
+            draft, q = yield from _draft(model, cache, state, last, canvas, m, round_index, step_events)
+        new = _verify(model, cache, state, last, draft, q)
+        yield from _commit(state, new, round_index, decode)
+    yield DoneEvent(index, _result(state, decode))
+
+
+def _draft(
+    model: torch.nn.Module,
+    cache,
+    state: _State,
+    last: int,
+    canvas_length: int,
+    m: int,
+    round_index: int,
+    step_events: bool,
+) -> Iterator[StepEvent]:
+    """Denoise one canvas whose first slot is clamped to `last`; return its next `m` tokens and, when
+    sampling, the distribution each was drawn from (None when greedy). A generator: it yields step events."""
+    settings, generator = state.settings, state.generator
+    vocab, device = model.config.vocab_size, cache.device
+    canvas = uniform_tokens(canvas_length, vocab, generator, device)
+    canvas[0, 0] = last
+    pass_probs = model.dtype == torch.float32  # as the engine: probs in fp32, processed logits otherwise
+    conditioning = None
+    steps = settings.max_denoising_steps
+    for step in range(steps, 0, -1):
+        if pass_probs:
+            logits = model.denoise(canvas, cache, self_conditioning_probs=conditioning)
+        else:
+            logits = model.denoise(canvas, cache, conditioning)
+        state.decoder_passes += 1
+        if step == 1:
+            break
+        processed = logits / step_temperature(step, settings)
+        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        accepted = entropy_bound_accept(token_entropy(processed), settings.entropy_bound)
+        accepted[0, 0] = True
+        sampled = sample_canvas(probs[0], generator)
+        noise = uniform_tokens(canvas_length, vocab, generator, device)[0]
+        canvas = torch.where(accepted[0], sampled, noise)[None]
+        canvas[0, 0] = last
+        conditioning = probs if pass_probs else processed.to(model.dtype)
+        if step_events:
+            yield _step_event(state, round_index, steps - step + 1, steps, canvas, processed, accepted)
+    tail = logits[0, 1 : m + 1]
+    if settings.temperature == 0:
+        draft, q = torch.argmax(tail, dim=-1), None
+    else:
+        q = _ar_probs(tail, settings)
+        draft = sample_canvas(q, generator)
+    if step_events:
+        final = canvas.clone()
+        final[0, 1 : m + 1] = draft
+        yield StepEvent(state.index, round_index, steps, steps, final[0].tolist(), final[0].tolist(),
+                        [True] * canvas_length, stopped=True)
+    return draft, q
+
+
+def _step_event(state, round_index, step, steps, canvas, processed, accepted) -> StepEvent:
+    return StepEvent(
+        request=state.index,
+        canvas=round_index,
+        step=step,
+        max_steps=steps,
+        tokens=canvas[0].tolist(),
+        argmax=torch.argmax(processed[0], dim=-1).tolist(),
+        accepted=accepted[0].tolist(),
+        stopped=False,
+    )
+
+
+def _ar_probs(logits: torch.Tensor, settings: SamplerSettings) -> torch.Tensor:
+    """Rows of next-token probabilities (n, V) exactly as `sample_next_token` samples them (temperature > 0)."""
+    scaled = logits / settings.temperature
+    if settings.top_k is not None and settings.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, settings.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return torch.softmax(scaled, dim=-1, dtype=torch.float32)
+
+
+def _verify(
+    model: torch.nn.Module, cache, state: _State, last: int, draft: torch.Tensor, q: torch.Tensor | None
+) -> list[int]:
+    """One causal pass over `[last, *draft]`; returns the tokens AR decoding commits, rolls the cache back."""
+    block = torch.cat([torch.tensor([last], dtype=torch.long, device=draft.device), draft])[None]
+    start = cache.length
+    snapshot = cache.snapshot(block.shape[1])
+    logits = model.encode(block, cache, logits="all")[0]  # logits[i]: the AR model's view after block[i]
+    state.verifications += 1
+    if state.settings.temperature == 0:
+        new = greedy_accept(draft, logits)
+    else:
+        q = logits.new_empty(0, logits.shape[-1]) if q is None else q  # no draft: the bonus draw only
+        new = sampled_accept(draft, q, _ar_probs(logits, state.settings), state.generator)
+    accepted = len(new) - 1
+    cache.truncate(start + 1 + accepted, snapshot)
+    state.drafted += int(draft.numel())
+    state.accepted += accepted
+    return new
+
+
+def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> list[int]:
+    """The drafts (m,) that match the AR argmax of `logits` (m + 1, V), then the AR argmax after them."""
+    targets = torch.argmax(logits, dim=-1)
+    matches = (draft == targets[: draft.numel()]).long()
+    kept = int(matches.cumprod(dim=0).sum())
+    return draft[:kept].tolist() + [int(targets[kept])]
+
+
+def sampled_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): drafts (m,) drawn from q (m, V), target
+    probabilities p (m + 1, V). Each kept token, and the one drawn after them, follows p exactly."""
+    m = draft.numel()
+    tokens = draft.tolist()
+    uniforms = torch.rand(m, generator=generator, device=draft.device) if m else None
+    for i in range(m):
+        x = tokens[i]
+        if float(uniforms[i]) * float(q[i, x]) < float(p[i, x]):  # u < p/q without dividing by a tiny q
+            continue
+        residual = (p[i] - q[i]).clamp_(min=0)
+        if float(residual.sum()) <= 0:  # p == q up to rounding: a rejection is then a draw from p
+            residual = p[i]
+        return tokens[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
+    return tokens + [int(torch.multinomial(p[m], 1, generator=generator))]
+
+
+def _commit(state: _State, new: list[int], round_index: int, decode: Decode | None) -> Iterator[CommitEvent]:
+    """Append verified tokens up to the first EOS and the budget; one CommitEvent for them."""
+    settings = state.settings
+    kept: list[int] = []
+    for token in new:
+        kept.append(token)
+        state.tokens.append(token)
+        if token in settings.eos_token_ids:
+            state.eos = True
+        if state.finished:
+            break
+    if state.first_commit is None:
+        state.first_commit = time.perf_counter()
+    yield CommitEvent(state.index, round_index, kept, _text_delta(state, decode), state.finished)
+
+
+def _text_delta(state: _State, decode: Decode | None) -> str:
+    if decode is None:
+        return ""
+    full = decode(state.completion())
+    delta = full.removeprefix(state.text)
+    state.text = full
+    return delta
+
+
+def _result(state: _State, decode: Decode | None) -> GenerationResult:
+    now = time.perf_counter()
+    new_tokens = len(state.tokens)
+    forward_passes = 1 + state.decoder_passes + state.verifications
+    stats = SpeculativeStats(
+        prompt_tokens=len(state.request.prompt_ids),
+        new_tokens=new_tokens,
+        canvases=0,
+        forward_passes=forward_passes,
+        denoising_steps=state.decoder_passes,
+        tokens_per_forward=new_tokens / forward_passes,
+        wall_time_s=now - state.started,
+        time_to_first_commit_s=None if state.first_commit is None else state.first_commit - state.started,
+        finish_reason="eos" if state.eos else "length",
+        verifications=state.verifications,
+        drafted_tokens=state.drafted,
+        accepted_drafts=state.accepted,
+        # Every token after the first (the prompt pass's) was committed by a verification.
+        accepted_per_verification=(new_tokens - 1) / state.verifications if state.verifications else 0.0,
+    )
+    logger.info("request %d done: %s", state.index, stats)
+    completion = state.completion()
+    return GenerationResult(
+        token_ids=list(state.tokens),
+        completion_ids=list(completion),
+        text=None if decode is None else decode(completion),
+        prompt_ids=list(state.request.prompt_ids),
+        stats=stats,
+        mode="speculative",
+        seed=state.request.seed,
+    )

@@ -1,0 +1,300 @@
+"""Self-speculative decoding gives exactly the AR model's tokens (greedy) or distribution (sampled), and the
+KV cache rolls back to precisely what AR decoding would hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from printpress.config import TextConfig
+from printpress.engine import CommitEvent, DoneEvent, Request, StepEvent, run
+from printpress.errors import GenerationError
+from printpress.model import DiffusionGemma
+from printpress.sampling import MODES, SamplerSettings
+from printpress.speculative import greedy_accept, sampled_accept, speculative
+
+# Sliding windows smaller than the prompts, so the rings wrap and rollback must restore overwritten slots.
+TINY = {
+    "ring3": {"vocab_size": 8, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 3,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "global_head_dim": 16,
+              "num_global_key_value_heads": 1, "sliding_window": 4,
+              "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+              "num_experts": 2, "top_k_experts": 1, "moe_intermediate_size": 8, "max_position_embeddings": 256},
+    "ring6": {"vocab_size": 12, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 8,
+              "sliding_window": 7,
+              "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+              "num_experts": 3, "top_k_experts": 2, "moe_intermediate_size": 8, "max_position_embeddings": 256},
+}
+
+
+def tiny_model(name: str, seed: int = 0) -> DiffusionGemma:
+    torch.manual_seed(seed)
+    model = DiffusionGemma(TextConfig(**TINY[name])).eval()
+    with torch.no_grad():  # norms and scales off one, so a misplaced one would show
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def settings(**overrides) -> SamplerSettings:
+    base = {"max_new_tokens": 20, "max_denoising_steps": 2, "eos_token_ids": (), "mode": "speculative"}
+    return SamplerSettings(**{**base, **overrides})
+
+
+def collect(events) -> tuple[list, list]:
+    events = list(events)
+    return events, [e.result for e in events if isinstance(e, DoneEvent)]
+
+
+def ar_tokens(model, prompt: list[int], **overrides) -> list[int]:
+    s = settings(**overrides).with_overrides(mode="ar")
+    return collect(run(model, 8, [Request(prompt, s, 0)]))[1][0].token_ids
+
+
+def readable(cache) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """What attention can read from a cache, per layer: absolute position -> (key, value), copied."""
+    out = []
+    for index, layer in enumerate(cache.layers):
+        positions = cache.prefix_positions(layer.sliding).tolist()
+        keys, values = cache.sliding_prefix(index) if layer.sliding else cache.full_prefix(index)
+        out.append({p: (keys[:, :, i].clone(), values[:, :, i].clone()) for i, p in enumerate(positions)})
+    return out
+
+
+def assert_bit_equal(got: list[dict], expected: list[dict]) -> None:
+    for mine, theirs in zip(got, expected, strict=True):
+        assert sorted(mine) == sorted(theirs)
+        for p in theirs:
+            assert torch.equal(mine[p][0], theirs[p][0]) and torch.equal(mine[p][1], theirs[p][1]), p
+
+
+# -- the cache rollback -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("prefix", [2, 9])  # before and after the ring wraps
+def test_truncate_restores_exactly_the_cache_of_the_kept_tokens(name, prefix):
+    """After encoding a block and truncating to its first `kept` tokens, every key/value attention can read is
+    bit for bit the one written for that position (by the prefix pass, or by the block pass for kept
+    tokens), the ring holds exactly the last window positions, and decoding goes on as after encoding only
+    the kept tokens (bit for bit when none is kept; to rounding otherwise, as any encoding in pieces)."""
+    model = tiny_model(name)
+    window = model.new_cache(1, 64).window
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (1, prefix + window + 4), generator=g)
+    block = window  # the longest block that can be rolled back part way
+    junk = torch.randint(3, vocab, (1, block), generator=g)
+    canvas = torch.randint(3, vocab, (1, 8), generator=g)
+    with torch.no_grad():
+        for kept in range(block + 1):
+            drafted = torch.cat([ids[:, prefix : prefix + kept], junk[:, kept:]], dim=1)
+            rolled = model.new_cache(1, 64)
+            model.encode(ids[:, :prefix], rolled, logits="none")
+            before = readable(rolled)
+            snapshot = rolled.snapshot(block)
+            model.encode(drafted, rolled, logits="none")
+            after = readable(rolled)
+            rolled.truncate(prefix + kept, snapshot)
+
+            length = prefix + kept
+            expected = []
+            for layer, old, new in zip(rolled.layers, before, after):
+                first = max(0, length - window) if layer.sliding else 0
+                expected.append({p: (new if p >= prefix else old)[p] for p in range(first, length)})
+            assert_bit_equal(readable(rolled), expected)
+            assert rolled.length == length and bool(rolled.pad_mask[:, :length].all())
+
+            straight = model.new_cache(1, 64)
+            model.encode(ids[:, :prefix], straight, logits="none")
+            if kept:
+                model.encode(ids[:, prefix:length], straight, logits="none")
+            rest = ids[:, length:]
+            got, want = model.encode(rest, rolled), model.encode(rest, straight)
+            if kept == 0:
+                assert torch.equal(got, want)
+                assert_bit_equal(readable(rolled), readable(straight))
+                assert torch.equal(model.denoise(canvas, rolled), model.denoise(canvas, straight))
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            torch.testing.assert_close(model.denoise(canvas, rolled), model.denoise(canvas, straight), rtol=0,
+                                       atol=1e-5)
+
+
+def test_truncate_refuses_what_it_cannot_restore():
+    model = tiny_model("ring3")
+    cache = model.new_cache(1, 64)
+    model.encode(torch.tensor([[3, 4, 5, 6, 7]]), cache, logits="none")
+    snapshot = cache.snapshot(5)
+    with pytest.raises(GenerationError, match="the snapshot covers positions 5..10 and the cache holds 5"):
+        cache.truncate(5, snapshot)  # nothing was encoded after the snapshot
+    model.encode(torch.tensor([[3, 4, 5, 6, 7]]), cache, logits="none")
+    with pytest.raises(GenerationError, match="cannot truncate to 4"):
+        cache.truncate(4, snapshot)  # before the block
+    with pytest.raises(GenerationError, match="block of 5 tokens part way: the sliding window keeps 3"):
+        cache.truncate(7, snapshot)
+    cache.truncate(5, snapshot)  # all of the block, or none of it, can still go
+    assert cache.length == 5
+
+
+# -- the acceptance rules -----------------------------------------------------------------------------------
+
+
+def test_greedy_accept_keeps_the_matching_prefix_then_the_ar_token():
+    logits = torch.full((4, 6), -1.0)
+    for row, best in enumerate([2, 5, 1, 4]):
+        logits[row, best] = 1.0
+    assert greedy_accept(torch.tensor([2, 5, 1]), logits) == [2, 5, 1, 4]  # all kept, plus the bonus
+    assert greedy_accept(torch.tensor([2, 0, 1]), logits) == [2, 5]  # mismatch at the second: the AR token
+    assert greedy_accept(torch.tensor([3, 5, 1]), logits) == [2]  # later matches do not count
+    assert greedy_accept(torch.tensor([], dtype=torch.long), logits[:1]) == [2]
+
+
+def test_sampled_accept_follows_the_target_distribution():
+    p = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.1, 0.2, 0.6]])
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    drafts = torch.multinomial(q[0], n, replacement=True, generator=g)
+    first = torch.zeros(4)
+    second_given_0 = torch.zeros(4)
+    for draft in drafts.tolist():
+        out = sampled_accept(torch.tensor([draft]), q, p, g)
+        first[out[0]] += 1
+        if out[0] == draft and out[0] == 0:  # kept: a bonus token from p[1] follows
+            second_given_0[out[1]] += 1
+    assert (first / n - p[0]).abs().sum() / 2 < 0.01  # total variation: p, not q (0.4 away)
+    assert (second_given_0 / second_given_0.sum() - p[1]).abs().sum() / 2 < 0.03
+    # Drafts are kept with probability sum(min(p, q)) = 0.1 + 0.2 + 0.1 + 0.1 = 0.5.
+    kept = sum(int(sampled_accept(torch.tensor([d]), q, p, g)[:1] == [d]) for d in drafts[:4000].tolist())
+    assert abs(kept / 4000 - 0.5) < 0.03
+
+
+# -- generation -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_greedy_speculative_equals_ar_on_tiny_models(name):
+    model = tiny_model(name)
+    vocab = model.config.vocab_size
+    accepted = 0
+    for seed, (length, new, steps, drafts) in enumerate([(3, 20, 1, None), (9, 25, 2, 2), (14, 12, 3, 1)]):
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(3, vocab, (length,), generator=g).tolist()
+        s = settings(max_new_tokens=new, max_denoising_steps=steps)
+        (result,) = collect(speculative(model, [Request(prompt, s, seed)], canvas_length=8, draft_length=drafts))[1]
+        assert result.token_ids == ar_tokens(model, prompt, max_new_tokens=new)
+        assert len(result.token_ids) == new
+        accepted += result.stats.accepted_drafts
+    assert accepted > 0  # a vocabulary this small makes random drafts match often: rollbacks part way happen
+
+
+def test_eos_stops_where_ar_stops():
+    model = tiny_model("ring3")
+    prompt = [3, 4, 5, 6]
+    free = ar_tokens(model, prompt, max_new_tokens=30)
+    eos = free[7]
+    expected = free[: free.index(eos) + 1]
+    s = settings(max_new_tokens=30, eos_token_ids=(eos,))
+    (result,) = collect(speculative(model, [Request(prompt, s, 0)], canvas_length=8))[1]
+    assert result.token_ids == expected
+    assert result.completion_ids == expected[:-1]
+    assert result.stats.finish_reason == "eos"
+
+
+def test_events_and_statistics_add_up():
+    model = tiny_model("ring6")
+    s = settings(max_new_tokens=17, max_denoising_steps=3)
+    requests = [Request([3, 4, 5], s, 0), Request([6, 7, 8, 9, 10], s, 1)]
+    events, results = collect(speculative(model, requests, decode=lambda ids: " ".join(map(str, ids)),
+                                          canvas_length=6))
+    assert isinstance(events[-1], DoneEvent)
+    for index, result in enumerate(results):
+        mine = [e for e in events if e.request == index]
+        commits = [e for e in mine if isinstance(e, CommitEvent)]
+        steps = [e for e in mine if isinstance(e, StepEvent)]
+        stats = result.stats
+        assert [t for c in commits for t in c.token_ids] == result.token_ids
+        assert "".join(c.text for c in commits) == result.text == " ".join(map(str, result.token_ids))
+        assert [c.finished for c in commits] == [False] * (len(commits) - 1) + [True]
+        assert len(commits) == stats.verifications + 1  # the prompt pass commits the first token
+        assert len(steps) == stats.denoising_steps
+        assert stats.forward_passes == 1 + stats.denoising_steps + stats.verifications
+        assert stats.tokens_per_forward == pytest.approx(17 / stats.forward_passes)
+        assert stats.accepted_per_verification == pytest.approx(16 / stats.verifications)
+        assert stats.accepted_drafts == 16 - stats.verifications
+        assert result.mode == "speculative" and result.stats.new_tokens == 17
+        assert result.token_ids == ar_tokens(model, requests[index].prompt_ids, max_new_tokens=17)
+
+
+def test_sampled_speculative_follows_the_ar_distribution():
+    """Tokens 2 and 3 come from one verification of one draft; their joint law must be the AR model's."""
+    model = tiny_model("ring3")
+    vocab = model.config.vocab_size
+    prompt = [3, 4, 5]
+    temperature = 0.25
+    with torch.no_grad():  # exact P(x1, x2, x3) by enumeration
+        first = torch.softmax(model.encode(torch.tensor([prompt]), model.new_cache(1, 8))[0, -1] / temperature, -1)
+        cache = model.new_cache(vocab * vocab, 8)
+        model.encode(torch.tensor([prompt] * vocab * vocab), cache, logits="none")
+        pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))
+        logits = model.encode(pairs, cache) / temperature
+        second = torch.softmax(logits[::vocab, 0], -1)  # rows x1
+        third = torch.softmax(logits[:, 1], -1).view(vocab, vocab, vocab)  # [x1, x2, x3]
+    exact = (first[:, None, None] * second[:, :, None] * third).sum(0)  # P(x2, x3)
+    s = settings(max_new_tokens=3, max_denoising_steps=1, temperature=temperature)
+    counts = torch.zeros(vocab, vocab)
+    runs, drafted, kept = 1000, 0, 0
+    for seed in range(runs):
+        (result,) = collect(speculative(model, [Request(prompt, s, seed)], canvas_length=4, step_events=False))[1]
+        counts[result.token_ids[1], result.token_ids[2]] += 1
+        drafted += result.stats.drafted_tokens
+        kept += result.stats.accepted_drafts
+    assert drafted == runs and 0.05 < kept / runs < 0.95  # both branches of the rule were taken
+    tv = (counts / runs - exact).abs().sum() / 2
+    assert tv < 0.14, tv  # sampling noise alone is ~0.1 at this count; accepting drafts unchecked: > 0.5
+
+
+def test_bad_arguments_are_refused():
+    model = tiny_model("ring3")
+    request = Request([3, 4], settings(), 0)
+    with pytest.raises(GenerationError, match="draft_length must be in 0..7"):
+        list(speculative(model, [request], canvas_length=8, draft_length=8))
+    with pytest.raises(GenerationError, match="temperature must be >= 0"):
+        list(speculative(model, [Request([3], settings(temperature=-1.0), 0)]))
+    with pytest.raises(GenerationError, match="the prompt is empty"):
+        list(speculative(model, [Request([], settings(), 0)]))
+
+
+# -- the shipped joint model --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    import printpress
+
+    return printpress.load()
+
+
+@pytest.mark.parametrize("text,new,steps,drafts", [
+    ("ROMEO:\nWhat light", 80, 1, None),  # 80 new tokens: the 63-slot sliding ring wraps
+    ("To be, or not to be", 40, 2, 8),
+    ("KING HENRY.\n", 24, 1, 3),
+])
+def test_greedy_speculative_equals_ar_on_the_shipped_model(shipped, text, new, steps, drafts):
+    prompt = shipped.encode_text(text)
+    ar = shipped.generate(prompt, mode="ar", max_new_tokens=new)
+    s = shipped.settings(mode="ar", max_new_tokens=new, max_denoising_steps=steps)
+    request = Request(prompt, s, 0)
+    (result,) = collect(speculative(shipped.model, [request], shipped.decode, canvas_length=32,
+                                    draft_length=drafts, step_events=False))[1]
+    assert result.token_ids == ar.token_ids
+    assert result.text == ar.text
+
+
+@pytest.mark.skipif("speculative" not in MODES, reason="mode='speculative' is not wired into the engine yet")
+def test_pipeline_generate_in_speculative_mode(shipped):
+    ar = shipped.generate("ROMEO:", mode="ar", max_new_tokens=30)
+    spec = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, max_denoising_steps=1, seed=3)
+    assert spec.token_ids == ar.token_ids and spec.mode == "speculative"
