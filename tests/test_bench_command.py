@@ -15,6 +15,7 @@ from printpress.engine import Pipeline
 from printpress.eval.bench import (
     Sample,
     Trace,
+    describe,
     frontier,
     headline,
     judge_samples,
@@ -76,7 +77,7 @@ def test_every_side_ran_every_prompt_and_the_figures_add_up(report):
     rows = {r["label"]: r for r in report["rows"]}
     assert list(rows) == ["AR twin", "diffusion model, AR decoding", "diffusion, 4 steps, bound 0.1",
                           "diffusion, 4 steps, bound 8", "diffusion, 2 steps, bound 0.1", "diffusion, 2 steps, bound 8",
-                          "diffusion, steps 4, t_max 0.4, t_min 0.1"]
+                          "diffusion, 4 steps, t 0.4->0.1"]
     for row in rows.values():
         assert row["prompts"] == 2
         assert row["tokens_per_s"] == pytest.approx(row["new_tokens"] / row["seconds"])
@@ -98,7 +99,8 @@ def test_every_side_ran_every_prompt_and_the_figures_add_up(report):
         assert row["decoder_calls"] == row["forward_passes"] == row["canvases"] * steps
         assert row["steps_per_canvas"] == steps
         assert row["tokens_per_forward"] == pytest.approx(8 / steps)
-        assert 1 <= row["accepted_per_step"] <= 8
+        assert 1 <= row["accepted_per_step"] <= 8 and 1 <= row["final_step_accepted"] <= 8
+        assert row["final_step_entropy_mean"] > 0.005  # random weights: far from the adaptive stop's bar
     # A looser bound accepts more tokens per step.
     assert rows["diffusion, 4 steps, bound 8"]["accepted_per_step"] > rows["diffusion, 4 steps, bound 0.1"][
         "accepted_per_step"]
@@ -112,6 +114,8 @@ def test_judged_nll_is_the_judges_and_the_same_weights_agree(report, tiny):
     assert [s["prompt"] for s in texts] == ["the cat", "the dog sat\n"]  # "\n" in the file is a newline
     assert rows["diffusion, 2 steps, bound 8"]["judge_ar_twin_per_prompt"] == pytest.approx(expected)
     assert rows["diffusion, 2 steps, bound 8"]["judge_ar_twin_nll_per_char"] == pytest.approx(sum(expected) / 2)
+    joined = "".join(s["text"] for s in texts)
+    assert rows["diffusion, 2 steps, bound 8"]["whitespace_share"] == sum(c.isspace() for c in joined) / len(joined)
     # Twin and diffusion model are one checkpoint here: AR decoding gives the same text, hence the same score.
     assert rows["AR twin"]["judge_ar_twin_per_prompt"] == rows["diffusion model, AR decoding"]["judge_ar_twin_per_prompt"]
 
@@ -179,6 +183,10 @@ def test_headline_without_matched_quality_reports_best_ratio_gap_and_levels():
 def test_settings_parse_and_bad_ones_are_one_line_errors(capsys, tiny):
     assert parse_setting("steps=8,entropy_bound=4,sample_accepted_only=true") == {
         "max_denoising_steps": 8, "entropy_bound": 4.0, "sample_accepted_only": True}
+    assert describe(parse_setting("steps=16,entropy_bound=1,t_max=0.4,t_min=0.1,sample_accepted_only=1")) == \
+        "diffusion, 16 steps, bound 1, t 0.4->0.1, accepted-only"
+    assert describe(parse_setting("mode=speculative,steps=1,confidence_threshold=0.5")) == \
+        "speculative, 1 steps, confidence 0.5"
     assert parse_setting("mode=speculative,steps=1") == {"temperature": 0.8, "top_k": 50, "mode": "speculative",
                                                          "max_denoising_steps": 1}
     assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--setting", "stepz=3"]) == 2

@@ -123,14 +123,26 @@ def parse_setting(text: str) -> dict[str, Any]:
 
 
 def describe(overrides: dict[str, Any]) -> str:
-    mode = overrides.get("mode", "diffusion")
+    """A short label: `diffusion, 16 steps, bound 1, t 0.4->0.1, accepted-only`."""
+    o = dict(overrides)
+    mode = o.pop("mode", "diffusion")
+    if mode != "diffusion":
+        for key, value in AR_SAMPLING.items():
+            if o.get(key) == value:
+                o.pop(key)
     parts = []
+    if "max_denoising_steps" in o:
+        parts.append(f"{o.pop('max_denoising_steps')} steps")
+    if "entropy_bound" in o:
+        parts.append(f"bound {o.pop('entropy_bound'):g}")
+    if "t_max" in o or "t_min" in o:
+        parts.append(f"t {o.pop('t_max', 'default')}->{o.pop('t_min', 'default')}")
+    if o.pop("sample_accepted_only", False):
+        parts.append("accepted-only")
     names = {v[0]: k for k, v in SETTING_KEYS.items()}
-    for key, value in overrides.items():
-        if key in ("mode",) or (mode != "diffusion" and key in AR_SAMPLING and AR_SAMPLING[key] == value):
-            continue
-        parts.append(f"{names.get(key, key)} {value:g}" if isinstance(value, float) else f"{names.get(key, key)} {value}")
-    return f"{mode}, " + ", ".join(parts) if parts else mode
+    parts += [f"{names.get(k, k).replace('_threshold', '')} {v:g}" if isinstance(v, float) else f"{names.get(k, k)} {v}"
+              for k, v in o.items()]
+    return ", ".join([mode, *parts])
 
 
 def _boolean(text: str) -> bool:
@@ -356,6 +368,9 @@ def summarize(side: Side, items: list[Sample], scores: dict[str, list[float]]) -
         "encoder_calls": encoder_calls,
         "encoder_ms_per_call": 1e3 * sum(s.trace.encoder_s for s in items) / encoder_calls if encoder_calls else None,
     }
+    text = "".join(s.text for s in items)
+    # Per-character likelihood flatters degenerate text (runs of newlines are cheap to predict): say how much there is.
+    row["whitespace_share"] = sum(c.isspace() for c in text) / len(text) if text else None
     for judge, values in scores.items():
         row[f"judge_{judge}_nll_per_char"] = _mean(values)
         row[f"judge_{judge}_stderr"] = _stderr(values)
@@ -381,11 +396,22 @@ def confidence(items: list[Sample]) -> dict[str, Any]:
     entropy = torch.stack([e for e, _ in steps]).float()
     accepted = torch.stack([a for _, a in steps])
     per_canvas = [n for s in items for n in s.trace.steps_per_canvas]
+    # The last step of each canvas: what the adaptive stop compares with confidence_threshold (mean entropy).
+    final_entropy, final_accepted = [], []
+    for s in items:
+        end = 0
+        for n in s.trace.steps_per_canvas:
+            end += n
+            last_entropy, last_accepted = s.trace.accepted[end - 1]
+            final_entropy.append(last_entropy.float().mean().item())
+            final_accepted.append(int(last_accepted.sum()))
     return {
         "accepted_per_step": accepted.sum(dim=1).float().mean().item(),
         "accepted_entropy_mean": entropy[accepted].mean().item(),
         "canvas_entropy_mean": entropy.mean().item(),
         "steps_per_canvas": statistics.fmean(per_canvas) if per_canvas else None,
+        "final_step_entropy_mean": statistics.fmean(final_entropy) if final_entropy else None,
+        "final_step_accepted": statistics.fmean(final_accepted) if final_accepted else None,
         "canvases": len(canvases),
         "adaptive_stops": sum(canvases),
         "adaptive_stop_rate": sum(canvases) / len(canvases) if canvases else None,
