@@ -9,7 +9,8 @@ are read as the grid.
 Metrics: exact-solve accuracy (all 81 cells equal the unique solution, which for a unique puzzle is the
 same as a valid grid that keeps the givens; both are reported), cell accuracy over all cells and over
 the blank cells only (givens can simply be copied, so the blank-cell figure is the one that measures
-solving), tokens per forward (generated tokens / decoder or encoder passes; 1 for AR) and wall time.
+solving; the given-cell figure says whether the model copies the puzzle), tokens per forward (generated
+tokens / decoder or encoder passes; 1 for AR) and wall time.
 
     python -m printpress.eval.sudoku --model /work/runs/sudoku-diffusion/model --limit 50
     python -m printpress.eval.sudoku --model /work/runs/sudoku-ar/model --mode ar
@@ -121,6 +122,7 @@ def summarise(rows: list[dict]) -> dict:
         "valid_accuracy": sum(r["valid"] for r in rows) / n,
         "cell_accuracy": sum(r["cells_right"] for r in rows) / (n * sudoku.CELLS),
         "blank_cell_accuracy": sum(r["blanks_right"] for r in rows) / max(blanks, 1),
+        "given_cell_accuracy": sum(r["cells_right"] - r["blanks_right"] for r in rows) / max(n * sudoku.CELLS - blanks, 1),
         # Copying the givens and leaving the rest wrong scores this cell accuracy: the floor to beat.
         "copy_givens_cell_accuracy": 1 - blanks / (n * sudoku.CELLS),
     }
