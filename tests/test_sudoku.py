@@ -130,7 +130,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=32", "model.moe_interme
 @pytest.mark.parametrize("objective", ["diffusion", "ar"])
 def test_a_tiny_recipe_trains_and_evaluates_end_to_end(objective, tmp_path):
     from printpress.engine import Pipeline
-    from printpress.eval.sudoku import evaluate
+    from printpress.eval.sudoku import evaluate, noise_probe
     from printpress.train.command import read_run_config
     from printpress.train.loop import Trainer
 
@@ -156,6 +156,9 @@ def test_a_tiny_recipe_trains_and_evaluates_end_to_end(objective, tmp_path):
     else:
         assert metrics["forwards_per_puzzle"] <= 2  # one canvas, at most two denoising steps
         assert metrics["tokens_per_forward"] >= 1.0
+        probe = noise_probe(pipe, n=2, levels=(0.0, 1.0))
+        assert set(probe) == {"0.0", "1.0"}
+        assert all(0.0 <= v["given_accuracy"] <= 1.0 and v["blank_nll"] > 0 for v in probe.values())
     assert len(result["samples"]) == 3 and len(result["samples"][0]["predicted"]) == 81
     json.dumps(result)  # JSON-serialisable for the report card
 
