@@ -17,6 +17,7 @@ Methods (the joint model's weights for all, except the judge):
 - AR given "suffix + blank line + prefix" as its prompt, greedy, oracle length.
 
 `--variant sampler` runs the oracle-length diffusion infill at other temperatures and step counts;
+`--variant feedback` compares the self-conditioning signal at the clamped positions;
 `--variant core --joint FOLDER` runs the suffix ablation and the AR baseline for another checkpoint.
 
 Figures per method and span kind: exact match (stripped text), token accuracy (position-wise over the
@@ -115,9 +116,10 @@ def main() -> None:
     parser.add_argument("--spans", type=int, default=100)
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "infill.json"))
     parser.add_argument("--note", default="", help="what else ran on the machine")
-    parser.add_argument("--variant", choices=("main", "sampler", "core"), default="main",
+    parser.add_argument("--variant", choices=("main", "sampler", "core", "feedback"), default="main",
                         help="main: the methods above; sampler: diffusion infill at other temperatures/steps; "
-                             "core: original, diffusion with and without the suffix, AR prefix-only")
+                             "core: original, diffusion with and without the suffix, AR prefix-only; "
+                             "feedback: one-hot self-conditioning at the clamped positions")
     parser.add_argument("--summarize", default=None, help="only recompute the summary of a saved result file")
     parser.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
                         help="paired join NLL differences (B - A) of the methods both result files ran")
@@ -151,6 +153,11 @@ def main() -> None:
         keep = ("original (the true middle)", "diffusion infill, oracle length", "diffusion, oracle length, no suffix seen",
                 BASELINE)
         methods = {name: methods[name] for name in keep}
+    if args.variant == "feedback":  # self-conditioning at clamped positions: the model's own vs one-hot
+        keep = ("original (the true middle)", "diffusion infill, oracle length", BASELINE)
+        methods = {name: methods[name] for name in keep}
+        methods["diffusion infill, oracle length, exact suffix feedback"] = lambda s, i, n: editing.infill(
+            pipe, s["prefix"], s["suffix"], length=n, seed=i, suffix_feedback="exact")
     if args.variant == "sampler":  # the sampler's temperature and step budget, at the oracle length
         keep = ("original (the true middle)", "diffusion infill, oracle length", BASELINE)
         methods = {name: methods[name] for name in keep}

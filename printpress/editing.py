@@ -53,6 +53,7 @@ Text = str | Sequence[int]
 
 # Fractions of the canvas tried when no length is given to `infill` (canvas 32: 4, 8, 12, 16, 24 tokens).
 SEARCH_FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
+FEEDBACK = ("predicted", "exact")
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,6 +158,7 @@ def infill_stream(
     length: int | Sequence[int] | None = None,
     seed: int | None = None,
     suffix_window: int | None = None,
+    suffix_feedback: str = "predicted",
     step_events: bool = True,
     **overrides,
 ) -> Iterator[Event]:
@@ -168,6 +170,8 @@ def infill_stream(
         under the model's own causal head.
     suffix_window: suffix tokens clamped into the canvas; default canvas_length - length (the trained
         canvas size); larger values lengthen the canvas beyond what the model was trained on.
+    suffix_feedback: the self-conditioning signal at clamped positions: "predicted" (the model's own
+        distribution there, as in training) or "exact" (a one-hot of the true token).
     seed: seeds the sampler (default: drawn from torch's global generator).
     overrides: sampler settings as for `Pipeline.generate` (max_denoising_steps, entropy_bound, t_min,
         t_max, stability_threshold, confidence_threshold, eos_token_ids, sample_accepted_only).
@@ -183,6 +187,8 @@ def infill_stream(
     lengths = _lengths(length, pipe.canvas_length)
     if suffix_window is not None and (not _is_int(suffix_window) or suffix_window < 0):
         raise GenerationError(f"suffix_window must be an integer >= 0, got {suffix_window!r}")
+    if suffix_feedback not in FEEDBACK:
+        raise GenerationError(f"suffix_feedback must be one of {', '.join(FEEDBACK)}, got {suffix_feedback!r}")
     seed = _seed(seed)
     bos = pipe.generation_config.bos_token_id
     context = ([] if bos is None else [int(bos)]) + prefix_ids
@@ -196,7 +202,8 @@ def infill_stream(
         raise GenerationError(f"the prefix ({len(context)} tokens) plus the canvas and scored suffix need {longest} "
                               f"positions; the model's position limit is {limit}; shorten the prefix")
     _check_vocab(context + suffix_ids, pipe.config.text.vocab_size)
-    return _edit(pipe, settings, context, prefix, suffix, suffix_ids, lengths, windows, seed, step_events)
+    return _edit(pipe, settings, context, prefix, suffix, suffix_ids, lengths, windows, seed, step_events,
+                 suffix_feedback == "exact")
 
 
 def default_lengths(canvas_length: int) -> list[int]:
@@ -225,7 +232,7 @@ def check_span(text: str, start: int, end: int) -> None:
 
 @torch.no_grad()
 def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suffix: Text, suffix_ids: list[int],
-          lengths: list[int], windows: list[int], seed: int, step_events: bool) -> Iterator[Event]:
+          lengths: list[int], windows: list[int], seed: int, step_events: bool, exact_feedback: bool) -> Iterator[Event]:
     started = time.perf_counter()
     model = pipe.model
     device = next(model.parameters()).device
@@ -242,7 +249,7 @@ def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suf
         generator = torch.Generator(device=device)
         generator.manual_seed((seed + index) % 2**64)
         middle, passes = yield from _denoise_span(model, cache, length, clamp, settings, generator, banned, index,
-                                                  step_events)
+                                                  step_events, exact_feedback)
         nll, chars = 0.0, 0
         if len(lengths) > 1:
             nll, chars = _join_nll(pipe, cache, first_logits, middle, scored)
@@ -272,7 +279,7 @@ def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suf
 
 def _denoise_span(model, cache, length: int, clamp: torch.Tensor, settings: SamplerSettings,
                   generator: torch.Generator, banned: torch.Tensor, canvas_index: int,
-                  step_events: bool):
+                  step_events: bool, exact_feedback: bool = False):
     """Denoise `length` free positions in front of the clamped suffix tokens `clamp` (1, K).
 
     The sampler steps are the engine's (temperature schedule, entropy-bound acceptance, uniform
@@ -321,6 +328,13 @@ def _denoise_span(model, cache, length: int, clamp: torch.Tensor, settings: Samp
             )
         if stopped or step == 0:
             return argmax.tolist(), steps - step
+        if exact_feedback and clamped:
+            # A one-hot at each clamped position: probabilities in fp32, logits of 0 / -inf otherwise.
+            onehot = torch.nn.functional.one_hot(clamp, vocab).bool()
+            if pass_probs:
+                probs[:, length:] = onehot.float()
+            else:
+                processed[:, length:] = torch.zeros_like(processed[:, length:]).masked_fill(~onehot, float("-inf"))
         feedback = probs if pass_probs else processed.to(model.dtype)
 
 

@@ -295,3 +295,23 @@ def test_pipeline_methods_delegate_to_the_editing_module(pipe):
     assert pipe.infill("w7", "w9 w10", length=2, seed=3).middle_ids == editing.infill(pipe, "w7", "w9 w10", length=2,
                                                                                        seed=3).middle_ids
     assert pipe.rewrite(TEXT, 6, 12, seed=3).text == editing.rewrite(pipe, TEXT, 6, 12, seed=3).text
+
+
+@pytest.mark.parametrize("feedback", ["predicted", "exact"])
+def test_suffix_feedback_sets_the_self_conditioning_signal_at_clamped_positions(pipe, monkeypatch, feedback):
+    seen = []
+    denoise = pipe.model.denoise
+
+    def recording(canvas_ids, cache, *args, **kwargs):
+        seen.append(kwargs.get("self_conditioning_probs"))
+        return denoise(canvas_ids, cache, *args, **kwargs)
+
+    monkeypatch.setattr(pipe.model, "denoise", recording)
+    editing.infill(pipe, "w7", "w20 w21 w22", length=3, seed=0, suffix_feedback=feedback, max_denoising_steps=3)
+    assert seen[0] is None and len(seen) == 3
+    clamped = seen[1][0, 3:]
+    exact = torch.nn.functional.one_hot(torch.tensor([20, 21, 22]), 128).float()
+    assert torch.equal(clamped, exact) == (feedback == "exact")
+    assert not torch.equal(seen[1][0, :3].max(dim=-1).values, torch.ones(3))  # free positions keep the model's own
+    with pytest.raises(GenerationError, match="suffix_feedback must be one of predicted, exact, got 'x'"):
+        editing.infill(pipe, "w7", "w20", length=1, suffix_feedback="x")
