@@ -9,7 +9,10 @@ Requests cycle through the distinct (prompt, seed) pairs, so every answer under 
 text that pair got alone (the scheduler promises the same tokens whatever shares the batch).
 
 Reports errors, p50/p99 latency and aggregate tokens/s (completion tokens of all requests / wall time of the
-phase) against one request alone, as JSON (docs/results/serve_load.json by default).
+phase) against one request alone, as JSON (docs/results/serve_load.json by default). For scale, the engine
+without HTTP or scheduler is timed too, in this process while the server idles: the same requests one at a
+time and `--concurrency` of them in one `Pipeline.generate` batch, which bounds what batching can gain with
+this model on this machine.
 
     python bench/serve_load.py                       # 200 requests at 16 concurrent, 64 tokens each
     python bench/serve_load.py --requests 50 --concurrency 4 --out /tmp/load.json
@@ -187,10 +190,37 @@ async def main_async(args) -> dict:
         "load_streamed": summary(streamed, streamed_wall, reference, args) | {"concurrency": args.concurrency},
         "health_after": health,
     }
+    result["engine_only"] = engine_baseline(args)
     for key in ("load_not_streamed", "load_streamed"):
         rate = result[key]["aggregate_tokens_per_s"]
         result[key]["tokens_per_s_vs_alone"] = round(rate / single, 2) if rate and single else None
     return result
+
+
+def engine_baseline(args) -> dict:
+    """The engine alone (no HTTP, no scheduler): requests one at a time, then `concurrency` in one batch."""
+    import torch
+
+    import printpress
+
+    torch.set_num_threads(args.server_threads)
+    pipe = printpress.load(args.model)
+    pairs = [body(args, i, False) for i in range(args.distinct)]
+    extra = {"max_denoising_steps": args.steps} if args.steps else {}
+    pipe.generate(pairs[0]["prompt"], seed=pairs[0]["seed"], max_new_tokens=args.max_tokens, **extra)  # warm up
+    started = time.perf_counter()
+    alone = [pipe.generate(p["prompt"], seed=p["seed"], max_new_tokens=args.max_tokens, **extra) for p in pairs]
+    alone_s = time.perf_counter() - started
+    batch = [body(args, i, False) for i in range(args.concurrency)]
+    started = time.perf_counter()
+    together = pipe.generate([p["prompt"] for p in batch], seed=[p["seed"] for p in batch],
+                             max_new_tokens=args.max_tokens, **extra)
+    batch_s = time.perf_counter() - started
+    alone_rate = sum(r.stats.new_tokens for r in alone) / alone_s
+    batch_rate = sum(r.stats.new_tokens for r in together) / batch_s
+    return {"threads": args.server_threads, "alone_tokens_per_s": round(alone_rate, 1),
+            f"batch_of_{args.concurrency}_tokens_per_s": round(batch_rate, 1),
+            "batch_vs_alone": round(batch_rate / alone_rate, 2)}
 
 
 def main() -> None:
@@ -201,7 +231,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="denoising steps per canvas (default: the model's)")
     parser.add_argument("--distinct", type=int, default=10, help="distinct (prompt, seed) pairs cycled through")
     parser.add_argument("--max-rows", type=int, default=16, help="the server's --max-rows")
-    parser.add_argument("--server-threads", type=int, default=2, help="OMP_NUM_THREADS of the server process")
+    parser.add_argument("--server-threads", type=int, default=1,
+                        help="torch threads of the server and of the engine-only baseline (default 1: two-thread "
+                             "GEMMs on a busy 2-core machine wait on each other)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "serve_load.json"))
