@@ -293,8 +293,28 @@ def test_greedy_speculative_equals_ar_on_the_shipped_model(shipped, text, new, s
     assert result.text == ar.text
 
 
-@pytest.mark.skipif("speculative" not in MODES, reason="mode='speculative' is not wired into the engine yet")
 def test_pipeline_generate_in_speculative_mode(shipped):
+    assert "speculative" in MODES
     ar = shipped.generate("ROMEO:", mode="ar", max_new_tokens=30)
     spec = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, max_denoising_steps=1, seed=3)
-    assert spec.token_ids == ar.token_ids and spec.mode == "speculative"
+    assert spec.token_ids == ar.token_ids and spec.text == ar.text and spec.mode == "speculative"
+    assert spec.stats.verifications >= 1 and spec.stats.accepted_per_verification >= 1
+    sampled = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, max_denoising_steps=1, seed=3,
+                               temperature=0.8)
+    again = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, max_denoising_steps=1, seed=3,
+                             temperature=0.8)
+    assert sampled.token_ids == again.token_ids != ar.token_ids  # seeded: repeatable, and really sampled
+
+
+def test_cli_generates_in_speculative_mode(capsys):
+    import json
+
+    from printpress.cli import main
+
+    common = ["generate", "--max-new-tokens", "12", "--json", "ROMEO:"]
+    assert main([*common, "--mode", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert main([*common, "--mode", "speculative", "--steps", "1"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == ar["token_ids"] and spec["text"] == ar["text"]
+    assert spec["stats"]["forward_passes"] == 1 + spec["stats"]["denoising_steps"] + spec["stats"]["verifications"]
