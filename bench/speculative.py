@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="docs/results/speculative.json")
+    parser.add_argument("--margins", default=None, help="instead of the sweep, measure how far greedy verification is "
+                        "from an argmax tie and write it here")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON at --out")
     parser.add_argument("--costs", default=None, help="instead of the sweep, time single passes and write them here")
     args = parser.parse_args()
@@ -61,6 +63,8 @@ def main() -> None:
     pipe = printpress.load(args.model)
     if args.costs:
         return pass_costs(pipe, args)
+    if args.margins:
+        return tie_margins(pipe, args)
     if args.plot_only:
         return plot(json.loads(Path(args.out).read_text())["rows"], Path(args.out).with_suffix(".png"))
     prompts = [pipe.encode_text(p) for p in PROMPTS]
@@ -156,6 +160,40 @@ def pass_costs(pipe, args) -> None:
     command = f"python bench/speculative.py --threads {args.threads} --costs {args.costs}"
     Path(args.costs).write_text(json.dumps({"command": command, "model": args.model, "threads": args.threads,
                                             "median_ms": medians}, indent=2) + "\n")
+
+
+def tie_margins(pipe, args) -> None:
+    """How safe is "verification gives AR's argmax"? For each prompt's AR greedy continuation, the logits of
+    every position computed one token at a time (as AR does) and in one block of 32 (as a verification does):
+    the largest difference between the two, against the smallest gap between the best and second-best logit.
+    The argmax can only differ where the gap is below the difference."""
+    model = pipe.model
+    worst_diff, smallest_gap = 0.0, float("inf")
+    positions = 0
+    with torch.no_grad():
+        for text in PROMPTS:
+            prompt = pipe.encode_text(text)
+            ar_ids, _ = run_ar(pipe, prompt, args.tokens)
+            ids = prompt + ar_ids
+            single = model.new_cache(1, len(ids))
+            one_at_a_time = [model.encode(torch.tensor([prompt]), single, logits="last")[0, -1]]
+            for token in ar_ids[:-1]:
+                one_at_a_time.append(model.encode(torch.tensor([[token]]), single, logits="last")[0, -1])
+            stepwise = torch.stack(one_at_a_time)  # logits predicting ar_ids[i]
+            blocked = model.new_cache(1, len(ids))
+            first = model.encode(torch.tensor([prompt]), blocked, logits="last")[0]
+            rest = [model.encode(torch.tensor([ar_ids[i : i + 32]]), blocked)[0] for i in range(0, len(ar_ids) - 1, 32)]
+            block = torch.cat([first, *rest])[: len(ar_ids)]
+            worst_diff = max(worst_diff, float((block - stepwise).abs().max()))
+            top2 = stepwise.topk(2, dim=-1).values
+            smallest_gap = min(smallest_gap, float((top2[:, 0] - top2[:, 1]).min()))
+            assert torch.equal(block.argmax(-1), stepwise.argmax(-1))
+            positions += len(ar_ids)
+    result = {"command": f"python bench/speculative.py --threads {args.threads} --tokens {args.tokens} --margins "
+                         f"{args.margins}", "model": args.model, "positions": positions,
+              "max_abs_logit_difference_block_vs_stepwise": worst_diff, "smallest_top2_logit_gap": smallest_gap}
+    print(json.dumps(result, indent=2))
+    Path(args.margins).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def plot(rows: list[dict], path: Path) -> None:
