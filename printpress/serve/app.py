@@ -426,8 +426,23 @@ def sse(payload: p.BaseModel | dict | str, event: str | None = None) -> str:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def event_stream(body_iter: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body_iter, media_type="text/event-stream", headers=SSE_HEADERS)
+class JobStream(StreamingResponse):
+    """An SSE response that cancels its jobs however it ends, even if its body was never iterated (a client
+    gone before the first byte never enters the body's own cleanup)."""
+
+    def __init__(self, body_iter: AsyncIterator[str], jobs: Sequence[Job]) -> None:
+        super().__init__(body_iter, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.jobs = jobs
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            cancel_all(job for job in self.jobs if job.result is None)
+
+
+def event_stream(body_iter: AsyncIterator[str], jobs: Sequence[Job]) -> StreamingResponse:
+    return JobStream(body_iter, jobs)
 
 
 async def stream_body(st: ServerState, request: Request, jobs: list[Job], rid: str, stream_steps: bool,
@@ -544,7 +559,7 @@ def api_router() -> APIRouter:
         rid, created = _new_id("cmpl"), int(time.time())
         echo = [st.decode(job.prompt_ids) if body.echo else "" for job in jobs]
         if body.stream:
-            return event_stream(_completion_stream(st, request, jobs, body, rid, created, echo))
+            return event_stream(_completion_stream(st, request, jobs, body, rid, created, echo), jobs)
         await collect(request, jobs)
         return p.Completion(
             id=rid, created=created, model=st.model_name,
@@ -567,7 +582,7 @@ def api_router() -> APIRouter:
         jobs = submit_jobs(st, [ids], body, max_tokens, body.stream and body.stream_steps)
         rid, created = _new_id("chatcmpl"), int(time.time())
         if body.stream:
-            return event_stream(_chat_stream(st, request, jobs, body, rid, created))
+            return event_stream(_chat_stream(st, request, jobs, body, rid, created), jobs)
         await collect(request, jobs)
         job = jobs[0]
         return p.ChatCompletion(
