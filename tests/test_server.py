@@ -517,6 +517,22 @@ def test_model_chat_template_is_rendered_in_a_sandbox():
         unsafe(messages)
 
 
+def test_chat_template_is_read_from_the_model_folder(tmp_path):
+    from printpress.serve.chat import read_chat_template
+
+    assert read_chat_template(tmp_path) == (None, {})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": "{{ bos_token }}{{ messages[0].content }}"}))
+    template, specials = read_chat_template(tmp_path)
+    assert ChatFormatter(template, specials)([ChatMessage(role="user", content="hi")]) == "<bos>hi"
+    (tmp_path / "chat_template.jinja").write_text("[{{ messages[0].content }}]")  # the separate file wins
+    template, specials = read_chat_template(tmp_path)
+    assert ChatFormatter(template, specials)([ChatMessage(role="user", content="hi")]) == "[hi]"
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(printpress.PrintpressError, match="tokenizer_config.json"):
+        read_chat_template(tmp_path)
+
+
 def test_output_cuts_hold_back_what_may_still_change():
     def decode(ids):
         return "".join(chr(i) for i in ids)
