@@ -220,6 +220,12 @@ def test_events_and_statistics_add_up():
         assert [c.finished for c in commits] == [False] * (len(commits) - 1) + [True]
         assert len(commits) == stats.verifications + 1  # the prompt pass commits the first token
         assert len(steps) == stats.denoising_steps
+        committed: list[int] = []
+        for event in mine:  # every draft canvas starts with the newest committed token, clamped
+            if isinstance(event, CommitEvent):
+                committed += event.token_ids
+            elif isinstance(event, StepEvent):
+                assert event.tokens[0] == committed[-1] and event.max_steps == 3 and len(event.tokens) == 6
         assert stats.forward_passes == 1 + stats.denoising_steps + stats.verifications
         assert stats.tokens_per_forward == pytest.approx(17 / stats.forward_passes)
         assert stats.accepted_per_verification == pytest.approx(16 / stats.verifications)
