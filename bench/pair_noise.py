@@ -7,7 +7,7 @@ joint model's decoder predicts every canvas position from the clean context befo
 corrupted with uniform noise at a fixed level t (no self-conditioning: the first denoising step). Per t it
 reports the cross-entropy at corrupted and at kept positions, the argmax accuracy at corrupted positions, and
 at t = 1 (the first step of generation: a canvas of pure noise) the loss at each of the 32 canvas positions,
-next to the encoder's AR NLL per token on the same windows. The forward is the training objective's own
+next to the encoder's AR NLL per token and a unigram model's cross-entropy on the same windows. The forward is the training objective's own
 (`forward_block_diffusion`); the noise is `add_uniform_noise` with t given.
 Writes the JSON and a PNG beside it.
 """
@@ -80,6 +80,10 @@ def main() -> None:
               f" kept CE {kept}", flush=True)
         if t == 1.0:
             per_position = row["ce_by_position"]
+    # Reference level: a unigram model (train-split token counts, add-one) on the same windows.
+    counts = torch.bincount(torch.as_tensor(trainer.train_tokens.tokens[:].astype("int64")), minlength=vocab) + 1.0
+    log_unigram = torch.log(counts / counts.sum())
+    unigram = -torch.cat([log_unigram[w.reshape(-1)] for w in windows]).mean().item()
     result = {
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "model": args.model,
@@ -87,6 +91,7 @@ def main() -> None:
         "tokens": sum(w.numel() for w in windows),
         "canvas_length": block,
         "ar_nll_per_token": sum(ar_nll) / len(ar_nll),
+        "unigram_ce_per_token": unigram,
         "levels": levels,
         "ce_by_position_at_t1": per_position,
         "load_average_start": load,
@@ -95,7 +100,7 @@ def main() -> None:
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out.with_suffix(".png"))
-    print(f"AR NLL per token {result['ar_nll_per_token']:.3f}; wrote {out}")
+    print(f"AR NLL per token {result['ar_nll_per_token']:.3f}, unigram {unigram:.3f}; wrote {out}")
 
 
 def plot(result: dict, png: Path) -> None:
@@ -110,6 +115,7 @@ def plot(result: dict, png: Path) -> None:
     left.plot([r["t"] for r in result["levels"] if r["kept_ce"] is not None],
               [r["kept_ce"] for r in result["levels"] if r["kept_ce"] is not None], "s--", label="decoder CE at kept positions")
     left.axhline(result["ar_nll_per_token"], color="tab:red", ls=":", label=f"encoder AR NLL ({result['ar_nll_per_token']:.2f})")
+    left.axhline(result["unigram_ce_per_token"], color="gray", ls="--", label="unigram model")
     left.set(xlabel="noise level t (fraction of the canvas replaced by uniform tokens)", ylabel="nats per token",
              title="held-out loss by noise level (no self-conditioning)")
     left.grid(alpha=0.3)
@@ -117,8 +123,9 @@ def plot(result: dict, png: Path) -> None:
     pos = list(range(result["canvas_length"]))
     for r in result["levels"]:
         if r["t"] in (0.5, 1.0):
-            right.plot(pos, r["ce_by_position"], "o-", ms=3, label=f"decoder CE, t = {r['t']}")
+            right.plot(pos, r["ce_by_position"], "o-", ms=3, label=f"decoder CE, all positions, t = {r['t']}")
     right.axhline(result["ar_nll_per_token"], color="tab:red", ls=":", label="encoder AR NLL")
+    right.axhline(result["unigram_ce_per_token"], color="gray", ls="--", label="unigram model")
     right.set(xlabel="position in the canvas (0 = right after the context)", ylabel="nats per token",
               title="decoder loss by canvas position")
     right.grid(alpha=0.3)
