@@ -71,8 +71,11 @@ def test_a_cancelled_request_frees_its_row_and_the_queue_is_bounded(models_):  #
         second = scheduler.submit(Request(PROMPTS[1], pipe.settings(max_new_tokens=8, max_denoising_steps=2), 2))
         with pytest.raises(QueueFull, match="already waiting"):
             scheduler.submit(Request(PROMPTS[1], long, 3))
+        second.cancel()  # a waiting request that is cancelled gives its queue place back (before the next step)
+        assert list(second.events()) == []
+        third = scheduler.submit(Request(PROMPTS[1], pipe.settings(max_new_tokens=8, max_denoising_steps=2), 2))
         first.cancel()
-        assert _result(second).stats.new_tokens > 0  # the freed row served the waiting request
+        assert _result(third).stats.new_tokens > 0  # the freed row served the waiting request
         assert scheduler.load == (0, 0)
     finally:
         scheduler.close()

@@ -288,11 +288,12 @@ class Scheduler:
         now = time.monotonic()
         with self._lock:
             waiting = list(self._waiting)
-        for ticket in waiting:
-            if now > ticket.deadline:
+        for ticket in waiting:  # a client that left, or waited too long, gives its queue place back
+            if ticket.cancelled or now > ticket.deadline:
                 with self._lock:
                     self._waiting.remove(ticket)
-                ticket._finish(RequestTimeout(f"the request waited past the {self.limits.request_timeout_s:g} s timeout"))
+                ticket._finish(None if ticket.cancelled else RequestTimeout(
+                    f"the request waited past the {self.limits.request_timeout_s:g} s timeout"))
         for ticket in list(self._running.values()):
             if ticket.cancelled or now > ticket.deadline:
                 self._batch_for(ticket).remove(ticket.id)
