@@ -97,3 +97,19 @@ def test_limits_and_timeouts_are_clear_errors(models_):  # noqa: F811
         scheduler.close()
     assert not any(t.name == "printpress-scheduler" for t in threading.enumerate())
 
+
+
+def test_edits_bring_their_own_stream_and_share_the_worker(models_):  # noqa: F811
+    from printpress.editing import infill_stream
+
+    _, pipe = models_["gqa"]
+    edit = dict(length=3, seed=4, max_denoising_steps=3)
+    alone = [e for e in infill_stream(pipe, [2, 7, 9], [11, 13], **edit)]
+    with Scheduler(pipe) as scheduler:
+        diffusion = scheduler.submit(Request(PROMPTS[0], pipe.settings(max_new_tokens=16, max_denoising_steps=3), 1))
+        ticket = scheduler.submit_stream(infill_stream(pipe, [2, 7, 9], [11, 13], **edit))
+        events = list(ticket.events())
+        assert isinstance(_result(diffusion).token_ids, list)
+    assert {e.request for e in events} == {ticket.id}
+    assert events[-1].result.middle_ids == alone[-1].result.middle_ids
+    assert len(events) == len(alone)

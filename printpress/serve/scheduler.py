@@ -8,7 +8,7 @@ Diffusion requests share decoder steps (continuous batching, `printpress.engine.
 between two steps the worker admits waiting requests up to `Limits.max_rows`, drops cancelled and
 timed-out ones, and then runs one decoder pass over every admitted request. AR and speculative
 requests are interleaved with them, one token (or one verified draft) per request per step, each in
-its own forward pass. Each request draws from its own generator, so its output is what it gets
+its own forward pass, and so are edits (`submit_stream`), one decoder pass per step. Each request draws from its own generator, so its output is what it gets
 alone with the same seed.
 """
 
@@ -76,9 +76,10 @@ _END = object()  # after the DoneEvent (or an error), nothing more comes
 class Ticket:
     """One submitted request: its events, and a way to cancel it."""
 
-    def __init__(self, ticket_id: int, request: Request, step_events: bool, deadline: float) -> None:
+    def __init__(self, ticket_id: int, request: Request | None, step_events: bool, deadline: float) -> None:
         self.id = ticket_id
-        self.request = request
+        self.request = request  # None for work that brings its own stream (`Scheduler.submit_stream`)
+        self.stream: Iterator[Event] | None = None
         self.step_events = step_events
         self.deadline = deadline
         self.cancelled = False
@@ -137,33 +138,38 @@ class Ticket:
             yield item
 
 
-class _OneByOne:
-    """Requests of a mode without a shared-step batch (AR, speculative): one engine stream each,
-    advanced to its next commit at every step."""
+class _Streams:
+    """Work without a shared-step batch, each an engine event stream of its own: AR and speculative requests
+    (advanced to their next commit at every step) and edits (advanced by one event, one decoder pass)."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
-        self.streams: dict[int, Iterator[Event]] = {}
+        self.streams: dict[int, tuple[Iterator[Event], bool]] = {}
 
     def __len__(self) -> int:
         return len(self.streams)
 
     def add(self, handle: int, request: Request, step_events: bool) -> None:
         stream = run(self.pipeline.model, self.pipeline.canvas_length, [request], self.pipeline._decoder(), step_events)
-        self.streams[handle] = _renumbered(stream, handle)
+        self.add_stream(handle, stream, per_commit=True)
+
+    def add_stream(self, handle: int, stream: Iterator[Event], per_commit: bool) -> None:
+        self.streams[handle] = (_renumbered(stream, handle), per_commit)
 
     def remove(self, handle: int) -> None:
         self.streams.pop(handle, None)
 
     def step(self) -> list[Event]:
         events: list[Event] = []
-        for handle, stream in list(self.streams.items()):
+        for handle, (stream, per_commit) in list(self.streams.items()):
             for event in stream:
                 events.append(event)
-                if isinstance(event, (CommitEvent, DoneEvent)):
+                if isinstance(event, DoneEvent):
+                    del self.streams[handle]
+                if isinstance(event, (CommitEvent, DoneEvent)) or not per_commit:
                     break
-            if events and isinstance(events[-1], DoneEvent) and events[-1].request == handle:
-                del self.streams[handle]
+            else:
+                del self.streams[handle]  # ended without a DoneEvent (it should not)
         return events
 
 
@@ -184,7 +190,7 @@ class Scheduler:
         self._waiting: deque[Ticket] = deque()
         self._running: dict[int, Ticket] = {}
         self._diffusion = DiffusionBatch(pipeline.model, pipeline.canvas_length, pipeline._decoder())
-        self._one_by_one = _OneByOne(pipeline)
+        self._streams = _Streams(pipeline)
         self._thread: threading.Thread | None = None
         self._closed = False
         self.steps = 0  # shared steps run so far (for tests and metrics)
@@ -221,12 +227,22 @@ class Scheduler:
     def submit(self, request: Request, step_events: bool = False) -> Ticket:
         """Queue a request; raises GenerationError for one that cannot run, QueueFull when too many wait."""
         self.check(request)
+        return self._enqueue(request, None, step_events)
+
+    def submit_stream(self, stream: Iterator[Event]) -> Ticket:
+        """Queue work that brings its own event stream (an edit: `printpress.editing.infill_stream` or
+        `rewrite_stream`, already validated). It takes a row like a request and is advanced by one event (one
+        decoder pass) per step, between the shared steps of the others."""
+        return self._enqueue(None, stream, True)
+
+    def _enqueue(self, request: Request | None, stream: Iterator[Event] | None, step_events: bool) -> Ticket:
         with self._lock:
             if self._closed:
                 raise SchedulerClosed("the server is shutting down")
             if len(self._waiting) >= self.limits.max_queued:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting; try again later")
             ticket = Ticket(next(self._ids), request, step_events, time.monotonic() + self.limits.request_timeout_s)
+            ticket.stream = stream
             ticket._wake = self._wake
             self._waiting.append(ticket)
         self._wake.set()
@@ -261,7 +277,9 @@ class Scheduler:
                 self._step()
 
     def _batch_for(self, ticket: Ticket):
-        return self._diffusion if ticket.request.settings.mode == "diffusion" else self._one_by_one
+        if ticket.request is not None and ticket.request.settings.mode == "diffusion":
+            return self._diffusion
+        return self._streams
 
     def _admit(self) -> None:
         while True:
@@ -273,7 +291,10 @@ class Scheduler:
                 ticket._finish()
                 continue
             try:
-                self._batch_for(ticket).add(ticket.id, ticket.request, ticket.step_events)
+                if ticket.request is None:
+                    self._streams.add_stream(ticket.id, ticket.stream, per_commit=False)
+                else:
+                    self._batch_for(ticket).add(ticket.id, ticket.request, ticket.step_events)
             except PrintpressError as exc:
                 ticket._finish(exc)
                 continue
@@ -306,7 +327,7 @@ class Scheduler:
     def _step(self) -> None:
         events: list[Event] = []
         try:
-            for batch in (self._diffusion, self._one_by_one):
+            for batch in (self._diffusion, self._streams):
                 if len(batch):
                     events.extend(batch.step())
         except Exception as exc:  # a bug: fail the requests in flight rather than the server
