@@ -659,7 +659,8 @@ def health_router() -> APIRouter:
 
 STATIC_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
                 "/app.js": ("app.js", "text/javascript; charset=utf-8"),
-                "/style.css": ("style.css", "text/css; charset=utf-8")}
+                "/style.css": ("style.css", "text/css; charset=utf-8"),
+                "/edit.js": ("edit.js", "text/javascript; charset=utf-8")}
 
 
 def web_router() -> APIRouter:

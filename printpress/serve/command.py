@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import printpress
     from printpress.serve.app import create_app
     from printpress.serve.chat import ChatFormatter, read_chat_template
+    from printpress.serve.edits import router as edits_router
     from printpress.serve.scheduler import Limits, Scheduler
 
     pipeline = printpress.load(args.model, dtype=args.dtype, device=args.device)
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (folder.name if folder else str(args.model))
     app = create_app(pipeline, scheduler, model_name=name, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=max_prompt, max_steps=args.max_steps, api_key=api_key, chat=ChatFormatter(template, specials),
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, extra_routers=[edits_router()])
     if not _is_loopback(args.host) and api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     print(f"printpress: serving {name} on http://{_url_host(args.host)}:{args.port} "

@@ -238,3 +238,96 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+# ------------------------------------------------------------------------------------------------
+# printpress's edit extension: POST /v1/edits (infill between two texts, or rewrite a span in place)
+# ------------------------------------------------------------------------------------------------
+
+MAX_EDIT_LENGTHS = 8  # candidate lengths in one edit's length search (each is a whole denoising run)
+
+
+class EditRequest(_Strict):
+    """Either `text` + `span` (rewrite `text[span[0]:span[1]]`) or `prefix` and/or `suffix` (infill between)."""
+
+    model: str | None = Field(None, description="The served model's id (GET /v1/models). Optional: one model is served.")
+    text: str | None = Field(None, description="Rewrite: the whole text; `span` names the part to regenerate.")
+    span: list[int] | None = Field(
+        None, min_length=2, max_length=2,
+        description="Rewrite: [start, end) in Unicode code points of `text` (not UTF-16 units, not bytes).",
+    )
+    prefix: str | None = Field(None, description="Infill: the text before the middle.")
+    suffix: str | None = Field(None, description="Infill: the text after the middle.")
+    length: int | list[int] | None = Field(
+        None, description="Tokens of the new middle (at most the canvas length), or a list of up to "
+        f"{MAX_EDIT_LENGTHS} lengths to search. Default: rewrite keeps the span's token count, infill searches a few.",
+    )
+    suffix_window: int | None = Field(
+        None, ge=0, le=4096, description="Suffix tokens clamped into the canvas (default: what fills the trained canvas)."
+    )
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same settings, same input: same edit.")
+    stream: bool = Field(False, description="Answer with server-sent events (the result as the last data event).")
+    stream_steps: bool = Field(
+        False, description="With stream=true, also send every denoising step of the span as `event: printpress.step` "
+        "and the chosen middle as `event: printpress.commit` (see docs/server.md).",
+    )
+    # The diffusion settings of the completions endpoint (default: the checkpoint's generation_config.json).
+    steps: int | None = Field(None, ge=1, le=4096, description="Maximum denoising steps per candidate.")
+    entropy_bound: float | None = Field(None, gt=0, le=1e6, description="Entropy bound for accepting positions per step.")
+    t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.")
+    t_max: float | None = Field(None, gt=0, le=100, description="Temperature at the first denoising step.")
+    stability_threshold: int | None = Field(None, ge=0, le=4096, description="Stable steps needed to stop early.")
+    confidence_threshold: float | None = Field(None, gt=0, le=1e6, description="Mean entropy needed to stop early.")
+    sample_accepted_only: bool | None = Field(
+        None, description="Faster sampler with the same distribution, not the reference's random stream."
+    )
+
+
+class EditStats(BaseModel):
+    prefix_tokens: int = Field(description="Tokens before the middle, <bos> included.")
+    suffix_tokens: int = Field(description="Tokens after the middle.")
+    clamped_tokens: int = Field(description="Suffix tokens the decoder saw, clamped in the canvas behind the span.")
+    length: int = Field(description="Tokens generated for the middle.")
+    candidates: int = Field(description="Lengths tried (1 without a search).")
+    forward_passes: int = Field(description="Decoder passes, all candidates together.")
+    scoring_passes: int = Field(description="Causal passes spent scoring the candidates of a length search.")
+    wall_time_s: float
+    tokens_per_second: float = Field(description="length / wall_time_s.")
+
+
+class EditCandidate(BaseModel):
+    """One length of a length search: its middle and the score it was chosen by (lower is better)."""
+
+    length: int
+    seed: int
+    middle_ids: list[int]
+    middle: str | None
+    join_nll: float
+    join_chars: int
+    forward_passes: int
+    score: float = Field(description="NLL per character of middle + the start of the suffix, under the causal head.")
+
+
+class EditResponse(BaseModel):
+    """`text[start:end] == middle`; everything outside [start, end) is the input, unchanged."""
+
+    id: str
+    object: Literal["printpress.edit"] = "printpress.edit"
+    created: int
+    model: str
+    text: str
+    middle: str
+    start: int = Field(description="Where the middle starts in `text`, in code points.")
+    end: int = Field(description="Where it ends (exclusive), in code points.")
+    middle_ids: list[int]
+    seed: int = Field(description="The seed of the chosen candidate (the request's seed + its index in a search).")
+    stats: EditStats
+    candidates: list[EditCandidate] = Field(description="Every candidate of a length search (empty without one).")
+
+
+class EditStepPayload(StepPayload):
+    """`event: printpress.step` of an edit: the span being denoised (its positions only; the `clamped` suffix
+    tokens behind it in the canvas never change). `canvas` is the candidate's index in a length search."""
+
+    span: int = Field(description="Positions of the span (the middle's length in tokens).")
+    clamped: int = Field(description="Suffix tokens clamped in the canvas behind the span.")
