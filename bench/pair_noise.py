@@ -7,8 +7,8 @@ joint model's decoder predicts every canvas position from the clean context befo
 corrupted with uniform noise at a fixed level t (no self-conditioning: the first denoising step). Per t it
 reports the cross-entropy at corrupted and at kept positions, the argmax accuracy at corrupted positions, and
 at t = 1 (the first step of generation: a canvas of pure noise) the loss at each of the 32 canvas positions,
-next to the encoder's AR NLL per token and a unigram model's cross-entropy on the same windows. The forward is the training objective's own
-(`forward_block_diffusion`); the noise is `add_uniform_noise` with t given.
+next to the encoder's AR NLL per token and a unigram model's cross-entropy on the same windows. The forward is
+the training objective's own (`forward_block_diffusion`); the noise is `add_uniform_noise` with t given.
 Writes the JSON and a PNG beside it.
 """
 
@@ -76,7 +76,8 @@ def main() -> None:
                "ce_by_position": position_ce.tolist()}
         levels.append(row)
         kept = "-" if row["kept_ce"] is None else f"{row['kept_ce']:.3f}"
-        print(f"t={t:4.2f}: corrupted CE {row['corrupted_ce']:.3f} (argmax right {row['corrupted_argmax_accuracy']:.3f}),"
+        print(f"t={t:4.2f}: corrupted CE {row['corrupted_ce']:.3f} "
+              f"(argmax right {row['corrupted_argmax_accuracy']:.3f}),"
               f" kept CE {kept}", flush=True)
         if t == 1.0:
             per_position = row["ce_by_position"]
@@ -113,8 +114,10 @@ def plot(result: dict, png: Path) -> None:
     ts = [r["t"] for r in result["levels"]]
     left.plot(ts, [r["corrupted_ce"] for r in result["levels"]], "o-", label="decoder CE at corrupted positions")
     left.plot([r["t"] for r in result["levels"] if r["kept_ce"] is not None],
-              [r["kept_ce"] for r in result["levels"] if r["kept_ce"] is not None], "s--", label="decoder CE at kept positions")
-    left.axhline(result["ar_nll_per_token"], color="tab:red", ls=":", label=f"encoder AR NLL ({result['ar_nll_per_token']:.2f})")
+              [r["kept_ce"] for r in result["levels"] if r["kept_ce"] is not None], "s--",
+              label="decoder CE at kept positions")
+    left.axhline(result["ar_nll_per_token"], color="tab:red", ls=":",
+                 label=f"encoder AR NLL ({result['ar_nll_per_token']:.2f})")
     left.axhline(result["unigram_ce_per_token"], color="gray", ls="--", label="unigram model")
     left.set(xlabel="noise level t (fraction of the canvas replaced by uniform tokens)", ylabel="nats per token",
              title="held-out loss by noise level (no self-conditioning)")

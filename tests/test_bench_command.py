@@ -59,7 +59,7 @@ def report(tiny, tmp_path_factory) -> dict:
     mp.setenv("PRINTPRESS_CACHE", str(root / "cache"))
     try:
         code = cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--prompts-file", str(prompts),
-                         "--max-new-tokens", "16", "--steps", "4", "2", "--entropy-bounds", "0.1", "8",
+                         "--max-new-tokens", "16", "--seed", "3", "--steps", "4", "2", "--entropy-bounds", "0.1", "8",
                          "--setting", "steps=4,t_max=0.4,t_min=0.1", "--heldout-data", str(corpus),
                          "--heldout-seq-len", "16", "--heldout-batch-size", "2", "--heldout-batches", "1",
                          "--forward-reps", "2", "--gguf-judge", "off", "--results", str(root / "results"),
@@ -112,12 +112,16 @@ def test_judged_nll_is_the_judges_and_the_same_weights_agree(report, tiny):
     texts = [s for s in report["samples"] if s["side"] == "diffusion, 2 steps, bound 8"]
     expected = [nll_per_char(judge, s["prompt"], s["text"]) for s in texts]
     assert [s["prompt"] for s in texts] == ["the cat", "the dog sat\n"]  # "\n" in the file is a newline
+    assert [s["seed"] for s in texts] == [3, 4]  # --seed 3: prompt i gets seed 3 + i
+    again = judge.generate("the cat", seed=3, max_new_tokens=16, max_denoising_steps=2, entropy_bound=8.0)
+    assert again.text == texts[0]["text"]  # the bench's sample is the engine's output for that seed and setting
     assert rows["diffusion, 2 steps, bound 8"]["judge_ar_twin_per_prompt"] == pytest.approx(expected)
     assert rows["diffusion, 2 steps, bound 8"]["judge_ar_twin_nll_per_char"] == pytest.approx(sum(expected) / 2)
     joined = "".join(s["text"] for s in texts)
     assert rows["diffusion, 2 steps, bound 8"]["whitespace_share"] == sum(c.isspace() for c in joined) / len(joined)
     # Twin and diffusion model are one checkpoint here: AR decoding gives the same text, hence the same score.
-    assert rows["AR twin"]["judge_ar_twin_per_prompt"] == rows["diffusion model, AR decoding"]["judge_ar_twin_per_prompt"]
+    twin, joint = rows["AR twin"], rows["diffusion model, AR decoding"]
+    assert twin["judge_ar_twin_per_prompt"] == joint["judge_ar_twin_per_prompt"]
 
 
 def test_heldout_losses_come_from_the_training_loop(report):

@@ -4,7 +4,7 @@
     printpress bench --steps 32 8 --entropy-bounds 0.1 4 --limit 2 --no-heldout     # a quick look
     printpress bench --out docs/results/pair.json      # also a stable copy of the JSON and the frontier PNG
 
-Every side decodes the same prompts with the same seeds (prompt i, seed i); the sides are interleaved
+Every side decodes the same prompts with the same seeds (prompt i, seed --seed + i); the sides are interleaved
 prompt by prompt (prompt 0 on every side, then prompt 1, ...), so a change in machine load hits every
 side alike, and speed is reported as ratios to the AR twin measured in the same run. Sides:
 
@@ -249,8 +249,8 @@ class Sample:
 
 
 def decode_all(pipes: dict[str, Any], sides: list[Side], prompts: list[str], max_new_tokens: int,
-               progress: bool) -> dict[str, list[Sample]]:
-    """Every side on every prompt; prompt-major order, the side order rotated per prompt."""
+               progress: bool, first_seed: int = 0) -> dict[str, list[Sample]]:
+    """Every side on every prompt (prompt i with seed first_seed + i); prompt-major, side order rotated per prompt."""
     from tqdm import tqdm
 
     samples: dict[str, list[Sample]] = {s.label: [] for s in sides}
@@ -260,8 +260,9 @@ def decode_all(pipes: dict[str, Any], sides: list[Side], prompts: list[str], max
         pipes[side.model].generate(prompts[0], seed=0, max_new_tokens=min(max_new_tokens, 8), **side.overrides)
     bar = tqdm(total=len(sides) * len(prompts), desc="decode", disable=not progress, dynamic_ncols=True)
     with instrumented(models) as traces:
-        for seed, prompt in enumerate(prompts):
-            order = sides[seed % len(sides):] + sides[: seed % len(sides)]
+        for index, prompt in enumerate(prompts):
+            seed = first_seed + index
+            order = sides[index % len(sides):] + sides[: index % len(sides)]
             for side in order:
                 bar.set_postfix_str(side.label)
                 traces.append(Trace())
@@ -272,8 +273,8 @@ def decode_all(pipes: dict[str, Any], sides: list[Side], prompts: list[str], max
                 extra = {k: getattr(stats, k) for k in ("verifications", "drafted_tokens", "accepted_drafts",
                                                         "accepted_per_verification") if hasattr(stats, k)}
                 samples[side.label].append(Sample(side.label, prompt, seed, result.text or "", stats.new_tokens,
-                                                  stats.forward_passes, seconds, cpu_seconds, stats.time_to_first_commit_s,
-                                                  traces[-1], extra))
+                                                  stats.forward_passes, seconds, cpu_seconds,
+                                                  stats.time_to_first_commit_s, traces[-1], extra))
                 bar.update(1)
     bar.close()
     return samples
@@ -660,9 +661,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ar", default=None, help="its AR twin, also the judge (default: the shipped shakespeare-ar)")
     p.add_argument("--prompts-file", default=None, help="one prompt per line (default: eight Shakespeare openings)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default 96: 3 canvases of 32)")
+    p.add_argument("--seed", type=int, default=0, help="prompt i is decoded with seed SEED + i on every side")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (96: 3 canvases of 32)")
     p.add_argument("--steps", type=int, nargs="+", default=[64, 32, 16, 8, 4], help="denoising steps of the grid")
-    p.add_argument("--entropy-bounds", type=float, nargs="+", default=[0.1, 1.0, 4.0], help="entropy bounds of the grid")
+    p.add_argument("--entropy-bounds", type=float, nargs="+", default=[0.1, 1.0, 4.0],
+                   help="entropy bounds of the grid")
     p.add_argument("--setting", action="append", default=[], metavar="K=V,...",
                    help="an extra side, e.g. 'steps=8,entropy_bound=4,t_max=0.4,t_min=0.1' or "
                         "'mode=speculative,steps=1' (repeatable; keys: " + ", ".join(SETTING_KEYS) + ")")
@@ -732,7 +735,9 @@ def _run(args: argparse.Namespace) -> int:
     gguf, gguf_note = load_gguf_judge(args.gguf_judge)
     progress = not args.no_progress
 
-    samples = decode_all(pipes, sides, prompts, args.max_new_tokens, progress)
+    if not 0 <= args.seed < 2**62:
+        raise BenchError(f"--seed must be an integer in [0, 2**62), got {args.seed}")
+    samples = decode_all(pipes, sides, prompts, args.max_new_tokens, progress, args.seed)
     scores = judge_samples(samples, pipes["ar"], gguf, progress)
     rows = [summarize(side, samples[side.label], scores[side.label]) for side in sides]
     ar_speed, ar_cpu_speed = rows[0][WALL], rows[0][CPU]
@@ -740,7 +745,8 @@ def _run(args: argparse.Namespace) -> int:
     for row in rows:
         row["speed_ratio_vs_ar_twin"] = row[WALL] / ar_speed
         row["cpu_speed_ratio_vs_ar_twin"] = row[CPU] / ar_cpu_speed
-        row["forward_cost_in_ar_steps"] = row["wall_ms_per_forward"] / ar_wall_ms if row["wall_ms_per_forward"] else None
+        wall_ms = row["wall_ms_per_forward"]
+        row["forward_cost_in_ar_steps"] = wall_ms / ar_wall_ms if wall_ms else None
     cost = forward_cost(pipes["diffusion"], reps=args.forward_reps)
     heldout: dict[str, Any] = {}
     if not args.no_heldout:
@@ -761,7 +767,8 @@ def _run(args: argparse.Namespace) -> int:
     payload = {
         "command": command_line(),
         "metrics": headline_metrics(heads),
-        "settings": {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "seeds": f"0..{len(prompts) - 1}",
+        "settings": {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                     "seeds": f"{args.seed}..{args.seed + len(prompts) - 1}",
                      "steps": args.steps, "entropy_bounds": args.entropy_bounds, "extra": args.setting,
                      "threads": args.threads, "ar_sampling": AR_SAMPLING,
                      "canvas_length": pipes["diffusion"].canvas_length},
