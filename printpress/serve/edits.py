@@ -102,11 +102,14 @@ def build_stream(st: ServerState, body: p.EditRequest):
         raise ApiError(400, f"length lists {len(body.length)} lengths; a search tries at most {p.MAX_EDIT_LENGTHS}",
                        param="length")
     canvas = st.pipeline.canvas_length
-    too_long = [n for n in (body.length if isinstance(body.length, list) else [body.length]) if n is not None and
-                n > canvas]
-    if too_long:
-        raise ApiError(400, f"length {too_long[0]} exceeds the canvas of {canvas} tokens; a middle is generated in one "
-                            "canvas", param="length")
+    if body.length == []:
+        raise ApiError(400, "length is an empty list; give a number of tokens or a list of them", param="length")
+    for n in body.length if isinstance(body.length, list) else [] if body.length is None else [body.length]:
+        if n < 1:
+            raise ApiError(400, f"length must be a positive number of tokens, got {n}", param="length")
+        if n > canvas:
+            raise ApiError(400, f"length {n} exceeds the canvas of {canvas} tokens; a middle is generated in one "
+                                "canvas", param="length")
     if body.steps is not None and body.steps > st.max_steps:
         raise ApiError(400, f"steps is {body.steps}; this server runs at most {st.max_steps} denoising steps per canvas",
                        param="steps")
