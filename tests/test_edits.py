@@ -349,10 +349,11 @@ def test_page_rewrites_a_selected_span_in_place(server, browser):  # noqa: F811 
     original = page.eval_on_selector("#committed", "el => el.textContent")
     assert original.startswith("ROMEO:") and len(original) > 40
 
+    page.fill("input[name=delay]", "40")  # slow the drawing so that the span can be seen denoising
     start, end = 10, 30  # UTF-16 units; the shipped model's text here is ASCII, so code points too
     assert page.evaluate(SELECT, [start, end]) == original[start:end]
-    page.fill("input[name=delay]", "40")  # slow the drawing so that the span can be seen denoising
     page.click("#rewrite")
+    assert page.inner_text("#status") == "rewriting"
     page.wait_for_function("Number(document.getElementById('steps-received').textContent) >= 2")
     live = page.eval_on_selector_all("#edit-span .tok", "cells => cells.map(c => c.className)")
     assert live and all(c in ("tok settled", "tok renoised") for c in live)

@@ -329,5 +329,5 @@
   showModel();
 
   window.printpress = { streamEvents, streamCompletion, authHeaders, CanvasView, readSettings, addAction,
-                        extraConsumers, view };
+                        extraConsumers, view, paced, setRunning, pageOptions, call };
 })();
