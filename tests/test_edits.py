@@ -350,7 +350,7 @@ def test_page_rewrites_a_selected_span_in_place(server, browser):  # noqa: F811 
     assert original.startswith("ROMEO:") and len(original) > 40
 
     page.fill("input[name=delay]", "40")  # slow the drawing so that the span can be seen denoising
-    start, end = 10, 30  # UTF-16 units; the shipped model's text here is ASCII, so code points too
+    start, end = 3, 30  # across the prompt's element and the generated text; ASCII, so code points = UTF-16
     assert page.evaluate(SELECT, [start, end]) == original[start:end]
     page.click("#rewrite")
     assert page.inner_text("#status") == "rewriting"
@@ -404,4 +404,15 @@ def test_page_rewrites_typed_text_with_characters_outside_the_bmp(server, browse
     final = page.eval_on_selector("#committed", "el => el.textContent")
     assert final == api["text"]
     assert final.startswith(typed[:start]) and final.endswith(typed[end:])
+
+    # Stop: the edit is cancelled and the text is put back as it was before the rewrite.
+    page.fill("input[name=delay]", "300")
+    page.evaluate("([s, e]) => { const box = document.getElementById('prompt'); box.focus(); "
+                  "box.setSelectionRange(s, e); }", utf16)
+    page.click("#rewrite")
+    page.wait_for_selector("#edit-span .tok", state="attached")
+    page.click("#stop")
+    page.wait_for_function("document.getElementById('status').textContent === 'stopped'")
+    assert page.eval_on_selector("#committed", "el => el.textContent") == typed
+    assert page.is_enabled("#rewrite") and page.is_enabled("#generate")
     page.close()
