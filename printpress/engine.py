@@ -206,14 +206,14 @@ def run(
     elif mode == "speculative":
         from printpress.speculative import speculative
 
-        yield from speculative(model, requests, decode)
+        yield from speculative(model, requests, decode, canvas_length=canvas_length, step_events=step_events)
     else:
         yield from _diffusion(model, canvas_length, requests, decode, step_events)
 
 
 def new_token_budget(settings: SamplerSettings, canvas_length: int) -> int:
     """Positions a request may add to its sequence: whole canvases in diffusion mode."""
-    if settings.mode == "ar":
+    if settings.mode in ("ar", "speculative"):
         return settings.max_new_tokens
     return canvases_for(settings.max_new_tokens, canvas_length) * canvas_length
 
@@ -570,6 +570,7 @@ Prompt = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]], torch
 
 
 DEFAULT_MODEL = "shakespeare-joint"
+SPECULATIVE_DRAFT_STEPS = 1  # mode="speculative": decoder passes per draft unless max_denoising_steps is given
 
 
 def default_model_path() -> Path:
@@ -646,6 +647,10 @@ class Pipeline:
         if mode == "diffusion" and (overrides.get("temperature") is not None or overrides.get("top_k") is not None):
             raise GenerationError("temperature and top_k apply to mode='ar' and 'speculative'; diffusion uses "
                                   "t_min/t_max")
+        if mode == "speculative" and overrides.get("max_denoising_steps") is None:
+            # Draft steps: one is the fastest setting measured on the shipped model (docs/benchmarks-speculative.md);
+            # the checkpoint's step count is meant for whole canvases.
+            overrides = {**overrides, "max_denoising_steps": SPECULATIVE_DRAFT_STEPS}
         return self.default_settings().with_overrides(**overrides).validate()
 
     # -- text <-> ids ---------------------------------------------------------------------------------------

@@ -455,3 +455,10 @@ def test_a_removed_request_stops_costing_compute(models_):
     assert len(batch) == 1
     events = batch.step()
     assert {e.request for e in events} == {1}
+
+
+def test_speculative_mode_drafts_with_one_step_unless_told(models_):
+    _, pipe = models_["gqa"]
+    assert pipe.settings(mode="speculative").max_denoising_steps == 1
+    assert pipe.settings(mode="speculative", max_denoising_steps=3).max_denoising_steps == 3
+    assert pipe.settings().max_denoising_steps == pipe.generation_config.max_denoising_steps

@@ -43,7 +43,9 @@ class GenerationFields(_Strict):
     user: str | None = Field(None, max_length=256, description="Accepted for compatibility; not used or logged.")
     temperature: float | None = Field(None, ge=0, le=10, description="mode='ar' only: sampling temperature (0 = greedy).")
     # printpress's diffusion settings (default: the checkpoint's generation_config.json).
-    mode: Literal["diffusion", "ar"] | None = Field(None, description="diffusion (default) or ar (the encoder as a causal LM).")
+    mode: Literal["diffusion", "ar", "speculative"] | None = Field(
+        None, description="diffusion (default), ar (the encoder as a causal LM) or speculative (diffusion drafts, "
+        "causal verification: AR's output).")
     steps: int | None = Field(None, ge=1, le=4096, description="Maximum denoising steps per canvas.")
     entropy_bound: float | None = Field(None, gt=0, le=1e6, description="Entropy bound for accepting positions per step.")
     t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.")
