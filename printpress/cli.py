@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
+from printpress.cli_flags import add_sampler_arguments, parse_ids, sampler_overrides
 from printpress.edit_command import register_edit
-from printpress.errors import GenerationError, PrintpressError
+from printpress.errors import PrintpressError
 from printpress.eval.bench import register as register_bench
 from printpress.eval.command import register as register_eval
 from printpress.serve.command import register as register_serve
@@ -44,49 +45,19 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several prompts run as one batch)")
     p.add_argument("--model", "-m", default=None, help="model folder or hub id (default: the shipped model)")
     p.add_argument("--ids", action="store_true", help="prompts are token ids, e.g. '2,651,1234' or '2 651 1234'")
-    p.add_argument("--mode", default=None, help="diffusion (default) or ar")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens (diffusion rounds up to whole canvases)")
     p.add_argument("--json", action="store_true", help="print ids, text and statistics as JSON")
     p.add_argument("--show-steps", action="store_true", help="draw the canvas on stderr as it denoises")
     p.add_argument("--stats", action="store_true", help="print one line of statistics per prompt on stderr")
-    sampler = p.add_argument_group("sampler settings (default: the checkpoint's generation_config.json)")
-    sampler.add_argument("--steps", type=int, default=None, help="maximum denoising steps per canvas")
-    sampler.add_argument("--entropy-bound", type=float, default=None, help="entropy bound for accepting tokens")
-    sampler.add_argument("--t-min", type=float, default=None, help="temperature at the last step")
-    sampler.add_argument("--t-max", type=float, default=None, help="temperature at the first step")
-    sampler.add_argument("--stability-threshold", type=int, default=None, help="stable steps needed to stop early")
-    sampler.add_argument("--confidence-threshold", type=float, default=None, help="mean entropy needed to stop early")
-    sampler.add_argument("--eos", default=None, help="end-of-sequence ids, comma separated ('' for none)")
-    sampler.add_argument("--sample-accepted-only", action="store_true", default=None,
-                         help="faster, not token-exact to the reference: sample only accepted positions")
-    sampler.add_argument("--temperature", type=float, default=None, help="AR sampling temperature (0 = greedy)")
-    sampler.add_argument("--top-k", type=int, default=None, help="AR: sample among the k most likely tokens")
-    runtime = p.add_argument_group("runtime")
-    runtime.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    add_sampler_arguments(p)
     p.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     import printpress
 
-    prompts = [_parse_ids(p) for p in args.prompts] if args.ids else list(args.prompts)
-    settings = dict(
-        mode=args.mode,
-        max_new_tokens=args.max_new_tokens,
-        max_denoising_steps=args.steps,
-        entropy_bound=args.entropy_bound,
-        t_min=args.t_min,
-        t_max=args.t_max,
-        stability_threshold=args.stability_threshold,
-        confidence_threshold=args.confidence_threshold,
-        eos_token_ids=None if args.eos is None else _parse_ids(args.eos, allow_empty=True),
-        temperature=args.temperature,
-        top_k=args.top_k,
-        sample_accepted_only=args.sample_accepted_only,
-    )
-    settings = {k: v for k, v in settings.items() if v is not None}
+    prompts = [parse_ids(p) for p in args.prompts] if args.ids else list(args.prompts)
+    settings = sampler_overrides(args)
     pipe = printpress.load(args.model, dtype=args.dtype, device=args.device)
     view = LiveView(pipe, sys.stderr, len(prompts)) if args.show_steps else None
     try:
@@ -113,16 +84,6 @@ def _stats_line(stats) -> str:
     if stats.denoising_steps:
         line += f", {stats.canvases} canvases"
     return line + "]"
-
-
-def _parse_ids(text: str, allow_empty: bool = False) -> list[int]:
-    parts = text.replace(",", " ").split()
-    if not parts and not allow_empty:
-        raise GenerationError("the prompt is empty; give at least one token id")
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        raise GenerationError(f"token ids must be integers separated by commas or spaces, got {text!r}") from None
 
 
 def _result_json(result) -> dict:

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from printpress.cli_flags import add_sampler_arguments, sampler_overrides
 from printpress.errors import GenerationError
 
 
@@ -41,18 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--show-steps", action="store_true", help="draw the span on stderr as it denoises")
     p.add_argument("--stats", action="store_true", help="print one line of statistics on stderr")
-    sampler = p.add_argument_group("sampler settings (default: the checkpoint's generation_config.json)")
-    sampler.add_argument("--steps", type=int, default=None, help="maximum denoising steps")
-    sampler.add_argument("--entropy-bound", type=float, default=None, help="entropy bound for accepting tokens")
-    sampler.add_argument("--t-min", type=float, default=None, help="temperature at the last step")
-    sampler.add_argument("--t-max", type=float, default=None, help="temperature at the first step")
-    sampler.add_argument("--stability-threshold", type=int, default=None, help="stable steps needed to stop early")
-    sampler.add_argument("--confidence-threshold", type=float, default=None, help="mean entropy needed to stop early")
-    sampler.add_argument("--sample-accepted-only", action="store_true", default=None,
-                         help="faster, not the reference's random stream: sample only accepted positions")
-    runtime = p.add_argument_group("runtime")
-    runtime.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    # The length decides the new tokens, and editing is diffusion only.
+    add_sampler_arguments(p, skip=("mode", "max_new_tokens", "temperature", "top_k", "eos_token_ids"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,16 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError("give --prefix and/or --suffix to infill, or --text with --span START:END to rewrite")
     length = parse_length(args.length)
     span = None if infilling else parse_span(args.span)
-    settings = {
-        "max_denoising_steps": args.steps,
-        "entropy_bound": args.entropy_bound,
-        "t_min": args.t_min,
-        "t_max": args.t_max,
-        "stability_threshold": args.stability_threshold,
-        "confidence_threshold": args.confidence_threshold,
-        "sample_accepted_only": args.sample_accepted_only,
-    }
-    settings = {k: v for k, v in settings.items() if v is not None}
+    settings = sampler_overrides(args)
     pipe = printpress.load(args.model, dtype=args.dtype, device=args.device)
     prefix = (args.prefix or "") if infilling else args.text[: max(span[0], 0)]
     view = LiveView(pipe, sys.stderr, 1) if args.show_steps else None

@@ -15,21 +15,8 @@ import json
 import shlex
 import sys
 
+from printpress.cli_flags import add_sampler_arguments, sampler_flags_given, sampler_overrides
 from printpress.errors import GenerationError
-
-# Sampler flags, spelled as in `printpress generate`: (flag, Pipeline.generate keyword, type, help).
-SAMPLER_FLAGS = (
-    ("--mode", "mode", str, "diffusion (default) or ar"),
-    ("--max-new-tokens", "max_new_tokens", int, "new tokens per completion (diffusion rounds up to whole canvases)"),
-    ("--steps", "max_denoising_steps", int, "maximum denoising steps per canvas"),
-    ("--entropy-bound", "entropy_bound", float, "entropy bound for accepting tokens"),
-    ("--t-min", "t_min", float, "temperature at the last step"),
-    ("--t-max", "t_max", float, "temperature at the first step"),
-    ("--stability-threshold", "stability_threshold", int, "stable steps needed to stop early"),
-    ("--confidence-threshold", "confidence_threshold", float, "mean entropy needed to stop early"),
-    ("--temperature", "temperature", float, "AR sampling temperature (0 = greedy)"),
-    ("--top-k", "top_k", int, "AR: sample among the k most likely tokens"),
-)
 
 # Task options, passed to the task only when given (a task that does not know one says so).
 TASK_FLAGS = (
@@ -54,15 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     task = p.add_argument_group("task options")
     for flag, dest, kind, text in TASK_FLAGS:
         task.add_argument(flag, dest=dest, type=kind, default=None, help=text)
-    sampler = p.add_argument_group("sampler settings (default: the checkpoint's generation_config.json)")
-    for flag, dest, kind, text in SAMPLER_FLAGS:
-        sampler.add_argument(flag, dest=dest, type=kind, default=None, help=text)
-    sampler.add_argument("--eos", default=None, help="end-of-sequence ids, comma separated ('' for none)")
-    sampler.add_argument("--sample-accepted-only", action="store_true", default=None,
-                         help="faster, not token-exact to the reference: sample only accepted positions")
-    runtime = p.add_argument_group("runtime")
-    runtime.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    add_sampler_arguments(p)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,10 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from printpress.eval.report import write_report
 
     task = load_task(args.task)
-    sampler = {dest: getattr(args, dest) for _, dest, _, _ in SAMPLER_FLAGS}
-    sampler["eos_token_ids"] = None if args.eos is None else _ids(args.eos)
-    sampler["sample_accepted_only"] = args.sample_accepted_only
-    sampler = {k: v for k, v in sampler.items() if v is not None}
+    sampler = sampler_overrides(args)
     options = {dest: getattr(args, dest) for _, dest, _, _ in TASK_FLAGS if getattr(args, dest) is not None}
     if args.limit is not None and args.limit < 1:
         raise GenerationError(f"--limit must be a positive number of items, got {args.limit}")
@@ -120,17 +96,10 @@ def reproduce(args: argparse.Namespace) -> str:
     if args.limit is not None:
         words += ["--limit", str(args.limit)]
     words += ["--seed", str(args.seed), "--results", args.results]
-    for flag, dest, _, _ in TASK_FLAGS + SAMPLER_FLAGS:
+    for flag, dest, _, _ in TASK_FLAGS:
         if getattr(args, dest) is not None:
             words += [flag, str(getattr(args, dest))]
-    if args.eos is not None:
-        words += ["--eos", args.eos]
-    if args.sample_accepted_only:
-        words.append("--sample-accepted-only")
-    if args.dtype != "float32":
-        words += ["--dtype", args.dtype]
-    if args.device != "cpu":
-        words += ["--device", args.device]
+    words += sampler_flags_given(args)
     return shlex.join(words)
 
 
@@ -146,10 +115,3 @@ def _model_facts(pipe, given: str | None) -> dict:
         "layers": text.num_hidden_layers,
         "hidden_size": text.hidden_size,
     }
-
-
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(p) for p in text.replace(",", " ").split()]
-    except ValueError:
-        raise GenerationError(f"--eos takes token ids separated by commas, got {text!r}") from None

@@ -1,0 +1,75 @@
+"""Command-line flags shared by every command that generates (`generate`, `edit`, `eval`): one spelling, one
+parser, one way back to `Pipeline.generate` keywords."""
+
+from __future__ import annotations
+
+import argparse
+
+from printpress.errors import GenerationError
+
+# (flag, setting name as in SamplerSettings / Pipeline.generate, type, help)
+SAMPLER_FLAGS = (
+    ("--mode", "mode", str, "diffusion (default), ar, or speculative (diffusion drafts, AR verifies)"),
+    ("--max-new-tokens", "max_new_tokens", int, "new tokens (diffusion rounds up to whole canvases)"),
+    ("--steps", "max_denoising_steps", int, "maximum denoising steps per canvas (speculative: per draft, default 1)"),
+    ("--entropy-bound", "entropy_bound", float, "entropy bound for accepting tokens"),
+    ("--t-min", "t_min", float, "temperature at the last step"),
+    ("--t-max", "t_max", float, "temperature at the first step"),
+    ("--stability-threshold", "stability_threshold", int, "stable steps needed to stop early"),
+    ("--confidence-threshold", "confidence_threshold", float, "mean entropy needed to stop early"),
+    ("--temperature", "temperature", float, "AR and speculative: sampling temperature (0 = greedy)"),
+    ("--top-k", "top_k", int, "AR and speculative: sample among the k most likely tokens"),
+)
+
+
+def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The sampler flags (all but the settings named in `skip`) and the runtime flags (--dtype, --device)."""
+    sampler = p.add_argument_group("sampler settings (default: the checkpoint's generation_config.json)")
+    for flag, dest, kind, text in SAMPLER_FLAGS:
+        if dest not in skip:
+            sampler.add_argument(flag, dest=dest, type=kind, default=None, help=text,
+                                 metavar=flag[2:].upper().replace("-", "_"))
+    if "eos_token_ids" not in skip:
+        sampler.add_argument("--eos", default=None, help="end-of-sequence ids, comma separated ('' for none)")
+    sampler.add_argument("--sample-accepted-only", action="store_true", default=None,
+                         help="faster, not token-exact to the reference: sample only accepted positions")
+    runtime = p.add_argument_group("runtime")
+    runtime.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+
+
+def sampler_overrides(args: argparse.Namespace) -> dict:
+    """The sampler settings given on the command line, as `Pipeline.generate` keywords."""
+    given = {dest: getattr(args, dest, None) for _, dest, _, _ in SAMPLER_FLAGS}
+    given["sample_accepted_only"] = args.sample_accepted_only
+    eos = getattr(args, "eos", None)
+    if eos is not None:
+        given["eos_token_ids"] = parse_ids(eos, allow_empty=True)
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def sampler_flags_given(args: argparse.Namespace) -> list[str]:
+    """The sampler and runtime flags of `args` spelled out again (for a reproducing command line)."""
+    words: list[str] = []
+    for flag, dest, _, _ in SAMPLER_FLAGS:
+        if getattr(args, dest, None) is not None:
+            words += [flag, str(getattr(args, dest))]
+    if getattr(args, "eos", None) is not None:
+        words += ["--eos", args.eos]
+    if args.sample_accepted_only:
+        words.append("--sample-accepted-only")
+    if args.dtype != "float32":
+        words += ["--dtype", args.dtype]
+    if args.device != "cpu":
+        words += ["--device", args.device]
+    return words
+
+
+def parse_ids(text: str, allow_empty: bool = False) -> list[int]:
+    parts = text.replace(",", " ").split()
+    if not parts and not allow_empty:
+        raise GenerationError("the prompt is empty; give at least one token id")
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise GenerationError(f"token ids must be integers separated by commas or spaces, got {text!r}") from None
