@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Tiny models run fastest on one thread, and a second OpenMP thread on a busy 2-core machine can make each
+# small GEMM wait for a descheduled peer (seen: 300x slower). Tests that need threads set them themselves;
+# subprocesses inherit the variable.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
               num_attention_heads=2, num_key_value_heads=2, head_dim=8)
