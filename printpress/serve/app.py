@@ -16,6 +16,7 @@ Layout, so that more endpoints (editing, infill) can be added beside these witho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -445,12 +446,25 @@ def event_stream(body_iter: AsyncIterator[str], jobs: Sequence[Job]) -> Streamin
     return JobStream(body_iter, jobs)
 
 
-async def stream_body(st: ServerState, request: Request, jobs: list[Job], rid: str, stream_steps: bool,
-                      on_text: Callable[[Job, str, str | None], object | None],
-                      on_usage: Callable[[p.Usage], object] | None) -> AsyncIterator[str]:
-    """The shared SSE loop: step/commit events (opt-in), text chunks built by `on_text(job, delta, finish)`,
-    a usage chunk, then [DONE]. Errors after the stream started are sent as an OpenAI error event."""
+async def sse_body(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE body: the given events, then [DONE]. An error after the stream started (the status line has gone
+    out) becomes one OpenAI error event; a client that left (CancelledError, not an Exception) propagates."""
     try:
+        async with contextlib.aclosing(events):
+            async for chunk in events:
+                yield chunk
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - library errors map to 4xx bodies, bugs to a 500 body
+        yield sse(_from_library(exc).body())
+
+
+def stream_body(st: ServerState, request: Request, jobs: list[Job], rid: str, stream_steps: bool,
+                on_text: Callable[[Job, str, str | None], object | None],
+                on_usage: Callable[[p.Usage], object] | None) -> AsyncIterator[str]:
+    """The shared SSE loop: step/commit events (opt-in), text chunks built by `on_text(job, delta, finish)`,
+    a usage chunk, then [DONE]."""
+
+    async def events() -> AsyncIterator[str]:
         async for job, event in guarded(request, jobs, job_events(jobs)):
             if isinstance(event, StepEvent):
                 if stream_steps:
@@ -468,15 +482,9 @@ async def stream_body(st: ServerState, request: Request, jobs: list[Job], rid: s
             elif isinstance(event, DoneEvent):
                 yield sse(on_text(job, job.text.finish(), job.text.finish_reason))
         if on_usage is not None:
-            total = _sum_usage(jobs)
-            yield sse(on_usage(total))
-        yield "data: [DONE]\n\n"
-    except (PrintpressError, ApiError) as exc:
-        yield sse(_from_library(exc).body())
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a bug: the client still gets a well-formed error event
-        yield sse(_from_library(exc).body())
+            yield sse(on_usage(_sum_usage(jobs)))
+
+    return sse_body(events())
 
 
 async def collect(request: Request, jobs: list[Job]) -> None:

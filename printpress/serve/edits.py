@@ -15,7 +15,6 @@ Answers: JSON (`EditResponse`), or with `stream: true` server-sent events: optio
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -40,6 +39,7 @@ from printpress.serve.app import (
     guarded,
     require_key,
     sse,
+    sse_body,
 )
 
 SSE_EXAMPLE = {"text/event-stream": {"schema": {"type": "string"},
@@ -199,9 +199,9 @@ async def _events(job: EditJob) -> AsyncIterator[tuple[EditJob, object]]:
         yield job, event
 
 
-async def _edit_events(st: ServerState, request: Request, job: EditJob, rid: str, created: int,
-                       stream_steps: bool) -> AsyncIterator[str]:
-    try:
+def _edit_events(st: ServerState, request: Request, job: EditJob, rid: str, created: int,
+                 stream_steps: bool) -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[str]:
         async for _, event in guarded(request, [job], _events(job)):
             if isinstance(event, editing.SpanStepEvent):
                 if stream_steps:
@@ -212,10 +212,5 @@ async def _edit_events(st: ServerState, request: Request, job: EditJob, rid: str
                                               text=event.text, finished=True), "printpress.commit")
             elif isinstance(event, DoneEvent):
                 yield sse(response_of(st, event.result, rid, created))
-        yield "data: [DONE]\n\n"
-    except (PrintpressError, ApiError) as exc:
-        yield sse(_from_library(exc).body())
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a bug: the client still gets a well-formed error event
-        yield sse(_from_library(exc).body())
+
+    return sse_body(events())
