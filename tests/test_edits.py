@@ -26,7 +26,7 @@ from test_server import (
     sse_events,
     wait_until,
 )
-from test_web import ARTIFACTS, browser  # noqa: F401 - a fixture, used by the browser tests
+from test_web import ARTIFACTS, browser, open_page  # noqa: F401 - browser is a fixture
 from test_web import pytestmark as needs_chromium
 
 import printpress
@@ -363,15 +363,7 @@ SELECT = """([start, end]) => {
 
 @needs_chromium
 def test_page_rewrites_a_selected_span_in_place(server, browser):  # noqa: F811 - the fixture
-    page = browser.new_page(viewport={"width": 1100, "height": 900})
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(server.url + "/")
-    page.fill("input[name=api_key]", KEY)
-    page.fill("#prompt", "ROMEO:")
-    page.fill("input[name=max_tokens]", "64")
-    page.fill("input[name=steps]", "8")
-    page.fill("input[name=seed]", "21")
+    page, errors = open_page(browser, server)
     page.click("#generate")
     page.wait_for_function("document.getElementById('status').textContent === 'done'", timeout=60_000)
     original = page.eval_on_selector("#committed", "el => el.textContent")

@@ -45,7 +45,9 @@ def browser(tmp_path_factory):
         browser.close()
 
 
-def test_page_draws_the_canvas_forming_and_shows_the_final_text(server, browser):
+def open_page(browser, server):
+    """The page, with the key and a short generation (ROMEO:, 64 tokens, 8 steps, seed 21) filled in; the list
+    collects the page's JavaScript errors."""
     page = browser.new_page(viewport={"width": 1100, "height": 900})
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -55,6 +57,11 @@ def test_page_draws_the_canvas_forming_and_shows_the_final_text(server, browser)
     page.fill("input[name=max_tokens]", "64")
     page.fill("input[name=steps]", "8")
     page.fill("input[name=seed]", "21")
+    return page, errors
+
+
+def test_page_draws_the_canvas_forming_and_shows_the_final_text(server, browser):
+    page, errors = open_page(browser, server)
     page.fill("input[name=delay]", "40")  # slow the drawing so that intermediate canvases can be seen
 
     page.click("#generate")
