@@ -317,6 +317,8 @@ def save_model(
 
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    recover_folder(folder)  # a save killed mid-swap left the last complete copy aside: put it back first
+    _remove_abandoned_saves(folder)
     state = state_dict_for_save(model)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
@@ -348,13 +350,38 @@ def save_model(
     return folder
 
 
+def _old_copy(folder: Path) -> Path:
+    return folder.with_name(f".{folder.name}.old")
+
+
 def _replace_folder(new: Path, folder: Path) -> None:
-    """Move `new` to `folder`; an existing folder is swapped out and removed only after the move."""
+    """Move `new` to `folder`; an existing folder is swapped out and removed only after the move.
+
+    A kill between the two renames leaves only `.<name>.old`, the previous complete copy; `recover_folder`
+    (called by the next save and by `--resume`) renames it back, so some complete copy is always found."""
     if folder.exists():
-        old = folder.with_name(f".{folder.name}.old")
+        old = _old_copy(folder)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(folder, old)
         os.replace(new, folder)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(new, folder)
+
+
+def recover_folder(folder: str | os.PathLike) -> bool:
+    """Put back the previous copy of `folder` if a save was killed between its two renames; True if it did."""
+    folder = Path(folder)
+    old = _old_copy(folder)
+    if folder.exists() or not old.is_dir():
+        return False
+    os.replace(old, folder)
+    logger.warning("recovered %s from an interrupted save (the previous complete copy)", folder)
+    return True
+
+
+def _remove_abandoned_saves(folder: Path) -> None:
+    """Delete temporary copies that killed saves of `folder` left behind (a whole checkpoint each)."""
+    for leftover in folder.parent.glob(f".{folder.name}.*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)

@@ -216,7 +216,14 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=command.run)
 
 
-COMMANDS: list[Register] = [register_generate, register_train, register_edit, register_eval, register_serve, register_bench]
+def register_distill(subparsers: argparse._SubParsersAction) -> None:
+    from printpress.train import distill
+
+    distill.register(subparsers)
+
+
+COMMANDS: list[Register] = [register_generate, register_train, register_distill, register_edit, register_eval,
+                            register_serve, register_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -211,3 +211,75 @@ def test_every_shipped_recipe_parses_and_validates(name):
     canvas = model.pop("canvas_length")
     run.train.validate(canvas)
     check_memory(TextConfig(vocab_size=run.data["vocab_size"], **model), run.train, 1)
+
+
+# -- a run that survives kills and refuses to clobber ----------------------------------------------------
+
+
+def checkpointed_run(corpus: Path, out: Path, steps: int = 3) -> None:
+    """A run killed right after its checkpoint at `steps` (metrics written up to there)."""
+    trainer = Trainer(run_config(corpus, steps=6), out)
+    for _ in range(steps):
+        trainer.log({"step": trainer.step + 1, **trainer.train_step()})
+    trainer.save_checkpoint()
+
+
+def test_a_save_killed_between_its_two_renames_still_resumes(corpus, tmp_path):
+    whole = tmp_path / "whole"
+    Trainer(run_config(corpus), whole).fit(progress=False)
+    broken = tmp_path / "broken"
+    checkpointed_run(corpus, broken)
+    # What a kill between the renames leaves: the previous checkpoint moved aside, the new one not yet in place.
+    (broken / "checkpoint").rename(broken / ".checkpoint.old")
+    (broken / ".checkpoint.x1y2z3").mkdir()  # and the abandoned temporary copy of the save in progress
+    assert train_main(["--out", str(broken), "--resume", "--no-progress"]) == 0
+    assert losses(broken) == losses(whole)
+    assert sorted(p.name for p in broken.iterdir() if p.name.startswith(".")) == []
+
+
+def test_resume_survives_a_metrics_line_cut_short(corpus, tmp_path):
+    checkpointed_run(corpus, tmp_path)
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 4, "loss": 5.1')  # killed mid-write
+    assert train_main(["--out", str(tmp_path), "--resume", "--no-progress"]) == 0
+    assert [step for step, _ in losses(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(corpus, tmp_path, capsys):
+    checkpointed_run(corpus, tmp_path)
+    config = tmp_path.parent / f"{tmp_path.name}.toml"
+    config.write_text(toml_of(run_config(corpus, steps=2, save_every=2, eval_every=2)))
+    assert train_main(["--config", str(config), "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds a run (metrics.jsonl, checkpoint)" in err and "--resume" in err and "\n" not in err
+    assert train_main(["--config", str(config), "--out", str(tmp_path), "--overwrite", "--no-progress"]) == 0
+    assert [step for step, _ in losses(tmp_path)] == [1, 2]  # the old records are gone, not appended to
+    state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 2 and state["run"]["train"]["steps"] == 2
+
+
+def test_resume_refuses_to_change_the_model_shape(corpus, tmp_path, capsys):
+    checkpointed_run(corpus, tmp_path)
+    args = ["--out", str(tmp_path), "--resume", "--set", "model.hidden_size=64", "--no-progress"]
+    assert train_main(args) == 2
+    assert "--resume cannot change the model (model.hidden_size=64)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("train.steps=abc", "training setting steps must be an integer, got 'abc'"),
+    ("train.lr=true", "training setting lr must be a finite number, got True"),
+    ("train.fsdp=1", "training setting fsdp must be true or false, got 1"),
+])
+def test_mistyped_settings_are_one_line_errors(corpus, tmp_path, capsys, setting, message):
+    config = tmp_path / "run.toml"
+    config.write_text(toml_of(run_config(corpus)))
+    assert train_main(["--config", str(config), "--out", str(tmp_path / "o"), "--set", setting]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_an_out_that_is_a_file_is_one_line_error(corpus, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(toml_of(run_config(corpus)))
+    assert train_main(["--config", str(config), "--out", str(config)]) == 2
+    assert f"--out {config} is a file, not a run folder" in capsys.readouterr().err

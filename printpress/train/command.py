@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a TOML run config (same layout as the recipes)")
     parser.add_argument("--out", required=True, help="run folder: data cache, checkpoint/, model/, metrics.jsonl")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start a fresh run in an --out that already holds one (its checkpoint, model and metrics "
+                             "are replaced)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config value, e.g. --set train.steps=200 (repeatable); with --resume it "
                              "changes the saved run, e.g. to extend or shorten it")
@@ -73,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
         run_config = RunConfig()  # the checkpoint carries the run's own config; --set still applies
     else:
         run_config = read_run_config(args.recipe, args.config, args.set)
-    trainer = Trainer(run_config, args.out, resume=args.resume, overrides=args.set if args.resume else ())
+    if args.resume and args.overwrite:
+        raise TrainingError("--resume continues the run in --out and --overwrite starts it over: give one")
+    trainer = Trainer(run_config, args.out, resume=args.resume, overrides=args.set if args.resume else (),
+                      overwrite=args.overwrite)
     try:
         final = trainer.fit(progress=not args.no_progress)
     except BaseException:

@@ -48,6 +48,7 @@ __all__ = [
     "TokenFile",
     "DataSplits",
     "BatchSampler",
+    "MixedBatchSampler",
     "token_dtype",
     "write_token_file",
     "open_token_file",
@@ -371,6 +372,58 @@ class BatchSampler:
             logger.warning(
                 "resuming data position with %s: batches differ from the original run", ", ".join(mismatched)
             )
+        self.seed = int(state["seed"])
+        self.step = int(state["step"])
+
+
+@dataclass
+class MixedBatchSampler:
+    """Batches of real windows with a fixed share of rows from a second token file (a teacher's continuations).
+
+    Global rows ``[0, B - extra_rows)`` are real windows, rows ``[B - extra_rows, B)`` whole rows of the second
+    file (aligned, exactly ``seq_len`` tokens each). The layout is fixed, so `is_real(row)` needs no state, and
+    like `BatchSampler` batch k depends only on (seed, k), and rank r of w keeps rows ``[r*B/w, (r+1)*B/w)``.
+    """
+
+    real: np.ndarray
+    extra: np.ndarray
+    seq_len: int
+    batch_size: int
+    extra_rows: int
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        self.local_batch_size = _check_sharding(self.batch_size, self.rank, self.world_size)
+        if not 0 < self.extra_rows < self.batch_size:
+            raise ConfigError(f"the mixed batch needs 0 < extra rows < batch size {self.batch_size}, got {self.extra_rows}")
+        if len(self.extra) % self.seq_len:
+            raise DataError(f"the second token file holds {len(self.extra)} tokens, not whole rows of seq_len {self.seq_len}")
+        self._real = BatchSampler(self.real, self.seq_len, self.batch_size - self.extra_rows, seed=self.seed)
+        self._extra = BatchSampler(self.extra, self.seq_len, self.extra_rows, seed=self.seed + 1, aligned=True)
+
+    def is_real(self, row: int) -> bool:
+        """Whether global row `row` of every batch is a real window."""
+        return row < self.batch_size - self.extra_rows
+
+    def batch(self, step: int) -> torch.Tensor:
+        """This rank's rows of batch `step`: int64 ``(batch_size // world_size, seq_len)``."""
+        both = torch.cat([self._real.batch(step), self._extra.batch(step)])
+        lo = self.rank * self.local_batch_size
+        return both[lo : lo + self.local_batch_size]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "step": self.step, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "num_tokens": len(self.real), "extra_tokens": len(self.extra), "extra_rows": self.extra_rows}
+
+    def load_state_dict(self, state: dict[str, int], *, strict: bool = True) -> None:
+        expected = {"batch_size": self.batch_size, "seq_len": self.seq_len, "num_tokens": len(self.real),
+                    "extra_tokens": len(self.extra), "extra_rows": self.extra_rows}
+        mismatched = [f"{k} {state.get(k)} != {v}" for k, v in expected.items() if state.get(k) != v]
+        if mismatched and strict:
+            raise DataError(f"cannot resume data position: {', '.join(mismatched)}")
         self.seed = int(state["seed"])
         self.step = int(state["step"])
 

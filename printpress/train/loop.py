@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from printpress.checkpoint import load_model, save_model
+from printpress.checkpoint import load_model, recover_folder, save_model
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.errors import PrintpressError
 from printpress.model import DiffusionGemma
@@ -61,6 +62,8 @@ class TrainSettings:
     self_conditioning: float = 0.5
     weighting: str = "uniform"
     ar_weight: float = 1.0
+    certainty_weight: float = 0.0  # certainty forcing (objectives.certainty_loss); 0 = off
+    certainty_temperature: float = 0.5
     fsdp: bool = False
 
     def validate(self, canvas_length: int) -> None:
@@ -80,6 +83,9 @@ class TrainSettings:
         need(self.weighting in ("uniform", "inverse_t"), f"weighting {self.weighting!r} is not uniform or inverse_t")
         need(0 <= self.t_low < 1, f"t_low must be in [0, 1) (got {self.t_low})")
         need(self.weighting != "inverse_t" or self.t_low > 0, "inverse_t weighting needs t_low > 0")
+        need(self.certainty_weight >= 0, f"certainty_weight must be >= 0 (got {self.certainty_weight})")
+        need(self.certainty_temperature > 0, f"certainty_temperature must be > 0 (got {self.certainty_temperature})")
+        need(self.certainty_weight == 0 or self.objective != "ar", "certainty_weight needs a diffusion or joint objective")
 
 
 @dataclass
@@ -102,8 +108,7 @@ class RunConfig:
         bad = sorted(set(train) - known)
         if bad:
             raise TrainingError(f"unknown training setting(s): {bad}")
-        if "betas" in train:
-            train["betas"] = tuple(train["betas"])
+        train = {name: _typed_setting(name, value) for name, value in train.items()}
         return cls(model=dict(data.get("model", {})), data=dict(data.get("data", {})), train=TrainSettings(**train),
                    generation=dict(data.get("generation", {})), init_from=data.get("init_from"))
 
@@ -111,6 +116,33 @@ class RunConfig:
         out = dataclasses.asdict(self)
         out["train"]["betas"] = list(self.train.betas)
         return out
+
+
+def _typed_setting(name: str, value: Any) -> Any:
+    """`value` as the type of TrainSettings' default for `name`, or a TrainingError naming both."""
+    default = next(f.default for f in dataclasses.fields(TrainSettings) if f.name == name)
+    if isinstance(default, bool):
+        ok, value = isinstance(value, bool), value
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        value = float(value) if ok else value
+    elif isinstance(default, tuple):
+        ok = isinstance(value, (list, tuple)) and len(value) == len(default) and \
+            all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        value = tuple(float(v) for v in value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise TrainingError(f"training setting {name} must be {_kind(default)}, got {value!r}")
+    return value
+
+
+def _kind(default: Any) -> str:
+    if isinstance(default, tuple):
+        return f"a list of {len(default)} numbers"
+    return {bool: "true or false", int: "an integer", float: "a finite number"}.get(type(default), "a string")
 
 
 # -- distributed helpers ---------------------------------------------------------------------------------
@@ -211,7 +243,10 @@ def hash_seed(*parts: int) -> int:
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, out: str | Path, resume: bool = False, overrides=()) -> None:
+    def __init__(self, run: RunConfig, out: str | Path, resume: bool = False, overrides=(),
+                 overwrite: bool = False) -> None:
+        """`overwrite` allows a fresh run in a folder that holds an earlier run (its checkpoint, model and
+        metrics are replaced); without it, and without `resume`, such a folder is refused."""
         self.run = run
         self.out = Path(out)
         self.overrides = list(overrides)
@@ -219,11 +254,34 @@ class Trainer:
         self.settings = run.train
         self.metrics_path = self.out / METRICS_FILE
         self.checkpoint_dir = self.out / "checkpoint"
+        self._check_out_folder(resume, overwrite)
         self._prepare(resume)
+
+    def _check_out_folder(self, resume: bool, overwrite: bool) -> None:
+        """Refuse an --out that cannot hold a run, or that holds one this call would silently clobber."""
+        if self.out.exists() and not self.out.is_dir():
+            raise TrainingError(f"--out {self.out} is a file, not a run folder")
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainingError(f"cannot create the run folder {self.out}: {exc.strerror or exc}") from None
+        if not os.access(self.out, os.W_OK | os.X_OK):
+            raise TrainingError(f"the run folder {self.out} is not writable")
+        if resume:
+            recover_folder(self.checkpoint_dir)
+            return
+        earlier = [name for name in (METRICS_FILE, "checkpoint", "model") if (self.out / name).exists()]
+        if earlier and not overwrite:
+            raise TrainingError(f"{self.out} already holds a run ({', '.join(earlier)}): continue it with --resume, "
+                                "or start over with --overwrite")
+        if earlier and self.env.main:  # all of it: a later --resume must never find the old run's checkpoint
+            self.metrics_path.unlink(missing_ok=True)
+            for name in ("checkpoint", "model"):
+                shutil.rmtree(self.out / name, ignore_errors=True)
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _prepare(self, resume: bool) -> None:
-        from printpress.train.data import BatchSampler, eval_batches, prepare_data  # heavy: import late
+        from printpress.train.data import eval_batches, prepare_data  # heavy: import late
 
         settings = self.settings
         torch.manual_seed(settings.seed)
@@ -234,6 +292,10 @@ class Trainer:
             model, config, generation, tokenizer = load_model(self.checkpoint_dir)
             state = torch.load(self.checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=True)
             saved = state["run"]
+            shape = [item for item in self.overrides if item.partition("=")[0].strip().startswith(("model.", "init_from"))]
+            if shape:
+                raise TrainingError(f"--resume cannot change the model ({', '.join(shape)}): the checkpoint's "
+                                    "weights have their shape; start a new run (init_from) instead")
             if self.overrides:
                 from printpress.train.command import apply_override
 
@@ -265,15 +327,15 @@ class Trainer:
         for name, tokens in (("train", splits.train), ("validation", splits.val)):
             if len(tokens.tokens) <= settings.seq_len:
                 raise TrainingError(f"the {name} split has {len(tokens.tokens)} tokens, fewer than seq_len={settings.seq_len}")
-        self.sampler = BatchSampler(splits.train.tokens, settings.seq_len, settings.batch_size, seed=settings.seed,
-                                    rank=self.env.rank, world_size=self.env.world,
-                                    aligned=bool(data.get("aligned_windows", False)))
+        self.sampler = self._batch_sampler(splits.train.tokens, tokenizer)
         self.eval_windows = list(eval_batches(splits.val.tokens, settings.seq_len, max(1, settings.batch_size // self.env.world),
                                               max_batches=settings.eval_batches, rank=self.env.rank,
                                               world_size=self.env.world))
         self.diffusion = DiffusionSettings(block=config.canvas_length, t_low=settings.t_low,
                                            self_conditioning=settings.self_conditioning,
-                                           weighting=settings.weighting, ar_weight=settings.ar_weight)
+                                           weighting=settings.weighting, ar_weight=settings.ar_weight,
+                                           certainty_weight=settings.certainty_weight,
+                                           certainty_temperature=settings.certainty_temperature)
         self.step_module = TrainStep(model, settings.objective, self.diffusion)
         self.wrapped = wrap_distributed(self.step_module, settings, self.env)
         decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -292,6 +354,28 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             self.last_good = self.step
             self._truncate_metrics(self.step)
+
+    def _batch_sampler(self, train_tokens, tokenizer):
+        """Real windows, or with `data.distill` (a `printpress distill` token file) a fixed share of teacher rows."""
+        from printpress.train.data import BatchSampler, MixedBatchSampler, open_token_file
+
+        settings, data = self.settings, self.run.data
+        if not data.get("distill"):
+            return BatchSampler(train_tokens, settings.seq_len, settings.batch_size, seed=settings.seed,
+                                rank=self.env.rank, world_size=self.env.world,
+                                aligned=bool(data.get("aligned_windows", False)))
+        fraction = float(data.get("distill_fraction", 0.5))
+        rows = round(settings.batch_size * fraction)
+        if not 0 < rows < settings.batch_size:
+            raise TrainingError(f"data.distill_fraction {fraction} gives {rows} of {settings.batch_size} rows per batch; "
+                                "it must leave at least one teacher row and one real row")
+        teacher = open_token_file(data["distill"], tokenizer=tokenizer)
+        lengths = {count for _, _, count in teacher.meta.documents}
+        if lengths != {settings.seq_len}:
+            raise TrainingError(f"{data['distill']} holds rows of {sorted(lengths)} tokens; train.seq_len is "
+                                f"{settings.seq_len}: distil with --prefix-tokens + --new-tokens = seq_len")
+        return MixedBatchSampler(train_tokens, teacher.tokens, settings.seq_len, settings.batch_size, rows,
+                                 seed=settings.seed, rank=self.env.rank, world_size=self.env.world)
 
     def _main_first(self, build):
         """Rank 0 builds shared files (tokenizer, token files) while the others wait, then they reuse them."""
@@ -336,7 +420,10 @@ class Trainer:
         if self.settings.objective != "ar":
             noise = row_noise(tokens, first_row, step, self.settings, self.config.canvas_length,
                               self.config.text.vocab_size)
-        return self.wrapped(tokens, noise)
+        ar_rows = None
+        if hasattr(self.sampler, "is_real"):  # the AR loss stays on real text, never on a teacher's continuations
+            ar_rows = torch.tensor([self.sampler.is_real(first_row + i) for i in range(tokens.shape[0])])
+        return self.wrapped(tokens, noise, None, ar_rows)
 
     def train_step(self) -> dict[str, float]:
         settings, env = self.settings, self.env
@@ -428,8 +515,7 @@ class Trainer:
         """Drop records a killed run wrote after its last checkpoint, so the resumed log has no duplicates."""
         if not self.env.main or not self.metrics_path.exists():
             return
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [line for line, record in zip(*_read_records(self.metrics_path)) if record.get("step", 0) <= step]
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     # -- main loop -----------------------------------------------------------------------------------------
@@ -465,6 +551,21 @@ class Trainer:
         return final
 
 
+def _read_records(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """The lines of metrics.jsonl and their records, skipping what a killed write left unparsable."""
+    lines, records = [], []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            logger.warning("skipping an unreadable line of %s (a write cut short?)", path)
+            continue
+        if isinstance(record, dict):
+            lines.append(line)
+            records.append(record)
+    return lines, records
+
+
 def plot_metrics(metrics_path: Path, png: Path) -> None:
     """Training and validation curves from metrics.jsonl (matplotlib, headless)."""
     import matplotlib
@@ -472,7 +573,7 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = _read_records(metrics_path)[1]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("ar", "-"), ("diffusion", "-"), ("val_ar", "o-"), ("val_diffusion", "o-")):
         points = [(r["step"], r[key]) for r in records if key in r]

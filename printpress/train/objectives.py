@@ -41,6 +41,10 @@ class DiffusionSettings:
     self_conditioning: float = 0.5  # fraction of examples trained with a first no-grad pass fed back
     weighting: Weighting = "uniform"
     ar_weight: float = 1.0  # weight of the AR term in the joint objective
+    # Certainty forcing (dParallel, arXiv 2509.26488): weight of the entropy of softmax(logits / temperature) at the
+    # noised canvas positions the model already predicts right. 0 turns it off.
+    certainty_weight: float = 0.0
+    certainty_temperature: float = 0.5
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -112,11 +116,28 @@ def forward_block_diffusion(
     return logits[:, :length], logits[:, length:]
 
 
-def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, pad_id: int | None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token NLL over the kept targets: not pads, and only in `rows` (a (B,) bool mask) when given."""
     target = tokens[:, 1:]
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
     keep = torch.ones_like(target, dtype=torch.bool) if pad_id is None else target != pad_id
+    if rows is not None:
+        keep = keep & rows[:, None]
     return (loss * keep.reshape(-1)).sum() / keep.sum().clamp(min=1)
+
+
+def certainty_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean entropy of softmax(logits / temperature) over the noised positions whose argmax is already right.
+
+    Gated on correctness, so it only sharpens what the model gets right: those positions fall under the
+    sampler's entropy bound and are accepted together, instead of one per step (dParallel's certainty forcing).
+    """
+    with torch.no_grad():
+        chosen = (noisy != clean) & (logits.argmax(dim=-1) == clean)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return (entropy * chosen).sum() / chosen.sum().clamp(min=1)
 
 
 def denoising_loss(logits: torch.Tensor, clean: torch.Tensor, t: torch.Tensor, settings: DiffusionSettings) -> torch.Tensor:
@@ -152,13 +173,15 @@ class TrainStep(nn.Module):
         tokens: torch.Tensor,
         noise: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         generator: torch.Generator | None = None,
+        ar_rows: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Losses for a batch. `noise` = (noisy tokens, per-block t, per-row self-conditioning flag); drawn
-        from `generator` when not given (the training loop draws it per row, for rank-independence)."""
+        from `generator` when not given (the training loop draws it per row, for rank-independence).
+        `ar_rows` (B,) bool keeps the AR loss to those rows (real text, not a teacher's continuations)."""
         model, settings = self.model, self.settings
         pad = model.config.pad_token_id
         if self.objective == "ar":
-            loss = next_token_loss(forward_ar(model, tokens), tokens, pad)
+            loss = next_token_loss(forward_ar(model, tokens), tokens, pad, ar_rows)
             return {"loss": loss, "ar": loss.detach()}
         if noise is None:
             noisy, t = add_uniform_noise(tokens, settings.block, model.config.vocab_size, generator, settings.t_low)
@@ -176,11 +199,16 @@ class TrainStep(nn.Module):
         ar_logits, denoise_logits = forward_block_diffusion(model, tokens, noisy, settings.block, self_cond, use)
         diffusion = denoising_loss(denoise_logits, tokens, t, settings)
         out = {"diffusion": diffusion.detach()}
+        loss = diffusion
+        if settings.certainty_weight > 0:
+            certainty = certainty_loss(denoise_logits, tokens, noisy, settings.certainty_temperature)
+            out["certainty"] = certainty.detach()
+            loss = loss + settings.certainty_weight * certainty
         if self.objective == "joint":
-            ar = next_token_loss(ar_logits, tokens, pad)
+            ar = next_token_loss(ar_logits, tokens, pad, ar_rows)
             out["ar"] = ar.detach()
-            out["loss"] = diffusion + settings.ar_weight * ar
+            out["loss"] = loss + settings.ar_weight * ar
         else:
-            out["loss"] = diffusion + 0.0 * ar_logits.sum()  # keeps every parameter in the graph for DDP
+            out["loss"] = loss + 0.0 * ar_logits.sum()  # keeps every parameter in the graph for DDP
         return out
 

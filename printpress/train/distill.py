@@ -1,0 +1,161 @@
+"""`printpress distill`: sequence-level distillation data from an autoregressive teacher.
+
+The teacher (any checkpoint that decodes autoregressively: an AR twin, or a joint model's own encoder)
+continues random prefixes of the *training* split; each ``[prefix | continuation]`` row, exactly
+``prefix_tokens + new_tokens`` long, is written to a token file that a fine-tune mixes into its batches
+(`data.distill`, `data.distill_fraction`; see docs/training.md, "Distillation").
+
+Why: a parallel decoder samples every canvas position independently from its marginal, so multimodal targets
+("thou art" / "you are") get mixed. A teacher's continuations at a moderate temperature are a lower-entropy
+target than human text (sequence-level KD, Kim & Rush 2016; Zhou et al. 2020), so the denoiser can be sure of
+more positions at once. The held-out prompts of `printpress bench --yardstick` come from the validation split,
+which the teacher never sees.
+
+The teacher continues through end-of-text (it writes the next document's start, as training windows do), so
+every row has the same length and no padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from printpress.errors import PrintpressError
+
+logger = logging.getLogger(__name__)
+
+
+class DistillError(PrintpressError):
+    """Distillation data that cannot be made as asked."""
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    rows: int = 4800
+    prefix_tokens: int = 64
+    new_tokens: int = 64
+    temperature: float = 0.7
+    top_k: int | None = 50
+    seed: int = 0
+    batch_size: int = 256
+
+    def validate(self) -> None:
+        for name in ("rows", "prefix_tokens", "new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise DistillError(f"{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+        if self.temperature < 0:
+            raise DistillError(f"temperature must be >= 0 (got {self.temperature})")
+        if self.top_k is not None and self.top_k < 1:
+            raise DistillError(f"top-k must be positive (got {self.top_k})")
+
+
+def prefix_starts(num_tokens: int, settings: DistillSettings) -> np.ndarray:
+    """Random prefix offsets into the training tokens, a function of the seed only."""
+    high = num_tokens - settings.prefix_tokens + 1
+    if high < 1:
+        raise DistillError(f"the training split holds {num_tokens} tokens, fewer than one prefix of {settings.prefix_tokens}")
+    gen = torch.Generator().manual_seed(settings.seed)
+    return torch.randint(0, high, (settings.rows,), generator=gen).numpy()
+
+
+def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, progress: bool = False) -> np.ndarray:
+    """(rows, prefix_tokens + new_tokens) int64: each prefix followed by the teacher's continuation."""
+    from tqdm import tqdm
+
+    starts = prefix_starts(len(train_tokens), settings)
+    prefixes = np.stack([np.asarray(train_tokens[s : s + settings.prefix_tokens], dtype=np.int64) for s in starts])
+    out = np.empty((settings.rows, settings.prefix_tokens + settings.new_tokens), dtype=np.int64)
+    for lo in tqdm(range(0, settings.rows, settings.batch_size), disable=not progress, desc="teacher", unit="batch"):
+        chunk = prefixes[lo : lo + settings.batch_size]
+        results = pipe.generate([row.tolist() for row in chunk], mode="ar", max_new_tokens=settings.new_tokens,
+                                temperature=settings.temperature, top_k=settings.top_k, eos_token_ids=(),
+                                seed=[settings.seed * 1_000_003 + lo + i for i in range(len(chunk))])
+        for i, result in enumerate(results):
+            if len(result.token_ids) != settings.new_tokens:  # the engine stops only at the budget (no eos ids)
+                raise DistillError(f"the teacher wrote {len(result.token_ids)} tokens for row {lo + i}, not {settings.new_tokens}")
+            out[lo + i] = np.concatenate([chunk[i], np.asarray(result.token_ids, dtype=np.int64)])
+    return out
+
+
+def write_rows(rows: np.ndarray, path: Path, tokenizer, teacher: str, settings: DistillSettings):
+    """Write the rows as a printpress token file (one 'document' per row, so the trainer can check lengths)."""
+    from printpress.train.data import TokenFileMeta, meta_path, open_token_file, token_dtype
+    from printpress.tokenizer import tokenizer_sha256
+
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    data = rows.astype(token_dtype(vocab)).tobytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta_path(path).unlink(missing_ok=True)  # old metadata must never describe new bytes
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    width = rows.shape[1]
+    described = json.dumps({"teacher": teacher, **asdict(settings)}, sort_keys=True)
+    TokenFileMeta(
+        dtype=token_dtype(vocab).name, num_tokens=rows.size, vocab_size=vocab,
+        tokenizer_sha256=tokenizer_sha256(tokenizer), corpus=f"distill {described}",
+        corpus_sha256=hashlib.sha256(described.encode()).hexdigest(), bin_sha256=hashlib.sha256(data).hexdigest(),
+        documents=[[f"row {i}", i * width, width] for i in range(len(rows))], layout="prefix continuation",
+    ).write(meta_path(path))
+    return open_token_file(path, tokenizer=tokenizer)
+
+
+def distill(teacher: str, sources: list[str], out: Path, settings: DistillSettings, val_fraction: float = 0.05,
+            progress: bool = False) -> Path:
+    """Make the token file `out` from `teacher`'s continuations of the training split of `sources`."""
+    import printpress
+    from printpress.train.data import prepare_data
+
+    settings.validate()
+    if out.suffix != ".bin":
+        raise DistillError(f"--out must name a .bin token file (its .json metadata goes beside it), got {out}")
+    pipe = printpress.load(teacher)
+    splits = prepare_data(sources, pipe.tokenizer, out.parent / (out.stem + "-data"), val_fraction=val_fraction)
+    started = time.perf_counter()
+    rows = teacher_rows(pipe, splits.train.tokens, settings, progress)
+    seconds = time.perf_counter() - started
+    write_rows(rows, out, pipe.tokenizer, teacher, settings)
+    logger.info("wrote %s: %d rows in %.0f s (%.0f teacher tokens/s)", out, len(rows), seconds,
+                settings.rows * settings.new_tokens / seconds)
+    return out
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = DistillSettings()
+    p = subparsers.add_parser("distill", help="make distillation data: a teacher continues training prefixes",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--teacher", default=None, help="the AR teacher, a folder or hub id (default: the shipped model)")
+    p.add_argument("--data", nargs="+", default=["shakespeare"], help="corpus whose training split gives the prefixes")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="the held-out share, as in the recipes (0.05)")
+    p.add_argument("--out", required=True, help="the token file to write (.bin; metadata beside it)")
+    p.add_argument("--rows", type=int, default=defaults.rows, help=f"rows to make ({defaults.rows})")
+    p.add_argument("--prefix-tokens", type=int, default=defaults.prefix_tokens, help="real tokens per row")
+    p.add_argument("--new-tokens", type=int, default=defaults.new_tokens, help="teacher tokens per row")
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="teacher temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=defaults.top_k, help="teacher top-k")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="rows the teacher continues at once")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = DistillSettings(rows=args.rows, prefix_tokens=args.prefix_tokens, new_tokens=args.new_tokens,
+                               temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                               batch_size=args.batch_size)
+    teacher = args.teacher
+    if teacher is None:
+        from printpress.engine import default_model_path
+
+        teacher = str(default_model_path())
+    out = distill(teacher, args.data, Path(args.out), settings, args.val_fraction, progress=not args.no_progress)
+    print(f"wrote {settings.rows} rows of {settings.prefix_tokens}+{settings.new_tokens} tokens to {out}")
+    return 0

@@ -1,0 +1,141 @@
+"""Distillation levers: teacher rows, the mixed batch, the AR loss kept on real rows, certainty forcing."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from printpress.train.data import MixedBatchSampler, open_token_file
+from printpress.train.distill import DistillError, DistillSettings, distill
+from printpress.train.loop import RunConfig, Trainer, TrainingError
+from printpress.train.objectives import certainty_loss, next_token_loss
+
+TINY_MODEL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, global_head_dim=16, num_global_key_value_heads=1,
+                  sliding_window=16, layer_types=["sliding_attention", "full_attention"], num_experts=2,
+                  top_k_experts=1, moe_intermediate_size=16, max_position_embeddings=256, canvas_length=8)
+
+TEXT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.\n" * 6
+
+
+def test_certainty_loss_is_the_tempered_entropy_of_right_noised_positions_only():
+    clean = torch.tensor([[0, 1, 2, 0]])
+    noisy = torch.tensor([[3, 1, 0, 1]])  # position 1 is clean (not noised): excluded
+    logits = torch.full((1, 4, 4), 0.0)
+    logits[0, 0] = torch.tensor([2.0, 0.0, 0.0, 0.0])  # noised, argmax right: counted
+    logits[0, 1] = torch.tensor([0.0, 5.0, 0.0, 0.0])  # right but not noised
+    logits[0, 2] = torch.tensor([3.0, 0.0, 0.0, 0.0])  # noised, argmax wrong (0 != 2): excluded
+    logits[0, 3] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # noised, argmax right: counted
+    temperature = 0.5
+
+    def entropy(row: list[float]) -> float:
+        z = [math.exp(v / temperature) for v in row]
+        p = [v / sum(z) for v in z]
+        return -sum(q * math.log(q) for q in p)
+
+    expected = (entropy([2.0, 0, 0, 0]) + entropy([1.0, 0, 0, 0])) / 2
+    assert float(certainty_loss(logits, clean, noisy, temperature)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_certainty_loss_is_zero_when_nothing_noised_is_right():
+    clean = torch.tensor([[0, 1]])
+    logits = torch.zeros(1, 2, 3)
+    logits[..., 2] = 1.0
+    assert float(certainty_loss(logits, clean, torch.tensor([[2, 2]]), 0.5)) == 0.0
+
+
+def test_next_token_loss_on_some_rows_equals_the_loss_of_those_rows_alone():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 11, (3, 6))
+    logits = torch.randn(3, 6, 11)
+    rows = torch.tensor([True, False, True])
+    kept = next_token_loss(logits, tokens, None, rows)
+    alone = next_token_loss(logits[rows], tokens[rows], None)
+    assert float(kept) == pytest.approx(float(alone), rel=1e-6)
+    assert float(kept) != pytest.approx(float(next_token_loss(logits, tokens, None)), rel=1e-3)
+
+
+def test_mixed_batches_put_teacher_rows_last_and_shard_like_one_process():
+    real = np.arange(1000, dtype=np.uint16)
+    extra = np.arange(5000, 5000 + 10 * 8, dtype=np.uint16)  # 10 rows of 8
+    one = MixedBatchSampler(real, extra, seq_len=8, batch_size=4, extra_rows=1, seed=3)
+    batch = one.batch(5)
+    assert [one.is_real(r) for r in range(4)] == [True, True, True, False]
+    for row in batch[:3]:  # real windows: consecutive tokens from the real stream
+        assert row[0] < 1000 and torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 8))
+    teacher = batch[3]
+    assert int(teacher[0]) >= 5000 and (int(teacher[0]) - 5000) % 8 == 0  # a whole, aligned teacher row
+    assert torch.equal(batch, one.batch(5)) and not torch.equal(batch, one.batch(6))
+    halves = [MixedBatchSampler(real, extra, 8, 4, 1, seed=3, rank=r, world_size=2).batch(5) for r in range(2)]
+    assert torch.equal(torch.cat(halves), batch)
+
+
+def test_mixed_batches_refuse_files_of_partial_rows():
+    with pytest.raises(Exception, match="not whole rows of seq_len 8"):
+        MixedBatchSampler(np.arange(100), np.arange(12), seq_len=8, batch_size=4, extra_rows=1)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny joint model trained a few steps on a small corpus (the corpus folder, the model folder)."""
+    root = tmp_path_factory.mktemp("distill")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for index in range(10):
+        (corpus / f"doc{index}.txt").write_text(TEXT)
+    run = RunConfig.from_dict({
+        "model": dict(TINY_MODEL), "data": {"sources": [str(corpus)], "vocab_size": 300, "val_fraction": 0.2},
+        "train": dict(objective="joint", steps=4, batch_size=4, seq_len=32, lr=3e-3, warmup=1, eval_every=4,
+                      eval_batches=1, save_every=4, seed=1)})
+    return corpus, Trainer(run, root / "run").fit(progress=False)
+
+
+def test_distill_writes_training_prefixes_followed_by_teacher_continuations(teacher, tmp_path):
+    corpus, model = teacher
+    settings = DistillSettings(rows=6, prefix_tokens=16, new_tokens=16, temperature=0.8, top_k=20, seed=2, batch_size=4)
+    out = distill(str(model), [str(corpus)], tmp_path / "teacher.bin", settings, val_fraction=0.2)
+    import printpress
+
+    tokenizer = printpress.load(model).tokenizer
+    rows = open_token_file(out, tokenizer=tokenizer)
+    assert len(rows.tokens) == 6 * 32 and all(count == 32 for _, _, count in rows.meta.documents)
+    train = np.asarray(open_token_file(tmp_path / "teacher-data" / "train.bin").tokens)
+    text = train.tobytes()
+    for row in np.asarray(rows.tokens).reshape(6, 32):
+        assert row[:16].astype(train.dtype).tobytes() in text  # the prefix is real training text
+    again = distill(str(model), [str(corpus)], tmp_path / "again.bin", settings, val_fraction=0.2)
+    assert np.array_equal(np.asarray(open_token_file(again).tokens), np.asarray(rows.tokens))  # seeded
+
+
+def test_distill_refuses_a_bad_output_name_and_bad_settings(teacher, tmp_path):
+    corpus, model = teacher
+    with pytest.raises(DistillError, match=r"must name a \.bin"):
+        distill(str(model), [str(corpus)], tmp_path / "teacher.txt", DistillSettings(rows=2))
+    with pytest.raises(DistillError, match="new-tokens must be positive"):
+        distill(str(model), [str(corpus)], tmp_path / "t.bin", DistillSettings(new_tokens=0))
+
+
+def test_a_fine_tune_mixes_teacher_rows_and_logs_certainty(teacher, tmp_path):
+    corpus, model = teacher
+    settings = DistillSettings(rows=8, prefix_tokens=16, new_tokens=16, seed=0)
+    rows = distill(str(model), [str(corpus)], tmp_path / "teacher.bin", settings, val_fraction=0.2)
+    data = {"sources": [str(corpus)], "val_fraction": 0.2, "distill": str(rows), "distill_fraction": 0.5}
+    train = dict(objective="joint", steps=2, batch_size=4, seq_len=32, lr=1e-3, warmup=1, eval_every=2,
+                 eval_batches=1, save_every=2, certainty_weight=1.0)
+    run = RunConfig.from_dict({"init_from": str(model), "data": data, "train": train})
+    trainer = Trainer(run, tmp_path / "fine")
+    assert isinstance(trainer.sampler, MixedBatchSampler) and trainer.sampler.extra_rows == 2
+    trainer.fit(progress=False)
+    records = [json.loads(line) for line in (tmp_path / "fine" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["certainty"] >= 0 for r in records)
+    assert records[0]["loss"] == pytest.approx(records[0]["diffusion"] + records[0]["certainty"] + records[0]["ar"],
+                                               rel=1e-5)
+
+    wrong = RunConfig.from_dict({"init_from": str(model), "data": data, "train": {**train, "seq_len": 16}})
+    with pytest.raises(TrainingError, match="rows of \\[32\\] tokens; train.seq_len is 16"):
+        Trainer(wrong, tmp_path / "wrong")
