@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -95,17 +96,9 @@ def resolve_folder(path_or_id: str | os.PathLike, revision: str | None = None) -
 
 
 def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:
-    """The weight files of a folder, checking that every shard the index names exists."""
+    """The weight files of a folder, checking that every shard the index names exists inside it."""
     if (folder / SAFE_INDEX).exists():
-        index = read_json(folder / SAFE_INDEX)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{folder / SAFE_INDEX}: no weight_map")
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (folder / s).exists()]
-        if missing:
-            raise CheckpointError(f"{folder / SAFE_INDEX}: shard file(s) missing: {', '.join(missing)}")
-        return [folder / s for s in shards]
+        return _index_shards(folder, folder / SAFE_INDEX, ".safetensors")
     if (folder / SAFE_SINGLE).exists():
         return [folder / SAFE_SINGLE]
     pickles = [folder / n for n in PICKLE_NAMES if (folder / n).exists()]
@@ -116,15 +109,67 @@ def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:
                 "or pass allow_pickle=True to load it with torch.load(weights_only=True)"
             )
         if pickles[0].name.endswith(".index.json"):
-            shards = sorted(set(read_json(pickles[0]).get("weight_map", {}).values()))
-            return [folder / s for s in shards]
+            return _index_shards(folder, pickles[0], ".bin")
         return pickles[:1]
     raise CheckpointError(f"{folder}: no model.safetensors, {SAFE_INDEX} or other weight file")
+
+
+def _index_shards(folder: Path, index_path: Path, suffix: str) -> list[Path]:
+    """The shards an index names: plain files of the folder (never `../`, absolute paths or devices) with `suffix`,
+    so a safetensors index can never route a load through torch.load."""
+    index = read_json(index_path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: no weight_map")
+    shards = sorted({str(s) for s in weight_map.values()})
+    root = folder.resolve()
+    for shard in shards:
+        path = (folder / shard).resolve()
+        if not path.is_relative_to(root) or path.parent != root:
+            raise CheckpointError(f"{index_path}: shard {shard!r} is not a file of the checkpoint folder")
+        if not shard.endswith(suffix):
+            raise CheckpointError(f"{index_path}: shard {shard!r} is not a {suffix} file")
+    missing = [s for s in shards if not (folder / s).is_file()]
+    if missing:
+        raise CheckpointError(f"{index_path}: shard file(s) missing: {', '.join(missing)}")
+    return [folder / s for s in shards]
+
+
+def available_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+def check_sizes(config: ModelConfig, files: list[Path], dtype: torch.dtype, folder: Path) -> None:
+    """Refuse, before anything is allocated, a config the machine cannot hold or far larger than its weights."""
+    params = config.text.num_parameters()
+    need, have = params * dtype.itemsize, available_memory_bytes()
+    if need > 0.8 * have:
+        raise CheckpointError(f"{folder / 'config.json'} describes {params:,} parameters ({need / 2**30:.1f} GiB in "
+                              f"{str(dtype).removeprefix('torch.')}), more than this machine's memory "
+                              f"({have / 2**30:.1f} GiB)")
+    if not all(f.suffix == ".safetensors" for f in files):
+        return  # pickle shards have no header to read without loading them
+    held = 0
+    for path in files:
+        with open_tensors(path) as reader:
+            held += sum(math.prod(reader.shape(k)) for k in reader.keys() if module_key(k) is not None)
+    # Only gross mismatches here (an absurd config beside small weights): a missing or misshapen tensor is named
+    # key by key by load_weights, which is more useful and costs only the allocation of a plausible model.
+    if params > 2 * held:
+        raise CheckpointError(f"{folder / 'config.json'} describes {params:,} parameters but the weight files hold "
+                              f"{held:,}: the config and the weights do not belong together")
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 class SafetensorsReader:
@@ -140,7 +185,14 @@ class SafetensorsReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.handle = open(path, "rb")  # noqa: SIM115 - closed by close()
-        size = path.stat().st_size
+        try:
+            self._read_header(path.stat().st_size)
+        except BaseException:
+            self.handle.close()
+            raise
+
+    def _read_header(self, size: int) -> None:
+        path = self.path
         prefix = self.handle.read(8)
         header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
         if not 0 < header_length <= size - 8:
@@ -149,17 +201,40 @@ class SafetensorsReader:
             header = json.loads(self.handle.read(header_length))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path}: cannot read safetensors file (bad header: {exc})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: cannot read safetensors file (the header is not an object)")
         header.pop("__metadata__", None)
         self.data_start = 8 + header_length
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for key, info in header.items():
-            dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-            shape = tuple(info.get("shape", ()))
-            begin, end = info.get("data_offsets", (0, -1))
-            expected = math.prod(shape) * (dtype.itemsize if dtype else 0)
-            if dtype is None or end - begin != expected or self.data_start + end > size:
-                raise CheckpointError(f"{path}: cannot read safetensors file (tensor {key!r} is corrupt or truncated)")
-            self.entries[key] = (dtype, shape, begin, end)
+            self.entries[key] = self._entry(key, info, size)
+        self._check_layout(size)
+
+    def _entry(self, key: str, info: Any, size: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        """(dtype, shape, begin, end) of one header entry, refusing anything the format does not allow."""
+        bad = CheckpointError(f"{self.path}: cannot read safetensors file (tensor {key!r} is corrupt or truncated)")
+        if not isinstance(info, dict):
+            raise bad
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if dtype is None or not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2:
+            raise bad
+        begin, end = offsets
+        if min(shape, default=0) < 0 or not 0 <= begin <= end or self.data_start + end > size \
+                or end - begin != math.prod(shape) * dtype.itemsize:
+            raise bad
+        return dtype, tuple(shape), begin, end
+
+    def _check_layout(self, size: int) -> None:
+        """Tensors must tile the data section exactly, as the safetensors library requires: no overlap, no gap."""
+        position = 0
+        for _, _, begin, end in sorted(self.entries.values(), key=lambda e: (e[2], e[3])):
+            if begin != position:
+                raise CheckpointError(f"{self.path}: cannot read safetensors file (tensor data overlaps or leaves gaps)")
+            position = end
+        if self.data_start + position != size:
+            raise CheckpointError(f"{self.path}: cannot read safetensors file (the data section has "
+                                  f"{size - self.data_start} bytes, the header describes {position})")
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -245,8 +320,10 @@ def load_model(
         config.text,
     )
     target = resolve_dtype(dtype, config)
+    files = weight_files(folder, allow_pickle)
+    check_sizes(config, files, target, folder)
     model = build_empty(config, target, device)
-    load_weights(model, weight_files(folder, allow_pickle))
+    load_weights(model, files)
     model.eval()
     return model, config, generation, load_tokenizer(folder)
 

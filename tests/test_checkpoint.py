@@ -236,3 +236,87 @@ def test_per_layer_keys_are_written_zero_padded_like_transformers(reference_chec
     save_model(model, config, tmp_path / "ours")
     ours = json.loads((tmp_path / "ours" / "config.json").read_text())["text_config"]["per_layer_config"]
     assert ours == theirs and "05" in ours and "11" in ours
+
+
+# -- checkpoints that must not fool the loader -------------------------------------------------------------
+
+
+def sharded_copy(reference_checkpoints, tmp_path):
+    model, config, _, _ = load_model(reference_checkpoints["gqa"])
+    return save_model(model, config, tmp_path / "s", max_shard_size=20_000)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/dev/stdin", "/tmp/x.safetensors", "sub/../../y.safetensors"])
+def test_index_shards_outside_the_folder_are_refused(reference_checkpoints, tmp_path, shard):
+    folder = sharded_copy(reference_checkpoints, tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes((folder / sorted(folder.glob("model-*"))[0].name).read_bytes())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = shard
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"shard '{shard}' is not a file of the checkpoint folder"):
+        load_model(folder)
+
+
+def test_a_safetensors_index_cannot_route_the_load_through_torch_load(reference_checkpoints, tmp_path):
+    folder = sharded_copy(reference_checkpoints, tmp_path)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    torch.save({first: torch.zeros(1)}, folder / "evil.bin")
+    index["weight_map"][first] = "evil.bin"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    for allow_pickle in (False, True):
+        with pytest.raises(CheckpointError, match="shard 'evil.bin' is not a .safetensors file"):
+            load_model(folder, allow_pickle=allow_pickle)
+
+
+def rewrite_header(path, change) -> None:
+    """Edit a safetensors header in place (same data bytes), padding it to keep the JSON valid."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda h, k: h[k].__setitem__("data_offsets", [-8, h[k]["data_offsets"][1] - 8]), "corrupt or truncated"),
+    (lambda h, k: h[k].__setitem__("data_offsets", [0, h[k]["data_offsets"][1] - h[k]["data_offsets"][0]]),
+     "overlaps or leaves gaps"),
+    (lambda h, k: h[k].__setitem__("shape", "12"), "corrupt or truncated"),
+    (lambda h, k: h.__setitem__(k, [1, 2]), "corrupt or truncated"),
+])
+def test_malformed_safetensors_headers_are_refused(reference_checkpoints, tmp_path, change, message):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    path = folder / "model.safetensors"
+
+    def edit(header):
+        key = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        change(header, key)
+
+    rewrite_header(path, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_hidden_layers", 100_000, "describes .* parameters but the weight files hold"),
+    ("vocab_size", 10**12, "more than this machine's memory"),
+])
+def test_absurd_sizes_are_refused_before_any_allocation(reference_checkpoints, tmp_path, monkeypatch, field, value,
+                                                        message):
+    import printpress.checkpoint as checkpoint
+
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"][field] = value
+    config["text_config"].pop("layer_types", None)
+    (folder / "config.json").write_text(json.dumps(config))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the sizes were checked")
+
+    monkeypatch.setattr(checkpoint, "build_empty", never)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(folder)

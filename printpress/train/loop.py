@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from printpress.checkpoint import load_model, recover_folder, save_model
+from printpress.checkpoint import available_memory_bytes, load_model, recover_folder, save_model
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.errors import PrintpressError
 from printpress.model import DiffusionGemma
@@ -210,13 +210,6 @@ def check_memory(text: TextConfig, settings: TrainSettings, world: int) -> None:
     if need > 0.8 * have:
         raise TrainingError(f"this run needs about {need / 2**30:.1f} GiB but the machine has {have / 2**30:.1f} GiB; "
                             "reduce batch_size, seq_len or the model size, or raise grad_accum")
-
-
-def available_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 1 << 62
 
 
 # -- the run ---------------------------------------------------------------------------------------------
