@@ -98,18 +98,34 @@ class KVCache:
         return self.length + new_tokens <= self.max_length
 
     def sliding_prefix(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Until the ring wraps, slot i holds position i: only the filled slots are read.
+        """The sliding layer's cached keys/values, oldest first.
+
+        Until the ring wraps, slot i holds position i and only the filled slots are read. Once it has wrapped,
+        the slots are read rotated into chronological order: the reference keeps its window oldest-first, and
+        attention must sum its terms in the same order to give bit-identical logits."""
         layer, filled = self.layers[index], self.filled_slots
-        return layer.keys[:, :, :filled], layer.values[:, :, :filled]
+        order = self._chronological_slots()
+        if order is None:
+            return layer.keys[:, :, :filled], layer.values[:, :, :filled]
+        return layer.keys.index_select(2, order), layer.values.index_select(2, order)
+
+    def _chronological_slots(self) -> torch.Tensor | None:
+        """Ring slots oldest-first once the ring has wrapped with the oldest not in slot 0; None otherwise."""
+        start = self.length % self.window if self.window else 0
+        if self.length <= self.window or start == 0:
+            return None
+        return torch.cat([torch.arange(start, self.window, device=self.device),
+                          torch.arange(0, start, device=self.device)])
 
     @property
     def filled_slots(self) -> int:
         return min(self.length, self.window)
 
     def prefix_positions(self, sliding: bool) -> torch.Tensor:
-        """Absolute positions of the cached keys a layer reads, in storage order."""
+        """Absolute positions of the cached keys a layer reads, in the order `sliding_prefix` gives them."""
         if sliding:
-            return self.slot_positions[: self.filled_slots]
+            order = self._chronological_slots()
+            return self.slot_positions[: self.filled_slots] if order is None else self.slot_positions[order]
         return torch.arange(self.length, device=self.device)
 
     def prefix_valid(self, sliding: bool) -> torch.Tensor:
@@ -239,7 +255,7 @@ class StackedCache:
 
     Continuous batching keeps one `KVCache` per request, so requests can join, commit and leave at any
     step. The decoder reads a batch: each request's keys/values are placed right-aligned (left padded)
-    in fresh tensors, keeping each request's own storage order, ring rotation included, so that a
+    in fresh tensors, in the order each request reads them alone (oldest first, see `sliding_prefix`), so that a
     request's attention sums the same terms in the same order as when it runs alone. Padding is masked
     out. Free slots after the prefix hold the canvas, as with `KVCache.full_with_block`.
 

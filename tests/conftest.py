@@ -42,12 +42,14 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def make_reference(name: str, canvas_length: int = 8, seed: int = 0):
-    """A randomly initialised reference model (with non-trivial norms and scales, so they are tested)."""
+def make_reference(name: str | dict, canvas_length: int = 8, seed: int = 0):
+    """A randomly initialised reference model (with non-trivial norms and scales, so they are tested), from a
+    name of TINY_CONFIGS or a text-config dict."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
-    config = DiffusionGemmaConfig(text_config=dict(TINY_CONFIGS[name]), vision_config=dict(VISION),
+    text = dict(TINY_CONFIGS[name] if isinstance(name, str) else name)
+    config = DiffusionGemmaConfig(text_config=text, vision_config=dict(VISION),
                                   canvas_length=canvas_length)
     model = DiffusionGemmaForBlockDiffusion(config).eval()
     with torch.no_grad():
