@@ -8,7 +8,7 @@ __all__ = ["load", "PrintpressError", "CheckpointError", "ConfigError", "Generat
 
 
 def load(path_or_id: str | None = None, **kwargs):
-    """Load a model folder or hub id into a generation pipeline (see `printpress.engine.Pipeline`)."""
-    from printpress.engine import Pipeline
+    """Load a model folder or hub id into a generation pipeline (see `printpress.pipeline.Pipeline`)."""
+    from printpress.pipeline import Pipeline
 
     return Pipeline.from_pretrained(path_or_id, **kwargs)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from printpress.errors import ConfigError, PrintpressError
+from printpress.tasks import sudoku
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +102,7 @@ def _load_source(source: str | os.PathLike, *, text_field: str, cache: str | os.
         elif source == "shakespeare":
             return shakespeare_documents(cache)
         elif source == "sudoku":
-            from printpress.tasks.sudoku import corpus_documents  # generated puzzles, see that module
-
-            return corpus_documents(cache)
+            return sudoku_documents(cache)
         else:
             return stdlib_documents()
     path = Path(source).expanduser()
@@ -232,6 +231,28 @@ def stdlib_documents() -> list[Document]:
     if not docs:
         raise DataError(f"no Python source files found under {root}")
     return docs
+
+
+# --- built-in: Sudoku ---------------------------------------------------------------------------
+
+
+def sudoku_documents(cache: str | os.PathLike | None = None, size: int = sudoku.CORPUS_SIZE) -> list[Document]:
+    """The built-in ``sudoku`` corpus (`printpress.tasks.sudoku`), generated once and cached as JSONL (a few
+    minutes). Document `i` is puzzle `i` of the seed `CORPUS_SEED`, so a smaller `size` is a prefix of a larger
+    one."""
+    root = (cache_dir() if cache is None else Path(cache)) / "sudoku"
+    lo, hi = sudoku.CORPUS_GIVENS
+    path = root / f"v{sudoku.CORPUS_VERSION}-{sudoku.CORPUS_SEED}-{size}-g{lo}-{hi}.jsonl"
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8") as fh:
+            for i in range(size):
+                example = sudoku.example(sudoku.CORPUS_SEED, i, sudoku.CORPUS_GIVENS)
+                fh.write(json.dumps({"text": sudoku.document_text(example)}) + "\n")
+        tmp.replace(path)
+    with path.open(encoding="utf-8") as fh:
+        return [Document(f"sudoku/{i:06d}", json.loads(line)["text"]) for i, line in enumerate(fh)]
 
 
 # --- built-in: Shakespeare --------------------------------------------------------------------

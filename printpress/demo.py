@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from printpress.cli import main as cli_main
-from printpress.engine import default_model_path
+from printpress.pipeline import default_model_path
 from printpress.errors import PrintpressError
 
 PROMPT = "ROMEO:\n"

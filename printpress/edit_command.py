@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import printpress
     from printpress import editing
-    from printpress.cli import LiveView
+    from printpress.live_view import LiveView
 
     infilling = args.prefix is not None or args.suffix is not None
     if infilling and (args.text is not None or args.span is not None):

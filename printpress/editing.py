@@ -7,8 +7,8 @@ right-hand context enters the one place the decoder can see it, the canvas itsel
     cache:  <bos> prefix                    (encoded once, causal, as any prompt)
     canvas: [ m_1 ... m_L | s_1 ... s_K ]   (L free positions, then K suffix tokens *clamped*)
 
-The free positions start as uniform noise and are denoised by the usual entropy-bound sampler
-(printpress.sampling); the clamped positions always hold the true suffix tokens: they are never
+The free positions start as uniform noise and are denoised by the engine's canvas step
+(printpress/canvas.py); the clamped positions always hold the true suffix tokens: they are never
 sampled, never re-noised and never count towards acceptance, the entropy bound or the stopping rule.
 During training a canvas position is left clean with probability 1 - t, so "some canvas positions are
 already right" is a state the decoder has seen; a clean run at the canvas end is just a low-noise
@@ -33,84 +33,28 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from printpress.engine import CommitEvent, DoneEvent, Event, StepEvent
+from printpress.canvas import advance, denoise, denoise_step
 from printpress.errors import GenerationError
-from printpress.sampling import (
-    SamplerSettings,
-    StabilityTracker,
-    entropy_bound_accept,
-    sample_canvas,
-    step_temperature,
-    token_entropy,
-    uniform_tokens,
+from printpress.events import (
+    Candidate,
+    CommitEvent,
+    DoneEvent,
+    EditResult,
+    EditStats,
+    Event,
+    SpanStepEvent,
 )
+from printpress.request import Request, RequestState, model_device
+from printpress.sampling import SamplerSettings
 
 Text = str | Sequence[int]
 
 # Fractions of the canvas tried when no length is given to `infill` (canvas 32: 4, 8, 12, 16, 24 tokens).
 SEARCH_FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
 FEEDBACK = ("predicted", "exact")
-
-
-# --------------------------------------------------------------------------------------------
-# Public data types
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SpanStepEvent(StepEvent):
-    """A `StepEvent` whose canvas is `[span | clamped suffix]`: `tokens[:span]` are being denoised,
-    `tokens[span:]` are the suffix tokens, identical at every step (reported as accepted)."""
-
-    span: int = 0
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One denoised middle of a given length and its score (the join's NLL under the causal head)."""
-
-    length: int
-    seed: int
-    middle_ids: list[int]
-    middle: str | None
-    join_nll: float  # summed NLL (nats) of middle + scored suffix tokens, after the prefix
-    join_chars: int  # characters of middle + scored suffix (tokens without a tokenizer)
-    forward_passes: int
-
-    @property
-    def score(self) -> float:
-        """NLL per character of the join: lower is better (what the length search minimises)."""
-        return self.join_nll / max(self.join_chars, 1)
-
-
-@dataclass
-class EditStats:
-    prefix_tokens: int  # including <bos>
-    suffix_tokens: int  # the whole suffix
-    clamped_tokens: int  # suffix tokens the decoder saw in the canvas
-    length: int  # tokens generated for the middle
-    candidates: int  # lengths tried (1 without a search)
-    forward_passes: int  # decoder passes, all candidates together
-    scoring_passes: int  # causal passes spent scoring candidates
-    wall_time_s: float
-
-
-@dataclass
-class EditResult:
-    """The edited text. `text[start:end] == middle`; everything outside that span is the input, unchanged."""
-
-    text: str | None  # prefix + middle + suffix (None for token-id input without a tokenizer)
-    middle: str | None
-    start: int  # character span of the middle in `text`
-    end: int
-    middle_ids: list[int]
-    seed: int
-    stats: EditStats
-    candidates: list[Candidate] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +179,7 @@ def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suf
           lengths: list[int], windows: list[int], seed: int, step_events: bool, exact_feedback: bool) -> Iterator[Event]:
     started = time.perf_counter()
     model = pipe.model
-    device = next(model.parameters()).device
+    device = model_device(model)
     scored = suffix_ids[: pipe.canvas_length]
     room = max(max(n + k for n, k in zip(lengths, windows)), max(lengths) + len(scored))
     cache = model.new_cache(1, len(context) + room)
@@ -246,15 +190,16 @@ def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suf
     scoring_passes = 0
     for index, (length, window) in enumerate(zip(lengths, windows)):
         clamp = torch.tensor([suffix_ids[:window]], dtype=torch.long, device=device)
-        generator = torch.Generator(device=device)
-        generator.manual_seed((seed + index) % 2**64)
-        middle, passes = yield from _denoise_span(model, cache, length, clamp, settings, generator, banned, index,
-                                                  step_events, exact_feedback)
+        # Candidate i is request 0's canvas i, sampled with its own seed.
+        state = RequestState.start(0, Request(context, settings, (seed + index) % 2**64), device, budget=length,
+                                   step_events=step_events)
+        middle = yield from _denoise_span(model, cache, state, length, clamp, banned, index, exact_feedback)
         nll, chars = 0.0, 0
         if len(lengths) > 1:
             nll, chars = _join_nll(pipe, cache, first_logits, middle, scored)
             scoring_passes += 1
-        candidates.append(Candidate(length, (seed + index) % 2**64, middle, _decode(pipe, middle), nll, chars, passes))
+        candidates.append(Candidate(length, state.request.seed, middle, _decode(pipe, middle), nll, chars,
+                                    state.decoder_passes))
     chosen = min(range(len(candidates)), key=lambda i: candidates[i].score) if len(candidates) > 1 else 0
     best = candidates[chosen]
     yield CommitEvent(0, chosen, list(best.middle_ids), best.middle or "", True)
@@ -277,65 +222,43 @@ def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suf
     yield DoneEvent(0, result)
 
 
-def _denoise_span(model, cache, length: int, clamp: torch.Tensor, settings: SamplerSettings,
-                  generator: torch.Generator, banned: torch.Tensor, canvas_index: int,
-                  step_events: bool, exact_feedback: bool = False):
+def _denoise_span(model, cache, state: RequestState, length: int, clamp: torch.Tensor, banned: torch.Tensor,
+                  canvas_index: int, exact_feedback: bool = False) -> Iterator[SpanStepEvent]:
     """Denoise `length` free positions in front of the clamped suffix tokens `clamp` (1, K).
 
-    The sampler steps are the engine's (temperature schedule, entropy-bound acceptance, uniform
-    re-noising, stable-and-confident stop), restricted to the free positions. Yields SpanStepEvents;
-    returns (the committed argmax middle as a list, decoder passes).
+    The engine's canvas step (printpress/canvas.py) restricted to the free positions, with its adaptive stop;
+    `state.canvas` holds the free positions. Yields SpanStepEvents; returns the committed argmax middle.
     """
-    device = clamp.device
     vocab = model.config.vocab_size
     clamped = clamp.shape[1]
-    canvas = torch.cat([uniform_tokens(length, vocab, generator, device), clamp], dim=1)
-    tracker = StabilityTracker(settings.stability_threshold, 1, length, device)
-    pass_probs = model.dtype == torch.float32  # as the engine: fp32 feeds back probabilities, else logits
-    feedback = None
-    steps = settings.max_denoising_steps
-    step = steps
+    state.start_canvas(length, vocab, clamp.device)
     while True:
-        if pass_probs:
-            logits = model.denoise(canvas, cache, self_conditioning_probs=feedback)
-        else:
-            logits = model.denoise(canvas, cache, feedback)
-        processed = logits / step_temperature(step, settings)
+        logits = denoise(model, torch.cat([state.canvas, clamp], dim=1), cache, state.self_conditioning)
+        state.count_decoder_pass()
         # A middle is text inside a document: no <bos>, <eos> or <pad> may be chosen for a free position.
-        processed[:, :length, banned] = float("-inf")
-        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-        span_logits = processed[0, :length]
-        entropy = token_entropy(span_logits)
-        argmax = torch.argmax(span_logits, dim=-1)
-        accepted = entropy_bound_accept(entropy[None], settings.entropy_bound)[0]
-        if settings.sample_accepted_only:
-            free = uniform_tokens(length, vocab, generator, device)[0]
-            free[accepted] = sample_canvas(probs[0, :length][accepted], generator)
-        else:
-            sampled = sample_canvas(probs[0, :length], generator)
-            free = torch.where(accepted, sampled, uniform_tokens(length, vocab, generator, device)[0])
-        canvas = torch.cat([free[None], clamp], dim=1)
-        stable = bool(tracker.update(argmax[None])[0])
-        stopped = stable and bool(entropy.mean() < settings.confidence_threshold)
-        step -= 1
-        if step_events:
+        outcome = denoise_step(logits, [state], vocab, free=length, banned=banned)
+        stopped = advance(state, outcome, 0)
+        state.canvas = outcome.next_canvas
+        if state.step_events:
             yield SpanStepEvent(
-                request=0, canvas=canvas_index, step=steps - step, max_steps=steps,
-                tokens=canvas[0].tolist(),
-                argmax=argmax.tolist() + clamp[0].tolist(),
-                accepted=accepted.tolist() + [True] * clamped,
+                request=state.index, canvas=canvas_index, step=state.settings.max_denoising_steps - state.step,
+                max_steps=state.settings.max_denoising_steps,
+                tokens=outcome.next_canvas[0].tolist() + clamp[0].tolist(),
+                argmax=outcome.argmax[0].tolist() + clamp[0].tolist(),
+                accepted=outcome.accepted[0].tolist() + [True] * clamped,
                 stopped=stopped, span=length,
             )
-        if stopped or step == 0:
-            return argmax.tolist(), steps - step
+        if stopped or state.step == 0:
+            return outcome.argmax[0].tolist()
         if exact_feedback and clamped:
             # A one-hot at each clamped position: probabilities in fp32, logits of 0 / -inf otherwise.
             onehot = torch.nn.functional.one_hot(clamp, vocab).bool()
-            if pass_probs:
-                probs[:, length:] = onehot.float()
+            if model.dtype == torch.float32:
+                outcome.probs[:, length:] = onehot.float()
             else:
+                processed = outcome.processed
                 processed[:, length:] = torch.zeros_like(processed[:, length:]).masked_fill(~onehot, float("-inf"))
-        feedback = probs if pass_probs else processed.to(model.dtype)
+        state.self_conditioning = outcome.feedback(model.dtype)
 
 
 def _join_nll(pipe, cache, first_logits: torch.Tensor, middle: list[int], scored: list[int]) -> tuple[float, int]:

@@ -24,6 +24,17 @@ from printpress.errors import GenerationError
 
 MODES = ("diffusion", "ar", "speculative")
 
+# The settings each mode reads, besides max_new_tokens and eos_token_ids, which every mode reads.
+DIFFUSION_SAMPLER = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "sample_accepted_only")
+ADAPTIVE_STOP = ("stability_threshold", "confidence_threshold")
+AR_SAMPLER = ("temperature", "top_k")
+MODE_SETTINGS = {
+    "diffusion": DIFFUSION_SAMPLER + ADAPTIVE_STOP,
+    "ar": AR_SAMPLER,
+    "speculative": AR_SAMPLER + DIFFUSION_SAMPLER,  # the AR model samples; the drafts run every step, no stop
+}
+_MODE_SPECIFIC = frozenset(name for names in MODE_SETTINGS.values() for name in names)
+
 
 _DEFAULTS = GenerationConfig()
 
@@ -32,8 +43,9 @@ _DEFAULTS = GenerationConfig()
 class SamplerSettings:
     """Everything that decides the tokens of one request, apart from the prompt and the seed.
 
-    Names follow the checkpoint's generation_config.json. `temperature` and `top_k` apply to
-    `mode="ar"` only; the diffusion sampler uses the linear schedule `t_max -> t_min` instead.
+    Names follow the checkpoint's generation_config.json. `temperature` and `top_k` are the AR
+    model's sampling (`mode="ar"` and `"speculative"`); the diffusion sampler uses the linear schedule
+    `t_max -> t_min` instead. `MODE_SETTINGS` says which mode reads which setting.
     """
 
     # The reference's defaults, kept in one place (printpress.config.GenerationConfig).
@@ -87,6 +99,27 @@ class SamplerSettings:
         _require(self.confidence_threshold > 0,
                  f"confidence_threshold must be > 0, got {self.confidence_threshold!r}")
         return self
+
+
+def refuse_unread(mode: str, given: dict, defaults: SamplerSettings) -> None:
+    """Raise GenerationError for a setting given for a mode that does not read it, rather than ignore it.
+
+    A value that asks for nothing the request does not get anyway passes, so a client may send the same
+    settings to every mode: the default (the checkpoint's, for the diffusion settings) of a diffusion
+    setting, or sample_accepted_only=False. temperature and top_k ask for AR sampling, which diffusion mode
+    never does, so any value of them is refused there. (The rule is written down in docs/generation.md.)
+    """
+    if mode not in MODE_SETTINGS:
+        return  # validate() names the unknown mode
+    for name, value in given.items():
+        if value is None or name not in _MODE_SPECIFIC or name in MODE_SETTINGS[mode]:
+            continue
+        if name not in AR_SAMPLER and value == getattr(defaults, name):
+            continue
+        readers = [repr(m) for m in MODES if name in MODE_SETTINGS[m]]
+        only = f"only mode {readers[0]} uses it" if len(readers) == 1 else f"only modes {' and '.join(readers)} use it"
+        label = "steps (max_denoising_steps)" if name == "max_denoising_steps" else name
+        raise GenerationError(f"{label}={value!r} does not apply to mode={mode!r} ({only}); leave it out")
 
 
 def _is_int(value: object) -> bool:

@@ -6,8 +6,9 @@ to decide, so the output is the AR model's:
 
 1. The cache holds the prompt and every committed token but the last one, `t` (its encoder pass has not run).
    A canvas starts at that position with `t` clamped in its first slot and uniform noise elsewhere; a few
-   denoising steps (the engine's sampler: temperature schedule, entropy-bound acceptance, re-noising,
-   self-conditioning) turn the rest into a draft `d_1..d_m`.
+   denoising steps (the engine's canvas step, printpress/canvas.py: temperature schedule, entropy-bound
+   acceptance, re-noising, self-conditioning, `sample_accepted_only`) turn the rest into a draft `d_1..d_m`.
+   A draft runs all its steps: the adaptive stop's settings do not apply to this mode.
 2. One encoder pass over `[t, d_1, .., d_m]` gives the AR model's next-token distribution after each of them.
    Greedy (temperature 0): keep the drafts that equal the AR argmax, then add the AR argmax at the first
    mismatch (or after the last draft), so every verification commits at least one token. Sampling: the
@@ -28,74 +29,28 @@ passes, so `tokens_per_forward` compares with AR's 1.0. `SpeculativeStats` adds 
 
 from __future__ import annotations
 
-import logging
-import time
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from printpress.engine import (
-    CommitEvent,
-    Decode,
-    DoneEvent,
-    Event,
-    GenerationResult,
-    GenerationStats,
-    Request,
-    StepEvent,
-)
+from printpress.canvas import denoise, denoise_step, step_event
 from printpress.errors import GenerationError
-from printpress.sampling import (
-    SamplerSettings,
-    entropy_bound_accept,
-    sample_canvas,
-    sample_next_token,
-    step_temperature,
-    token_entropy,
-    uniform_tokens,
-)
-
-logger = logging.getLogger(__name__)
+from printpress.events import CommitEvent, Decode, Event, SpeculativeStats, StepEvent
+from printpress.request import Request, RequestState, model_device
+from printpress.sampling import SamplerSettings, sample_canvas, sample_next_token
 
 DEFAULT_CANVAS = 32  # the shipped models' canvas, used when the caller does not pass the checkpoint's
 
 
 @dataclass
-class SpeculativeStats(GenerationStats):
-    verifications: int = 0  # encoder passes over a draft (the prompt pass not included)
-    drafted_tokens: int = 0  # draft tokens offered to verification
-    accepted_drafts: int = 0  # of those, how many were kept
-    accepted_per_verification: float = 0.0  # tokens committed per verification, the AR token included
+class _State(RequestState):
+    """A request in flight, with the counts only this mode has."""
 
-
-@dataclass
-class _State:
-    """One request in flight."""
-
-    index: int
-    request: Request
-    generator: torch.Generator
-    started: float
-    tokens: list[int]
-    text: str = ""
-    eos: bool = False
-    first_commit: float | None = None
-    decoder_passes: int = 0
     verifications: int = 0
     drafted: int = 0
     accepted: int = 0
-
-    @property
-    def settings(self) -> SamplerSettings:
-        return self.request.settings
-
-    @property
-    def finished(self) -> bool:
-        return self.eos or len(self.tokens) >= self.settings.max_new_tokens
-
-    def completion(self) -> list[int]:
-        return self.tokens[:-1] if self.eos else self.tokens
 
 
 @torch.no_grad()
@@ -126,15 +81,10 @@ def speculative(
 
 
 def _check(request: Request) -> None:
-    s = request.settings
     if not request.prompt_ids:
         raise GenerationError("the prompt is empty; give at least one token")
-    if not (isinstance(s.max_new_tokens, int) and s.max_new_tokens > 0):
-        raise GenerationError(f"max_new_tokens must be a positive integer, got {s.max_new_tokens!r}")
-    if not (isinstance(s.max_denoising_steps, int) and s.max_denoising_steps > 0):
-        raise GenerationError(f"steps (max_denoising_steps) must be a positive integer, got {s.max_denoising_steps!r}")
-    if s.temperature < 0:
-        raise GenerationError(f"temperature must be >= 0, got {s.temperature!r}")
+    # Whatever mode the settings name, this mode reads the draft sampler's and the AR sampling's settings.
+    dataclasses.replace(request.settings, mode="speculative").validate()
 
 
 def _generate_one(
@@ -146,28 +96,27 @@ def _generate_one(
     drafts: int,
     step_events: bool,
 ) -> Iterator[Event]:
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device)
-    generator.manual_seed(request.seed)
-    state = _State(index, request, generator, time.perf_counter(), [])
+    device = model_device(model)
+    state = _State.start(index, request, device, request.settings.max_new_tokens, step_events=step_events)
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
     # The last committed token is never encoded before the next verification: prompt + budget suffices.
-    cache = model.new_cache(1, prompt.shape[1] + state.settings.max_new_tokens)
+    cache = model.new_cache(1, prompt.shape[1] + state.budget)
     logits = model.encode(prompt, cache, logits="last")
-    yield from _commit(state, [sample_next_token(logits[0, -1], state.settings, generator)], 0, decode)
+    state.forward_passes += 1  # the prompt pass gives the first token, as in mode="ar"
+    yield from _commit(state, [sample_next_token(logits[0, -1], state.settings, state.generator)], 0, decode)
     # A block of m + 1 tokens may be rolled back part way only while the sliding ring holds all of it.
     drafts = min(drafts, cache.window - 1)
     round_index = 0
     while not state.finished:
         round_index += 1
         last = state.tokens[-1]
-        m = min(drafts, state.settings.max_new_tokens - len(state.tokens) - 1)
+        m = min(drafts, state.budget - len(state.tokens) - 1)
         draft, q = torch.empty(0, dtype=torch.long, device=device), None
         if m > 0:
-            draft, q = yield from _draft(model, cache, state, last, canvas, m, round_index, step_events)
+            draft, q = yield from _draft(model, cache, state, last, canvas, m, round_index)
         new = _verify(model, cache, state, last, draft, q)
         yield from _commit(state, new, round_index, decode)
-    yield DoneEvent(index, _result(state, decode))
+    yield state.done("speculative", decode, _stats(state))
 
 
 def _draft(
@@ -178,61 +127,44 @@ def _draft(
     canvas_length: int,
     m: int,
     round_index: int,
-    step_events: bool,
 ) -> Iterator[StepEvent]:
     """Denoise one canvas whose first slot is clamped to `last`; return its next `m` tokens and, when
-    sampling, the distribution each was drawn from (None when greedy). A generator: it yields step events."""
-    settings, generator = state.settings, state.generator
-    vocab, device = model.config.vocab_size, cache.device
-    canvas = uniform_tokens(canvas_length, vocab, generator, device)
-    canvas[0, 0] = last
-    pass_probs = model.dtype == torch.float32  # as the engine: probs in fp32, processed logits otherwise
-    conditioning = None
+    sampling, the distribution each was drawn from (None when greedy). A generator: it yields step events.
+
+    The steps are the engine's canvas step over the whole canvas (the clamped slot included, so the random
+    draws have the diffusion loop's shapes), with the slot put back to `last` after each; a draft runs all
+    its steps (no adaptive stop), and the last decoder pass gives the draft's logits instead of a sample.
+    """
+    settings = state.settings
+    vocab = model.config.vocab_size
+    state.start_canvas(canvas_length, vocab, cache.device)
+    state.canvas[0, 0] = last
     steps = settings.max_denoising_steps
-    for step in range(steps, 0, -1):
-        if pass_probs:
-            logits = model.denoise(canvas, cache, self_conditioning_probs=conditioning)
-        else:
-            logits = model.denoise(canvas, cache, conditioning)
-        state.decoder_passes += 1
-        if step == 1:
+    while True:
+        logits = denoise(model, state.canvas, cache, state.self_conditioning)
+        state.count_decoder_pass()
+        if state.step == 1:
             break
-        processed = logits / step_temperature(step, settings)
-        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-        accepted = entropy_bound_accept(token_entropy(processed), settings.entropy_bound)
-        accepted[0, 0] = True
-        sampled = sample_canvas(probs[0], generator)
-        noise = uniform_tokens(canvas_length, vocab, generator, device)[0]
-        canvas = torch.where(accepted[0], sampled, noise)[None]
-        canvas[0, 0] = last
-        conditioning = probs if pass_probs else processed.to(model.dtype)
-        if step_events:
-            yield _step_event(state, round_index, steps - step + 1, steps, canvas, processed, accepted)
+        outcome = denoise_step(logits, [state], vocab)
+        outcome.accepted[0, 0] = True
+        outcome.next_canvas[0, 0] = last
+        state.canvas = outcome.next_canvas
+        state.self_conditioning = outcome.feedback(model.dtype)
+        state.step -= 1
+        if state.step_events:
+            yield step_event(state, round_index, outcome, 0, stopped=False)
     tail = logits[0, 1 : m + 1]
     if settings.temperature == 0:
         draft, q = torch.argmax(tail, dim=-1), None
     else:
         q = _ar_probs(tail, settings)
-        draft = sample_canvas(q, generator)
-    if step_events:
-        final = canvas.clone()
+        draft = sample_canvas(q, state.generator)
+    if state.step_events:
+        final = state.canvas.clone()
         final[0, 1 : m + 1] = draft
         yield StepEvent(state.index, round_index, steps, steps, final[0].tolist(), final[0].tolist(),
                         [True] * canvas_length, stopped=True)
     return draft, q
-
-
-def _step_event(state, round_index, step, steps, canvas, processed, accepted) -> StepEvent:
-    return StepEvent(
-        request=state.index,
-        canvas=round_index,
-        step=step,
-        max_steps=steps,
-        tokens=canvas[0].tolist(),
-        argmax=torch.argmax(processed[0], dim=-1).tolist(),
-        accepted=accepted[0].tolist(),
-        stopped=False,
-    )
 
 
 def _ar_probs(logits: torch.Tensor, settings: SamplerSettings) -> torch.Tensor:
@@ -252,6 +184,7 @@ def _verify(
     start = cache.length
     snapshot = cache.snapshot(block.shape[1])
     logits = model.encode(block, cache, logits="all")[0]  # logits[i]: the AR model's view after block[i]
+    state.forward_passes += 1
     state.verifications += 1
     if state.settings.temperature == 0:
         new = greedy_accept(draft, logits)
@@ -292,57 +225,20 @@ def sampled_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, genera
 
 def _commit(state: _State, new: list[int], round_index: int, decode: Decode | None) -> Iterator[CommitEvent]:
     """Append verified tokens up to the first EOS and the budget; one CommitEvent for them."""
-    settings = state.settings
-    kept: list[int] = []
-    for token in new:
-        kept.append(token)
-        state.tokens.append(token)
-        if token in settings.eos_token_ids:
-            state.eos = True
-        if state.finished:
-            break
-    if state.first_commit is None:
-        state.first_commit = time.perf_counter()
-    yield CommitEvent(state.index, round_index, kept, _text_delta(state, decode), state.finished)
+    kept = new[: state.budget - len(state.tokens)]
+    eos = next((i for i, t in enumerate(kept) if t in state.settings.eos_token_ids), None)
+    if eos is not None:
+        kept = kept[: eos + 1]
+    state.commit(kept)
+    yield CommitEvent(state.index, round_index, kept, state.text_delta(decode), state.finished)
 
 
-def _text_delta(state: _State, decode: Decode | None) -> str:
-    if decode is None:
-        return ""
-    full = decode(state.completion())
-    delta = full.removeprefix(state.text)
-    state.text = full
-    return delta
-
-
-def _result(state: _State, decode: Decode | None) -> GenerationResult:
-    now = time.perf_counter()
-    new_tokens = len(state.tokens)
-    forward_passes = 1 + state.decoder_passes + state.verifications
-    stats = SpeculativeStats(
-        prompt_tokens=len(state.request.prompt_ids),
-        new_tokens=new_tokens,
-        canvases=0,
-        forward_passes=forward_passes,
-        denoising_steps=state.decoder_passes,
-        tokens_per_forward=new_tokens / forward_passes,
-        wall_time_s=now - state.started,
-        time_to_first_commit_s=None if state.first_commit is None else state.first_commit - state.started,
-        finish_reason="eos" if state.eos else "length",
+def _stats(state: _State) -> SpeculativeStats:
+    return SpeculativeStats(
+        **dataclasses.asdict(state.stats("speculative")),
         verifications=state.verifications,
         drafted_tokens=state.drafted,
         accepted_drafts=state.accepted,
         # Every token after the first (the prompt pass's) was committed by a verification.
-        accepted_per_verification=(new_tokens - 1) / state.verifications if state.verifications else 0.0,
-    )
-    logger.info("request %d done: %s", state.index, stats)
-    completion = state.completion()
-    return GenerationResult(
-        token_ids=list(state.tokens),
-        completion_ids=list(completion),
-        text=None if decode is None else decode(completion),
-        prompt_ids=list(state.request.prompt_ids),
-        stats=stats,
-        mode="speculative",
-        seed=state.request.seed,
+        accepted_per_verification=(len(state.tokens) - 1) / state.verifications if state.verifications else 0.0,
     )

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 import printpress
-from printpress.cli import LiveView, _fit, build_parser, main
+from printpress.cli import build_parser, main
 from printpress.engine import CommitEvent, StepEvent
+from printpress.live_view import LiveView, _fit
 
 from conftest import make_reference
 from test_engine import save_checkpoint, word_tokenizer

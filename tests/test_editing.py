@@ -179,7 +179,7 @@ def test_token_ids_work_without_a_tokenizer(folders):
         ({"max_denoising_steps": 0}, "steps (max_denoising_steps) must be a positive integer"),
         ({"beam": 3}, "unknown generation setting(s): beam"),
         ({"max_new_tokens": 4}, "editing generates `length` tokens; max_new_tokens does not apply"),
-        ({"temperature": 0.5}, "temperature and top_k apply to mode='ar'"),
+        ({"temperature": 0.5}, "temperature=0.5 does not apply to mode='diffusion'"),
         ({"prefix": [5, 999]}, "token id 999 is outside the vocabulary (0..127)"),
         ({"seed": -1}, "a seed must be an integer in [0, 2**64), got -1"),
         ({"prefix": "w5 " * 510}, "the model's position limit is 512; shorten the prefix"),

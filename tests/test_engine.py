@@ -366,7 +366,7 @@ def test_prompt_forms(models_):
         ([2, 3], dict(entropy_bound=0.0), "entropy_bound must be > 0"),
         ([2, 3], dict(t_min=0.9, t_max=0.2), "t_min (0.9) must not exceed t_max (0.2)"),
         ([2, 3], dict(mode="beam"), "unknown mode 'beam'"),
-        ([2, 3], dict(temperature=0.5), "temperature and top_k apply to mode='ar'"),
+        ([2, 3], dict(temperature=0.5), "temperature=0.5 does not apply to mode='diffusion'"),
         ([2, 3], dict(steps=4), "unknown generation setting(s): steps"),
         ("some text", {}, "this model has no tokenizer (tokenizer.json); pass token ids instead of text"),
         ([[2, 3], [2, 4]], dict(seed=[1]), "got 1 seeds for 2 prompts"),
@@ -380,6 +380,48 @@ def test_bad_input_raises_one_clear_generation_error(models_, prompt, settings, 
     with pytest.raises(GenerationError) as info:
         pipe.generate(prompt, seed=seed, **settings)
     assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(temperature=0.0), "temperature=0.0 does not apply to mode='diffusion' (only modes 'ar' and 'speculative' "
+                                "use it); leave it out"),
+        (dict(top_k=5), "top_k=5 does not apply to mode='diffusion'"),
+        (dict(mode="ar", max_denoising_steps=4), "steps (max_denoising_steps)=4 does not apply to mode='ar' (only modes "
+                                                 "'diffusion' and 'speculative' use it)"),
+        (dict(mode="ar", entropy_bound=2.0), "entropy_bound=2.0 does not apply to mode='ar'"),
+        (dict(mode="ar", t_min=0.1), "t_min=0.1 does not apply to mode='ar'"),
+        (dict(mode="ar", t_max=0.9), "t_max=0.9 does not apply to mode='ar'"),
+        (dict(mode="ar", stability_threshold=3), "stability_threshold=3 does not apply to mode='ar' (only mode "
+                                                 "'diffusion' uses it)"),
+        (dict(mode="ar", confidence_threshold=0.5), "confidence_threshold=0.5 does not apply to mode='ar'"),
+        (dict(mode="ar", sample_accepted_only=True), "sample_accepted_only=True does not apply to mode='ar'"),
+        (dict(mode="speculative", stability_threshold=3), "stability_threshold=3 does not apply to mode='speculative' "
+                                                          "(only mode 'diffusion' uses it)"),
+        (dict(mode="speculative", confidence_threshold=0.5), "confidence_threshold=0.5 does not apply to "
+                                                             "mode='speculative'"),
+    ],
+)
+def test_a_setting_the_mode_cannot_honour_is_refused(models_, settings, message):
+    _, pipe = models_["gqa"]
+    with pytest.raises(GenerationError) as info:
+        pipe.generate([2, 3], seed=0, max_new_tokens=4, **settings)
+    assert str(info.value).startswith(message)
+
+
+def test_settings_that_ask_for_nothing_more_pass_in_every_mode(models_):
+    """A client may send the same settings to every mode: the checkpoint's own values of the diffusion settings
+    and the exact sampler ask for nothing a mode does not do anyway."""
+    _, pipe = models_["gqa"]
+    d = pipe.default_settings()
+    echoed = dict(max_denoising_steps=d.max_denoising_steps, entropy_bound=d.entropy_bound, t_min=d.t_min,
+                  t_max=d.t_max, stability_threshold=d.stability_threshold,
+                  confidence_threshold=d.confidence_threshold, sample_accepted_only=False)
+    plain = pipe.generate([2, 3], mode="ar", seed=0, max_new_tokens=6)
+    assert pipe.generate([2, 3], mode="ar", seed=0, max_new_tokens=6, **echoed).token_ids == plain.token_ids
+    stop = dict(stability_threshold=d.stability_threshold, confidence_threshold=d.confidence_threshold)
+    assert pipe.settings(mode="speculative", **stop) == pipe.settings(mode="speculative")
 
 
 def test_empty_text_prompt_is_rejected(models_):

@@ -337,7 +337,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "seed"),
     ("/v1/completions", {"prompt": "x", "steps": 9}, 400, "at most 8 denoising steps", "steps"),
     ("/v1/completions", {"prompt": "x", "t_min": 0.9, "t_max": 0.5}, 400, "t_min (0.9) must not exceed t_max", None),
-    ("/v1/completions", {"prompt": "x", "temperature": 0.7}, 400, "temperature and top_k apply to mode='ar'", None),
+    ("/v1/completions", {"prompt": "x", "temperature": 0.7}, 400, "temperature=0.7 does not apply to mode='diffusion'",
+     None),
+    ("/v1/completions", {"prompt": "x", "mode": "ar", "steps": 3}, 400, "steps (max_denoising_steps)=3 does not apply "
+     "to mode='ar' (only modes 'diffusion' and 'speculative' use it)", None),
     ("/v1/completions", {"prompt": "x", "mode": "magic"}, 400, "mode", "mode"),
     ("/v1/completions", {"prompt": "x", "stream_steps": True}, 400, "stream_steps needs stream=true", "stream_steps"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),

@@ -190,6 +190,23 @@ def test_greedy_speculative_equals_ar_on_tiny_models(name):
     assert accepted > 0  # a vocabulary this small makes random drafts match often: rollbacks part way happen
 
 
+def test_sample_accepted_only_is_honoured_by_the_draft_and_keeps_ar_output():
+    """The draft runs the engine's canvas step, so the faster sampler applies to it as to diffusion decoding: other
+    draws (so other drafts), and still exactly the AR model's tokens."""
+    model = tiny_model("ring6")
+    prompt = [3, 4, 5, 6, 7]
+
+    def drafts(**overrides):
+        events, (result,) = collect(speculative(model, [Request(prompt, settings(max_new_tokens=16, max_denoising_steps=4,
+                                                                                 **overrides), 1)], canvas_length=8))
+        return [e.tokens for e in events if isinstance(e, StepEvent)], result.token_ids
+
+    exact, exact_tokens = drafts()
+    fast, fast_tokens = drafts(sample_accepted_only=True)
+    assert fast != exact
+    assert fast_tokens == exact_tokens == ar_tokens(model, prompt, max_new_tokens=16)
+
+
 def test_eos_stops_where_ar_stops():
     model = tiny_model("ring3")
     prompt = [3, 4, 5, 6]
@@ -291,7 +308,7 @@ def shipped():
 def test_greedy_speculative_equals_ar_on_the_shipped_model(shipped, text, new, steps, drafts):
     prompt = shipped.encode_text(text)
     ar = shipped.generate(prompt, mode="ar", max_new_tokens=new)
-    s = shipped.settings(mode="ar", max_new_tokens=new, max_denoising_steps=steps)
+    s = shipped.settings(mode="speculative", max_new_tokens=new, max_denoising_steps=steps)
     request = Request(prompt, s, 0)
     (result,) = collect(speculative(shipped.model, [request], shipped.decode, canvas_length=32,
                                     draft_length=drafts, step_events=False))[1]

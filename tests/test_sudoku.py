@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from printpress.corpora import sudoku_documents
 from printpress.errors import PrintpressError
 from printpress.tasks import fixed_tokenizer
 from printpress.tasks import sudoku as s
@@ -97,12 +98,12 @@ def test_scoring_of_right_and_wrong_grids():
 
 
 def test_the_corpus_is_generated_once_then_read_from_the_cache(tmp_path):
-    docs = s.corpus_documents(tmp_path, size=3)
+    docs = sudoku_documents(tmp_path, size=3)
     assert [d.name for d in docs] == ["sudoku/000000", "sudoku/000001", "sudoku/000002"]
     assert docs[2].text == s.document_text(s.example(s.CORPUS_SEED, 2, s.CORPUS_GIVENS))
     (cached,) = (tmp_path / "sudoku").glob("*.jsonl")
     cached.write_text(json.dumps({"text": "x" * 162}) + "\n")  # proves the second call reads the file
-    assert [d.text for d in s.corpus_documents(tmp_path, size=3)] == ["x" * 162]
+    assert [d.text for d in sudoku_documents(tmp_path, size=3)] == ["x" * 162]
 
 
 def test_aligned_batches_start_at_whole_examples():

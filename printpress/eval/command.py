@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from printpress.engine import Pipeline
+    from printpress.pipeline import Pipeline
     from printpress.eval import load_task
     from printpress.eval.report import write_report
 
@@ -104,7 +104,7 @@ def reproduce(args: argparse.Namespace) -> str:
 
 
 def _model_facts(pipe, given: str | None) -> dict:
-    from printpress.engine import default_model_path
+    from printpress.pipeline import default_model_path
 
     text = pipe.config.text
     return {

@@ -78,7 +78,7 @@ class PrintpressLM(TemplateLM):
         **sampler,
     ) -> None:
         super().__init__()
-        from printpress.engine import Pipeline, default_model_path
+        from printpress.pipeline import Pipeline, default_model_path
 
         if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             # lm_eval's command line asks for cuda:0 unless told otherwise; its HF models fall back the same way.
@@ -196,7 +196,8 @@ class PrintpressLM(TemplateLM):
 
     def generate(self, context: str, gen_kwargs: dict) -> str:
         """The engine's continuation of `context`, cut before the first `until` string."""
-        from printpress.engine import CommitEvent, DoneEvent, new_token_budget
+        from printpress.events import CommitEvent, DoneEvent
+        from printpress.request import new_token_budget
 
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)

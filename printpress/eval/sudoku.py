@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 "t_min": args.t_min, "t_max": args.t_max}
     settings = {k: v for k, v in settings.items() if v is not None}
     try:
-        from printpress.engine import Pipeline
+        from printpress.pipeline import Pipeline
 
         pipe = Pipeline.from_pretrained(args.model)
         result = evaluate(pipe, limit=args.limit, seed=args.seed, settings=settings, progress=not args.no_progress)

@@ -1,6 +1,6 @@
 """The HTTP layer: an OpenAI-compatible API and the web page, on FastAPI.
 
-It never touches tensors: it turns JSON into `printpress.engine.Request`s (text -> ids with the pipeline's
+It never touches tensors: it turns JSON into `printpress.request.Request`s (text -> ids with the pipeline's
 tokenizer, settings validated by `pipeline.settings`), hands them to the scheduler, and turns the scheduler's
 events back into JSON or server-sent events. Batching, slots, queueing and timeouts are the scheduler's.
 
@@ -34,9 +34,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from printpress.engine import CommitEvent, DoneEvent, GenerationResult, StepEvent
-from printpress.engine import Request as EngineRequest
 from printpress.errors import PrintpressError
+from printpress.events import CommitEvent, DoneEvent, GenerationResult, StepEvent
+from printpress.request import Request as EngineRequest
 from printpress.serve import protocol as p
 from printpress.serve.chat import ChatFormatter
 from printpress.serve.output import ChoiceText
@@ -170,7 +170,7 @@ class BodyLimit:
 
 @dataclass
 class ServerState:
-    pipeline: object  # printpress.engine.Pipeline
+    pipeline: object  # printpress.pipeline.Pipeline
     scheduler: object  # printpress.serve.scheduler.Scheduler
     model_name: str
     max_new_tokens: int  # the longest output a request may ask for

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_folder(model: str | None) -> Path | None:
     if model is None:
-        from printpress.engine import default_model_path
+        from printpress.pipeline import default_model_path
 
         return default_model_path()
     path = Path(model)

@@ -24,8 +24,8 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from printpress import editing
-from printpress.engine import CommitEvent, DoneEvent
 from printpress.errors import PrintpressError
+from printpress.events import CommitEvent, DoneEvent
 from printpress.serve import protocol as p
 from printpress.serve.app import (
     ERROR_RESPONSES,

@@ -4,7 +4,7 @@ The HTTP layer never touches tensors. It builds a `Request` (prompt ids, setting
 `Scheduler.submit`, and reads the request's events from the returned `Ticket`, from a thread
 (`events()`) or from asyncio (`aevents()`).
 
-Diffusion requests share decoder steps (continuous batching, `printpress.engine.DiffusionBatch`):
+Diffusion requests share decoder steps (continuous batching, `printpress.diffusion.DiffusionBatch`):
 between two steps the worker admits waiting requests up to `Limits.max_rows`, drops cancelled and
 timed-out ones, and then runs one decoder pass over every admitted request. AR and speculative
 requests are interleaved with them, one token (or one verified draft) per request per step, each in
@@ -25,17 +25,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from printpress.engine import (
-    CommitEvent,
-    DiffusionBatch,
-    DoneEvent,
-    Event,
-    Pipeline,
-    Request,
-    check_prompts,
-    run,
-)
+from printpress.diffusion import DiffusionBatch
 from printpress.errors import GenerationError, PrintpressError
+from printpress.events import CommitEvent, DoneEvent, Event
+from printpress.pipeline import Pipeline, run
+from printpress.request import Request, check_prompts
 
 logger = logging.getLogger(__name__)
 

@@ -23,11 +23,9 @@ only on ``(seed, i)``, so any slice of a dataset can be regenerated alone.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from printpress.errors import PrintpressError
 
@@ -284,26 +282,8 @@ def format_grid(grid: Iterable[int]) -> str:
 
 # -- the training corpus -----------------------------------------------------------------------------------
 
+# The built-in "sudoku" corpus (`printpress.corpora.sudoku_documents`) is puzzles of this generator:
 CORPUS_SIZE = 20_000  # training puzzles of the built-in "sudoku" corpus (more than the recipes consume)
 CORPUS_SEED = "train"  # held-out sets use other seeds (printpress.eval.sudoku)
 CORPUS_GIVENS = (28, 40)
 CORPUS_VERSION = 1  # bump when the generator changes, so old cached files are not reused
-
-
-def corpus_documents(cache=None, size: int = CORPUS_SIZE):
-    """The built-in ``sudoku`` corpus as `Document`s, generated once and cached as JSONL (a few minutes).
-    Document `i` is puzzle `i` of the seed `CORPUS_SEED`, so a smaller `size` is a prefix of a larger one."""
-    from printpress.corpora import Document, cache_dir  # corpora imports this module lazily: no cycle
-
-    root = (cache_dir() if cache is None else Path(cache)) / "sudoku"
-    lo, hi = CORPUS_GIVENS
-    path = root / f"v{CORPUS_VERSION}-{CORPUS_SEED}-{size}-g{lo}-{hi}.jsonl"
-    if not path.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("w", encoding="utf-8") as fh:
-            for i in range(size):
-                fh.write(json.dumps({"text": document_text(example(CORPUS_SEED, i, CORPUS_GIVENS))}) + "\n")
-        tmp.replace(path)
-    with path.open(encoding="utf-8") as fh:
-        return [Document(f"sudoku/{i:06d}", json.loads(line)["text"]) for i, line in enumerate(fh)]

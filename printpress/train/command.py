@@ -7,10 +7,10 @@ import sys
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from printpress.errors import PrintpressError
 from printpress.train.loop import RunConfig, Trainer, TrainingError
+from printpress.train.overrides import apply_override
 
 
 def recipe_names() -> list[str]:
@@ -40,19 +40,6 @@ def read_run_config(recipe: str | None, config: str | None, overrides: list[str]
     for item in overrides:
         apply_override(data, item)
     return RunConfig.from_dict(data)
-
-
-def apply_override(data: dict[str, Any], item: str) -> None:
-    """`train.steps=200` style overrides; the value is parsed as TOML (so strings need quotes)."""
-    key, sep, value = item.partition("=")
-    if not sep or "." not in key:
-        raise TrainingError(f"--set {item!r}: expected section.key=value, e.g. train.steps=200")
-    try:
-        parsed = tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        parsed = value
-    section, _, name = key.partition(".")
-    data.setdefault(section, {})[name] = parsed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

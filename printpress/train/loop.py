@@ -290,7 +290,7 @@ class Trainer:
                 raise TrainingError(f"--resume cannot change the model ({', '.join(shape)}): the checkpoint's "
                                     "weights have their shape; start a new run (init_from) instead")
             if self.overrides:
-                from printpress.train.command import apply_override
+                from printpress.train.overrides import apply_override
 
                 for item in self.overrides:
                     apply_override(saved, item)

@@ -1,0 +1,146 @@
+"""One denoising step of a canvas: the sampler that diffusion decoding, speculative drafts and editing share.
+
+After each decoder pass (`denoise`), a step is (docs/generation.md, "The algorithm"):
+
+    temperature -> softmax -> entropy -> entropy-bound acceptance -> sample the accepted positions, re-noise
+    the others -> the adaptive stop
+
+`denoise_step` does the first five for a batch of rows, each with its own settings, step count and generator;
+`advance` applies the stop to one row. The callers differ only around it: the diffusion loop batches requests
+and commits the argmax, a speculative draft clamps its first slot to the last committed token and runs every
+step, editing restricts the step to the free positions in front of a clamped suffix (`free`) and bans special
+tokens there (`banned`).
+
+Every random draw keeps the reference's order and shape per row: one multinomial over the free positions, then
+one randint re-noising them (with `sample_accepted_only`: the randint first, then one multinomial over the
+accepted positions only). Changing the order, the shapes or the arithmetic breaks token-exact parity with the
+reference (printpress/sampling.py says why each expression is written as it is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from printpress.events import StepEvent
+from printpress.sampling import (
+    SamplerSettings,
+    StabilityTracker,
+    entropy_bound_accept,
+    sample_canvas,
+    step_temperature,
+    token_entropy,
+    uniform_tokens,
+)
+
+
+class CanvasRow(Protocol):
+    """What the step reads and moves on of one row (`printpress.request.RequestState` is one)."""
+
+    index: int
+    generator: torch.Generator
+    tracker: StabilityTracker | None
+    step: int  # steps left in this canvas, N down to 1; the temperature depends on it
+
+    @property
+    def settings(self) -> SamplerSettings: ...
+
+
+@dataclass
+class StepOutcome:
+    """What one step decided, for a batch of b rows over canvases of C positions, F of them free."""
+
+    processed: torch.Tensor  # (b, C, V) temperature-scaled logits of every position
+    probs: torch.Tensor  # (b, C, V) their float32 softmax
+    argmax: torch.Tensor  # (b, F) the current best guess: what would be committed now
+    entropy: torch.Tensor  # (b, F) per-position entropy of the scaled logits
+    mean_entropy: torch.Tensor  # (b,) the confidence the adaptive stop compares
+    accepted: torch.Tensor  # (b, F) bool: kept their sample; every other free position was re-noised
+    next_canvas: torch.Tensor  # (b, F) the free positions fed to the next step
+
+    def feedback(self, dtype: torch.dtype) -> torch.Tensor:
+        """The next step's self-conditioning input: the *scaled* logits, as the reference feeds back.
+
+        In float32 the reference's softmax of them equals `probs` bit for bit, so `probs` is passed (saving a
+        softmax per step); in half precision the reference casts the logits first, so those are passed.
+        """
+        return self.probs if dtype == torch.float32 else self.processed.to(dtype)
+
+
+def denoise(model: torch.nn.Module, canvas: torch.Tensor, cache, feedback: torch.Tensor | None,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One decoder pass over `canvas` (b, C), self-conditioned on the previous step's `StepOutcome.feedback`
+    (None at a canvas's first step; `mask` (b,) marks the rows that have one)."""
+    if model.dtype == torch.float32:
+        return model.denoise(canvas, cache, self_conditioning_probs=feedback, self_conditioning_mask=mask)
+    return model.denoise(canvas, cache, feedback, self_conditioning_mask=mask)
+
+
+def denoise_step(
+    logits: torch.Tensor,
+    rows: Sequence[CanvasRow],
+    vocab_size: int,
+    free: int | None = None,
+    banned: torch.Tensor | None = None,
+) -> StepOutcome:
+    """Temperature, acceptance and sampling for the decoder's `logits` (b, C, V), row j being `rows[j]`.
+
+    `free`: only the first `free` positions are denoised (default: all); the rest are clamped by the caller and
+    take no part in the entropy, the acceptance or the draws. `banned`: token ids no free position may take.
+    """
+    processed = torch.empty_like(logits)
+    for j, row in enumerate(rows):
+        processed[j] = logits[j] / step_temperature(row.step, row.settings)
+    free = logits.shape[1] if free is None else free
+    if banned is not None:
+        processed[:, :free, banned] = float("-inf")
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    scaled = processed[:, :free]
+    entropy = token_entropy(scaled)
+    argmax = torch.argmax(scaled, dim=-1)
+    accepted = torch.empty(argmax.shape, dtype=torch.bool, device=argmax.device)
+    next_canvas = torch.empty_like(argmax)
+    for j, row in enumerate(rows):
+        # The bound is compared row by row as a Python float, exactly as the reference compares it.
+        accepted[j] = entropy_bound_accept(entropy[j : j + 1], row.settings.entropy_bound)[0]
+        next_canvas[j] = renoise(probs[j, :free], accepted[j], row.settings, row.generator, vocab_size)
+    return StepOutcome(processed, probs, argmax, entropy, entropy.mean(dim=-1), accepted, next_canvas)
+
+
+def renoise(probs: torch.Tensor, accepted: torch.Tensor, settings: SamplerSettings, generator: torch.Generator,
+            vocab_size: int) -> torch.Tensor:
+    """One row's next tokens (F,): a sample from `probs` (F, V) where accepted, fresh uniform noise elsewhere."""
+    length, device = probs.shape[0], probs.device
+    if settings.sample_accepted_only:
+        # Opt-in (not the reference's stream): acceptance does not depend on the sample, so draw only where it is
+        # kept. Each kept token has the same distribution; the multinomial shrinks to the accepted positions.
+        tokens = uniform_tokens(length, vocab_size, generator, device)[0]
+        tokens[accepted] = sample_canvas(probs[accepted], generator)
+        return tokens
+    sampled = sample_canvas(probs, generator)  # the reference's order: sample every position, then re-noise
+    return torch.where(accepted, sampled, uniform_tokens(length, vocab_size, generator, device)[0])
+
+
+def advance(row: CanvasRow, outcome: StepOutcome, j: int) -> bool:
+    """Count row j's step down and say whether its adaptive stop fired: this argmax equals each of the previous
+    `stability_threshold` argmaxes of the canvas and the mean entropy is below `confidence_threshold`."""
+    stable = bool(row.tracker.update(outcome.argmax[j : j + 1])[0])
+    row.step -= 1
+    return stable and bool(outcome.mean_entropy[j] < row.settings.confidence_threshold)
+
+
+def step_event(row: CanvasRow, canvas_index: int, outcome: StepOutcome, j: int, stopped: bool) -> StepEvent:
+    """The `StepEvent` of row j's step (after `advance`, so `row.step` counts the steps left)."""
+    return StepEvent(
+        request=row.index,
+        canvas=canvas_index,
+        step=row.settings.max_denoising_steps - row.step,
+        max_steps=row.settings.max_denoising_steps,
+        tokens=outcome.next_canvas[j].tolist(),
+        argmax=outcome.argmax[j].tolist(),
+        accepted=outcome.accepted[j].tolist(),
+        stopped=stopped,
+    )

@@ -1,0 +1,166 @@
+"""Diffusion decoding: the canvas loop, served by continuous batching (`DiffusionBatch`).
+
+Each request keeps its own KV cache, requests join and leave between decoder steps, and each step is one
+decoder pass over the canvases of every request still denoising, followed by the canvas step
+(printpress/canvas.py) per request. So a finished request stops costing compute at once, and a new request
+need not wait for a batch boundary. The server's scheduler drives the same object.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from printpress.cache import StackedCache
+from printpress.canvas import StepOutcome, advance, denoise, denoise_step, step_event
+from printpress.events import CommitEvent, Decode, Event
+from printpress.request import Request, RequestState, check_prompts, model_device
+from printpress.sampling import canvases_for, pad_after_eos
+
+logger = logging.getLogger(__name__)
+
+
+def diffusion(
+    model: torch.nn.Module,
+    canvas_length: int,
+    requests: Sequence[Request],
+    decode: Decode | None,
+    step_events: bool,
+) -> Iterator[Event]:
+    """Every request of a call decoded together, request i's events carrying i."""
+    batch = DiffusionBatch(model, canvas_length, decode)
+    for index, request in enumerate(requests):
+        batch.add(index, request, step_events)
+    while batch:
+        yield from batch.step()
+
+
+class DiffusionBatch:
+    """Diffusion requests decoded together: one shared decoder pass per step (continuous batching).
+
+    Requests join (`add`) and leave (`remove`, or when they finish) between steps, and each request
+    moves through its canvases on its own clock: a request whose canvas stopped early commits it,
+    encodes it into its cache and starts its next canvas at the next step, while the others go on.
+
+    Each request owns a one-row `KVCache` and its own generator. A step stacks the caches of the
+    requests it serves (`StackedCache`, rebuilt only when a request joins, commits or leaves; a request
+    alone reads its own cache), runs one decoder pass, and samples each row with its own generator
+    in the reference's order. So a request's tokens do not depend on who shares its steps.
+    """
+
+    def __init__(self, model: torch.nn.Module, canvas_length: int, decode: Decode | None = None) -> None:
+        self.model = model
+        self.canvas_length = canvas_length
+        self.decode = decode
+        self.device = model_device(model)
+        self.rows: list[RequestState] = []
+        self._stacked: StackedCache | None = None
+        self._stacked_key: tuple | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def add(self, handle: int, request: Request, step_events: bool = True) -> None:
+        """Encode the prompt of a new request and start its first canvas; events carry `handle`."""
+        request.settings.validate()
+        check_prompts(self.model.config, self.canvas_length, [request])
+        budget = canvases_for(request.settings.max_new_tokens, self.canvas_length) * self.canvas_length
+        row = RequestState.start(handle, request, self.device, budget, step_events=step_events)
+        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        row.cache = self.model.new_cache(1, prompt.shape[1] + budget)
+        self.model.encode(prompt, row.cache, logits="none")
+        self._start_canvas(row)
+        self.rows.append(row)
+
+    def remove(self, handle: int) -> None:
+        """Drop a request (cancelled): it costs nothing from the next step on."""
+        self.rows = [row for row in self.rows if row.index != handle]
+
+    def _start_canvas(self, row: RequestState) -> None:
+        row.start_canvas(self.canvas_length, self.model.config.vocab_size, self.device)
+
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        """One decoder pass over every request; returns its step, commit and done events."""
+        model, rows = self.model, self.rows
+        canvas = torch.cat([row.canvas for row in rows])
+        feedback, mask = self._self_conditioning(rows)
+        logits = denoise(model, canvas, self._cache(rows), feedback, mask)
+        outcome = _sample_step(logits, canvas, rows, model.config.vocab_size, self.canvas_length, self.device)
+        fed_back = outcome.feedback(model.dtype)
+        events: list[Event] = []
+        finished: list[RequestState] = []
+        for j, row in enumerate(rows):
+            row.count_decoder_pass()
+            stopped = advance(row, outcome, j)
+            if row.step_events:
+                events.append(step_event(row, row.canvases, outcome, j, stopped))
+            if stopped or row.step == 0:
+                row.committed_canvas = outcome.argmax[j].clone()
+                finished.append(row)
+            else:
+                row.canvas = outcome.next_canvas[j : j + 1]
+                row.self_conditioning = fed_back[j : j + 1]
+        for row in finished:
+            events.extend(_commit_canvas(row, row.canvases, self.decode))
+            if not row.finished:
+                # The next canvas sees the committed one through the cache, as the reference re-encodes it.
+                model.encode(row.committed_canvas[None], row.cache, logits="none")
+                self._start_canvas(row)
+            else:
+                events.append(row.done("diffusion", self.decode))
+                self.rows.remove(row)
+        return events
+
+    def _cache(self, rows: list[RequestState]):
+        if len(rows) == 1:
+            return rows[0].cache
+        key = tuple((id(row), row.cache.length) for row in rows)
+        if key != self._stacked_key:
+            self._stacked = StackedCache([row.cache for row in rows], self.canvas_length)
+            self._stacked_key = key
+        return self._stacked
+
+    def _self_conditioning(self, rows: list[RequestState]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The previous step's signal per row; rows at their first step get zeros, masked out."""
+        previous = [row.self_conditioning for row in rows]
+        if all(p is None for p in previous):
+            return None, None
+        template = next(p for p in previous if p is not None)
+        stacked = torch.cat([template.new_zeros(template.shape) if p is None else p for p in previous])
+        if all(p is not None for p in previous):
+            return stacked, None
+        mask = torch.tensor([p is not None for p in previous], device=self.device)
+        return stacked, mask
+
+
+# The two steps below are module-level names on purpose: `printpress.eval.bench.instrumented` wraps them to
+# record the sampler's decisions (through printpress.engine, which passes the assignment on to this module).
+
+
+def _sample_step(
+    logits: torch.Tensor,
+    canvas: torch.Tensor,
+    rows: list[RequestState],
+    vocab: int,
+    canvas_length: int,
+    device: torch.device,
+) -> StepOutcome:
+    """The canvas step of one shared decoder pass over `canvas` (every position free)."""
+    return denoise_step(logits, rows, vocab)
+
+
+def _commit_canvas(row: RequestState, canvas_index: int, decode: Decode | None) -> Iterator[CommitEvent]:
+    """Commit the row's last argmax canvas, pad after its first EOS (as the reference does)."""
+    settings = row.settings
+    tokens, _ = pad_after_eos(row.committed_canvas, settings.eos_token_ids, settings.pad_token_id)
+    row.committed_canvas = tokens
+    new = tokens.tolist()
+    row.commit(new)
+    row.canvases += 1
+    logger.debug("request %d: canvas %d committed after %d decoder passes in all", row.index, canvas_index,
+                 row.forward_passes)
+    yield CommitEvent(row.index, canvas_index, new, row.text_delta(decode), row.finished)

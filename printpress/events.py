@@ -1,0 +1,165 @@
+"""What generation produces: the event stream and the results it ends with.
+
+Every decoding loop (diffusion, AR, speculative, editing) is a generator of these small dataclasses, and the
+CLI, the server, the benchmark and `Pipeline.generate` are consumers of the same stream. This module is a leaf:
+it imports nothing from printpress, so any consumer can import the types without pulling in a loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Union
+
+Decode = Callable[[list[int]], str]  # token ids -> text (the pipeline's tokenizer)
+
+
+# --------------------------------------------------------------------------------------------
+# Events
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One denoising step of one request's canvas.
+
+    `tokens` is the canvas fed to the next step: accepted positions hold the sampled token, the
+    others fresh uniform noise. `argmax` is the current best guess, what would be committed if
+    denoising stopped now.
+    """
+
+    request: int
+    canvas: int
+    step: int  # 1-based count of decoder passes in this canvas
+    max_steps: int
+    tokens: list[int]
+    argmax: list[int]
+    accepted: list[bool]  # accepted this step; every other position was re-noised
+    stopped: bool  # the adaptive stop fired: this argmax is committed
+
+    @property
+    def renoised(self) -> list[bool]:
+        return [not a for a in self.accepted]
+
+
+@dataclass(frozen=True)
+class SpanStepEvent(StepEvent):
+    """A `StepEvent` of editing, whose canvas is `[span | clamped suffix]`: `tokens[:span]` are being denoised,
+    `tokens[span:]` are the suffix tokens, identical at every step (reported as accepted)."""
+
+    span: int = 0
+
+
+@dataclass(frozen=True)
+class CommitEvent:
+    """Tokens appended to a request's output: a whole canvas (diffusion) or one token (AR)."""
+
+    request: int
+    canvas: int  # canvas index (diffusion) or token index (AR)
+    token_ids: list[int]
+    text: str  # text newly added by these tokens ("" without a tokenizer)
+    finished: bool
+
+
+# --------------------------------------------------------------------------------------------
+# Results of generation
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int  # generated tokens that are not pad (the EOS counts; the pad after it does not)
+    canvases: int  # committed canvases (diffusion) or 0 (AR)
+    forward_passes: int  # decoder passes (diffusion) or token-producing encoder passes (AR)
+    denoising_steps: int  # decoder passes, as the reference counts them
+    tokens_per_forward: float  # new_tokens / forward_passes, as the reference defines it
+    wall_time_s: float
+    time_to_first_commit_s: float | None  # until the first canvas (or token) was committed
+    finish_reason: str  # "eos" or "length"
+
+
+@dataclass
+class SpeculativeStats(GenerationStats):
+    verifications: int = 0  # encoder passes over a draft (the prompt pass not included)
+    drafted_tokens: int = 0  # draft tokens offered to verification
+    accepted_drafts: int = 0  # of those, how many were kept
+    accepted_per_verification: float = 0.0  # tokens committed per verification, the AR token included
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced.
+
+    `token_ids` holds every committed token. In diffusion mode that is whole canvases, with pad
+    after the first EOS, exactly the new part of the reference's `sequences`. `text` is the
+    completion up to (not including) the first EOS, or None without a tokenizer.
+    """
+
+    token_ids: list[int]
+    completion_ids: list[int]  # the generated tokens up to (not including) the first EOS
+    text: str | None
+    prompt_ids: list[int]
+    stats: GenerationStats
+    mode: str = "diffusion"
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Results of editing (printpress.editing)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One denoised middle of a given length and its score (the join's NLL under the causal head)."""
+
+    length: int
+    seed: int
+    middle_ids: list[int]
+    middle: str | None
+    join_nll: float  # summed NLL (nats) of middle + scored suffix tokens, after the prefix
+    join_chars: int  # characters of middle + scored suffix (tokens without a tokenizer)
+    forward_passes: int
+
+    @property
+    def score(self) -> float:
+        """NLL per character of the join: lower is better (what the length search minimises)."""
+        return self.join_nll / max(self.join_chars, 1)
+
+
+@dataclass
+class EditStats:
+    prefix_tokens: int  # including <bos>
+    suffix_tokens: int  # the whole suffix
+    clamped_tokens: int  # suffix tokens the decoder saw in the canvas
+    length: int  # tokens generated for the middle
+    candidates: int  # lengths tried (1 without a search)
+    forward_passes: int  # decoder passes, all candidates together
+    scoring_passes: int  # causal passes spent scoring candidates
+    wall_time_s: float
+
+
+@dataclass
+class EditResult:
+    """The edited text. `text[start:end] == middle`; everything outside that span is the input, unchanged."""
+
+    text: str | None  # prefix + middle + suffix (None for token-id input without a tokenizer)
+    middle: str | None
+    start: int  # character span of the middle in `text`
+    end: int
+    middle_ids: list[int]
+    seed: int
+    stats: EditStats
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """A request is finished: `result` is its `GenerationResult` (an `EditResult` from editing)."""
+
+    request: int
+    result: GenerationResult | EditResult
+
+
+Event = Union[StepEvent, CommitEvent, DoneEvent]

@@ -1,0 +1,263 @@
+"""`Pipeline`: a loaded model with its tokenizer and generation defaults, the Python API; and `run`, which sends
+a batch of requests to the loop of their mode.
+
+This module sits above the decoding loops (printpress/diffusion.py, autoregressive.py, speculative.py,
+editing.py), which know nothing of it: it turns prompts (text or ids) and keyword settings into validated
+`Request`s, picks the loop, and collects the loop's events into results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from printpress import editing
+from printpress.autoregressive import autoregressive
+from printpress.diffusion import diffusion
+from printpress.errors import GenerationError, PrintpressError
+from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
+from printpress.request import Request, check_prompts
+from printpress.sampling import SamplerSettings, refuse_unread
+from printpress.speculative import speculative
+
+
+def run(
+    model: torch.nn.Module,
+    canvas_length: int,
+    requests: Sequence[Request],
+    decode: Decode | None = None,
+    step_events: bool = True,
+) -> Iterator[Event]:
+    """Generate for a batch of requests, yielding events as they happen.
+
+    All requests must share a mode. `decode` turns token ids into text (for CommitEvent.text and
+    results). With `step_events=False` no StepEvent is built (saves a little work per step).
+    """
+    if not requests:
+        return
+    modes = {r.settings.mode for r in requests}
+    if len(modes) != 1:
+        raise GenerationError(f"one batch must use one mode, got {sorted(modes)}")
+    for request in requests:
+        request.settings.validate()
+    check_prompts(model.config, canvas_length, requests)
+    mode = requests[0].settings.mode
+    if mode == "ar":
+        yield from autoregressive(model, requests, decode)
+    elif mode == "speculative":
+        yield from speculative(model, requests, decode, canvas_length=canvas_length, step_events=step_events)
+    else:
+        yield from diffusion(model, canvas_length, requests, decode, step_events)
+
+
+Prompt = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]], torch.Tensor]
+
+
+DEFAULT_MODEL = "shakespeare-joint"
+SPECULATIVE_DRAFT_STEPS = 1  # mode="speculative": decoder passes per draft unless max_denoising_steps is given
+
+
+def default_model_path() -> Path:
+    """The model `printpress.load()` uses when given no path: the one shipped in the repo's models/.
+
+    `PRINTPRESS_DEFAULT_MODEL` may name another folder or hub id.
+    """
+    override = os.environ.get("PRINTPRESS_DEFAULT_MODEL")
+    if override:
+        return Path(override)
+    folder = Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL
+    if not (folder / "config.json").exists():
+        raise PrintpressError(f"the default model is not at {folder} (it ships with the source repository); "
+                              "pass a model folder or hub id")
+    return folder
+
+
+class Pipeline:
+    """A loaded model with its tokenizer and generation defaults.
+
+    >>> pipe = printpress.load("path/to/model")
+    >>> pipe.generate("Once upon a time", max_new_tokens=64, seed=0).text
+    """
+
+    def __init__(self, model: torch.nn.Module, config, generation_config, tokenizer=None) -> None:
+        self.model = model
+        self.config = config
+        self.generation_config = generation_config
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str | Path | None = None,
+        dtype: str | torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> Pipeline:
+        from printpress.checkpoint import load_model
+
+        if path_or_id is None:
+            path_or_id = default_model_path()
+        model, config, generation_config, tokenizer = load_model(str(path_or_id), dtype=dtype, device=device)
+        model.eval()
+        return cls(model, config, generation_config, tokenizer)
+
+    @property
+    def canvas_length(self) -> int:
+        return self.config.canvas_length
+
+    def default_settings(self) -> SamplerSettings:
+        """The checkpoint's generation_config.json as sampler settings."""
+        g = self.generation_config
+        eos = g.eos_token_id
+        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        return SamplerSettings(
+            max_new_tokens=g.max_new_tokens,
+            max_denoising_steps=g.max_denoising_steps,
+            entropy_bound=g.entropy_bound,
+            t_min=g.t_min,
+            t_max=g.t_max,
+            stability_threshold=g.stability_threshold,
+            confidence_threshold=g.confidence_threshold,
+            eos_token_ids=eos_ids,
+            pad_token_id=g.pad_token_id,
+        )
+
+    def settings(self, **overrides) -> SamplerSettings:
+        """Checkpoint defaults with the given overrides (any `SamplerSettings` field but the pad id; None keeps
+        the default), validated. A setting the mode does not use is refused (`sampling.refuse_unread`)."""
+        unknown = sorted(set(overrides) - SETTING_NAMES)
+        if unknown:
+            raise GenerationError(f"unknown generation setting(s): {', '.join(unknown)}")
+        defaults = self.default_settings()
+        mode = overrides.get("mode") or defaults.mode
+        if mode == "speculative" and overrides.get("max_denoising_steps") is None:
+            # Draft steps: one is the fastest setting measured on the shipped model (docs/benchmarks-speculative.md);
+            # the checkpoint's step count is meant for whole canvases.
+            overrides = {**overrides, "max_denoising_steps": SPECULATIVE_DRAFT_STEPS}
+        settings = defaults.with_overrides(**overrides).validate()
+        refuse_unread(settings.mode, overrides, defaults)  # an option the mode cannot honour is an error
+        return settings
+
+    # -- text <-> ids ---------------------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a text prompt, after the checkpoint's BOS token.
+
+        BOS is added here rather than by the tokenizer's post-processor, which not every
+        tokenizer.json has; special-token text in the prompt (chat markup) is parsed as such.
+        """
+        if self.tokenizer is None:
+            raise GenerationError("this model has no tokenizer (tokenizer.json); pass token ids instead of text")
+        if not text:
+            raise GenerationError("the prompt is empty; give at least one character")
+        # A flag of the shared Tokenizer object that other code may have flipped: set it every time.
+        self.tokenizer.encode_special_tokens = False
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        bos = self.generation_config.bos_token_id
+        return ids if bos is None or ids[:1] == [bos] else [bos] + ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise GenerationError("this model has no tokenizer (tokenizer.json); cannot turn ids into text")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _decoder(self) -> Decode | None:
+        return None if self.tokenizer is None else self.decode
+
+    def prompt_ids(self, prompt: Prompt) -> tuple[list[list[int]], bool]:
+        """Normalise a prompt argument to a list of token-id lists; the flag says "a single prompt"."""
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() not in (1, 2):
+                raise GenerationError(f"a tensor prompt must be 1-D or 2-D, got shape {tuple(prompt.shape)}")
+            single = prompt.dim() == 1
+            rows = [prompt.tolist()] if single else prompt.tolist()
+            return rows, single
+        if isinstance(prompt, str):
+            return [self.encode_text(prompt)], True
+        if not isinstance(prompt, Sequence) or len(prompt) == 0:
+            raise GenerationError("the prompt is empty; give text, token ids, or a non-empty list of them")
+        if all(isinstance(p, str) for p in prompt):
+            return [self.encode_text(p) for p in prompt], False
+        if all(_is_token(p) for p in prompt):
+            return [[int(p) for p in prompt]], True
+        if all(isinstance(p, Sequence) and not isinstance(p, str) and all(_is_token(t) for t in p) for p in prompt):
+            return [[int(t) for t in p] for p in prompt], False
+        raise GenerationError("a prompt must be text, a list of token ids, or a list of either")
+
+    # -- generation -----------------------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        seed: int | Sequence[int] | None = None,
+        step_events: bool = True,
+        **overrides,
+    ) -> Iterator[Event]:
+        """Events for each denoising step, each commit and each finished request (see `run`)."""
+        requests, _ = self._requests(prompt, seed, overrides)
+        return run(self.model, self.canvas_length, requests, self._decoder(), step_events=step_events)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        seed: int | Sequence[int] | None = None,
+        on_event: Callable[[Event], None] | None = None,
+        **overrides,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (returns a result) or a list of prompts (returns a list).
+
+        `seed` seeds each request's own generator (one seed for all, or one per prompt); without a
+        seed one is drawn from torch's global generator, so `torch.manual_seed` still makes runs
+        repeatable. Other keyword arguments override the checkpoint defaults: mode ("diffusion",
+        "ar" or "speculative"), max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max,
+        stability_threshold, confidence_threshold, eos_token_ids, sample_accepted_only, temperature
+        and top_k; one the mode does not use is refused (`settings`).
+        """
+        requests, single = self._requests(prompt, seed, overrides)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        events = run(self.model, self.canvas_length, requests, self._decoder(), step_events=on_event is not None)
+        for event in events:
+            if on_event is not None:
+                on_event(event)
+            if isinstance(event, DoneEvent):
+                results[event.request] = event.result
+        return results[0] if single else list(results)
+
+    def infill(self, prefix, suffix, **kwargs) -> EditResult:
+        """Generate the text between `prefix` and `suffix` (printpress.editing.infill)."""
+        return editing.infill(self, prefix, suffix, **kwargs)
+
+    def rewrite(self, text: str, start: int, end: int, **kwargs) -> EditResult:
+        """Regenerate the characters text[start:end] in place (printpress.editing.rewrite)."""
+        return editing.rewrite(self, text, start, end, **kwargs)
+
+    def _requests(self, prompt: Prompt, seed, overrides: dict) -> tuple[list[Request], bool]:
+        settings = self.settings(**overrides)
+        prompts, single = self.prompt_ids(prompt)
+        seeds = _seeds(seed, len(prompts))
+        return [Request(ids, settings, s) for ids, s in zip(prompts, seeds)], single
+
+
+# What a caller may set per request: every sampler field except the pad id, which is the checkpoint's.
+SETTING_NAMES = {f.name for f in dataclasses.fields(SamplerSettings)} - {"pad_token_id"}
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seeds(seed: int | Sequence[int] | None, count: int) -> list[int]:
+    if seed is None:
+        # Drawn from the global generator so that torch.manual_seed makes unseeded calls repeatable.
+        return [int(torch.randint(0, 2**62, (1,)))] * count
+    seeds = [seed] * count if _is_token(seed) else list(seed)
+    if len(seeds) != count:
+        raise GenerationError(f"got {len(seeds)} seeds for {count} prompts")
+    for s in seeds:
+        if not _is_token(s) or not 0 <= s < 2**64:
+            raise GenerationError(f"a seed must be an integer in [0, 2**64), got {s!r}")
+    return seeds

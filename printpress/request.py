@@ -1,0 +1,188 @@
+"""A request and its state while it runs: the one per-request record every decoding loop keeps.
+
+A request owns a `torch.Generator` seeded from its own seed, and every random draw it needs is made from
+that generator with the shape the reference uses for a batch of one. So a request gets the same tokens
+whichever requests share its batch, and a request alone matches transformers' `generate` under
+`torch.manual_seed`.
+
+`RequestState` is shared by the diffusion loop, the AR loop, speculative decoding and editing: what was
+committed (and where the first EOS is), the counters its statistics come from, and, while a canvas is
+being denoised, that canvas and its sampler state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from printpress.cache import KVCache
+from printpress.errors import GenerationError
+from printpress.events import Decode, DoneEvent, GenerationResult, GenerationStats
+from printpress.sampling import SamplerSettings, StabilityTracker, canvases_for, uniform_tokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    settings: SamplerSettings
+    seed: int
+
+
+def new_token_budget(settings: SamplerSettings, canvas_length: int) -> int:
+    """Positions a request may add to its sequence: whole canvases in diffusion mode."""
+    if settings.mode in ("ar", "speculative"):
+        return settings.max_new_tokens
+    return canvases_for(settings.max_new_tokens, canvas_length) * canvas_length
+
+
+def check_prompts(text_config, canvas_length: int, requests: Sequence[Request]) -> None:
+    """Reject empty prompts, unknown token ids and sequences beyond the position limit."""
+    limit, vocab = text_config.max_position_embeddings, text_config.vocab_size
+    for request in requests:
+        ids = request.prompt_ids
+        if not ids:
+            raise GenerationError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(ids) >= limit:
+            raise GenerationError(f"the prompt has {len(ids)} tokens; the model's position limit is {limit}")
+    # AR batches are left padded, which puts every row at the longest prompt's positions; diffusion requests
+    # each keep their own cache, so each is checked alone.
+    groups = [requests] if requests[0].settings.mode == "ar" else [[r] for r in requests]
+    for group in groups:
+        longest = max(len(r.prompt_ids) for r in group)
+        budget = max(new_token_budget(r.settings, canvas_length) for r in group)
+        if longest + budget > limit:
+            raise GenerationError(
+                f"a prompt of {longest} tokens plus {budget} new tokens exceeds the model's position limit of "
+                f"{limit}; lower max_new_tokens or shorten the prompt"
+            )
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@dataclass
+class RequestState:
+    """One request in flight, in any mode.
+
+    `forward_passes` counts every pass the mode's `tokens_per_forward` divides by (diffusion: decoder passes;
+    AR: token-producing encoder passes; speculative: the prompt pass, drafts and verifications);
+    `decoder_passes` counts the denoising steps among them.
+    """
+
+    index: int  # the handle events carry (the prompt's index in a call)
+    request: Request
+    generator: torch.Generator
+    started: float
+    budget: int  # tokens it may commit (diffusion: whole canvases)
+    step_events: bool = True
+    tokens: list[int] = field(default_factory=list)
+    eos_at: int | None = None  # index of the first EOS in `tokens`
+    text: str = ""  # the completion's text so far (for text deltas)
+    first_commit: float | None = None
+    forward_passes: int = 0
+    decoder_passes: int = 0
+    canvases: int = 0  # committed canvases
+    # While a canvas is denoised (diffusion, speculative drafts, editing):
+    cache: KVCache | None = None
+    canvas: torch.Tensor | None = None  # (1, C): the canvas the next decoder pass reads
+    self_conditioning: torch.Tensor | None = None  # the previous step's probabilities (or logits), (1, C, V)
+    tracker: StabilityTracker | None = None
+    step: int = 0  # steps left in this canvas: N at its start, 0 when it runs out
+    committed_canvas: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, index: int, request: Request, device: torch.device, budget: int,
+              started: float | None = None, step_events: bool = True) -> RequestState:
+        """The state of a request that starts now (or at `started`), its generator seeded with its seed."""
+        generator = torch.Generator(device=device)
+        generator.manual_seed(request.seed)
+        return cls(index, request, generator, time.perf_counter() if started is None else started, budget,
+                   step_events)
+
+    @property
+    def settings(self) -> SamplerSettings:
+        return self.request.settings
+
+    @property
+    def finished(self) -> bool:
+        return self.eos_at is not None or len(self.tokens) >= self.budget
+
+    def completion(self) -> list[int]:
+        return self.tokens if self.eos_at is None else self.tokens[: self.eos_at]
+
+    # -- the canvas loop ----------------------------------------------------------------------------------------
+    def start_canvas(self, length: int, vocab_size: int, device: torch.device) -> None:
+        """A canvas of uniform noise (the reference's first draw of each canvas) and a fresh step count."""
+        self.canvas = uniform_tokens(length, vocab_size, self.generator, device)
+        self.step = self.settings.max_denoising_steps
+        self.self_conditioning = None
+        self.tracker = StabilityTracker(self.settings.stability_threshold, 1, length, device)
+
+    def count_decoder_pass(self) -> None:
+        self.forward_passes += 1
+        self.decoder_passes += 1
+
+    # -- output -------------------------------------------------------------------------------------------------
+    def commit(self, new: list[int]) -> None:
+        """Append committed tokens, noting the first EOS among them."""
+        if self.eos_at is None:
+            eos = self.settings.eos_token_ids
+            first = next((i for i, t in enumerate(new) if t in eos), None)
+            if first is not None:
+                self.eos_at = len(self.tokens) + first
+        self.tokens.extend(new)
+        if self.first_commit is None:
+            self.first_commit = time.perf_counter()
+
+    def text_delta(self, decode: Decode | None) -> str:
+        """Text added since the last call (decoding the whole completion keeps multi-token characters whole)."""
+        if decode is None:
+            return ""
+        full = decode(self.completion())
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta
+
+    def stats(self, mode: str) -> GenerationStats:
+        pad = self.settings.pad_token_id
+        if mode == "diffusion" and pad is not None:  # whole canvases: the pad after the EOS is not generated text
+            new_tokens = sum(1 for t in self.tokens if t != pad)
+        else:
+            new_tokens = len(self.tokens)
+        return GenerationStats(
+            prompt_tokens=len(self.request.prompt_ids),
+            new_tokens=new_tokens,
+            canvases=self.canvases,
+            forward_passes=self.forward_passes,
+            denoising_steps=self.decoder_passes,
+            tokens_per_forward=new_tokens / self.forward_passes if self.forward_passes else 0.0,
+            wall_time_s=time.perf_counter() - self.started,
+            time_to_first_commit_s=None if self.first_commit is None else self.first_commit - self.started,
+            finish_reason="eos" if self.eos_at is not None else "length",
+        )
+
+    def done(self, mode: str, decode: Decode | None, stats: GenerationStats | None = None) -> DoneEvent:
+        """The request's `DoneEvent`: its result, with `stats` (default: `self.stats(mode)`)."""
+        stats = self.stats(mode) if stats is None else stats
+        logger.info("request %d done: %s", self.index, stats)
+        completion = self.completion()
+        result = GenerationResult(
+            token_ids=list(self.tokens),
+            completion_ids=list(completion),
+            text=None if decode is None else decode(completion),
+            prompt_ids=list(self.request.prompt_ids),
+            stats=stats,
+            mode=mode,
+            seed=self.request.seed,
+        )
+        return DoneEvent(self.index, result)
