@@ -16,11 +16,7 @@ This module only re-exports them, so it sits above all of them and nothing in th
 
 from __future__ import annotations
 
-import sys
-import types
-
-from printpress import diffusion
-from printpress.diffusion import DiffusionBatch, _commit_canvas, _sample_step
+from printpress.diffusion import DiffusionBatch
 from printpress.events import (
     CommitEvent,
     Decode,
@@ -46,18 +42,3 @@ __all__ = [
     "DoneEvent", "Event", "GenerationResult", "GenerationStats", "Pipeline", "Prompt", "Request", "StepEvent",
     "check_prompts", "default_model_path", "new_token_budget", "run",
 ]
-
-# `printpress.eval.bench.instrumented` records the sampler by assigning `engine._sample_step` and
-# `engine._commit_canvas`. The loop that calls them is printpress.diffusion now, so such an assignment is passed
-# on to that module. To drop this: have the benchmark patch `printpress.diffusion` (or read the events) instead.
-_PASSED_ON = ("_sample_step", "_commit_canvas")
-
-
-class _Engine(types.ModuleType):
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _PASSED_ON:
-            setattr(diffusion, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -11,15 +12,26 @@ import torch
 
 from printpress import cli
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
+from printpress.corpora import Document, load_corpus, split_documents
 from printpress.engine import Pipeline
 from printpress.eval.bench import (
+    AR_TWIN,
+    OWN_AR,
+    YARDSTICK_SETTINGS,
+    BenchError,
     Sample,
     Trace,
+    apply_preset,
     describe,
+    draw_prompts,
     frontier,
     headline,
+    heldout_prompts,
     judge_samples,
+    matched_diversity,
     parse_setting,
+    register,
+    seed_plan,
     speed_at,
 )
 from printpress.eval.judge import nll_per_char
@@ -27,6 +39,17 @@ from printpress.model import DiffusionGemma
 from printpress.tokenizer import train_tokenizer
 
 TEXT = "the cat sat on the mat, and the dog sat on the log. "
+GREEDY, SPECULATIVE = "ar, temperature 0", "speculative, 1 steps, temperature 0"
+
+
+def _corpus(folder: Path) -> Path:
+    """Eight documents of distinct lines, so a held-out window cannot occur in a training document by chance."""
+    folder.mkdir()
+    for i in range(8):
+        lines = [f"doc {i} line {j}: the {('cat', 'dog')[j % 2]} sat on the {('mat', 'log')[(i + j) % 2]}.\n"
+                 for j in range(40)]
+        (folder / f"doc{i}.txt").write_text("".join(lines))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +82,10 @@ def report(tiny, tmp_path_factory) -> dict:
     mp.setenv("PRINTPRESS_CACHE", str(root / "cache"))
     try:
         code = cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--prompts-file", str(prompts),
-                         "--max-new-tokens", "16", "--seed", "3", "--steps", "4", "2", "--entropy-bounds", "0.1", "8",
-                         "--setting", "steps=4,t_max=0.4,t_min=0.1", "--heldout-data", str(corpus),
+                         "--max-new-tokens", "16", "--seed", "3", "--seeds", "2", "--steps", "4", "2",
+                         "--entropy-bounds", "0.1", "8", "--setting", "steps=4,t_max=0.4,t_min=0.1",
+                         "--setting", "mode=ar,temperature=0", "--setting", "mode=speculative,steps=1,temperature=0",
+                         "--heldout-data", str(corpus),
                          "--heldout-seq-len", "16", "--heldout-batch-size", "2", "--heldout-batches", "1",
                          "--forward-reps", "2", "--gguf-judge", "off", "--results", str(root / "results"),
                          "--out", str(root / "pair.json"), "--no-progress"])
@@ -73,37 +98,84 @@ def report(tiny, tmp_path_factory) -> dict:
     return card
 
 
-def test_every_side_ran_every_prompt_and_the_figures_add_up(report):
+def test_every_side_ran_every_prompt_and_seed_and_the_figures_add_up(report):
     rows = {r["label"]: r for r in report["rows"]}
-    assert list(rows) == ["AR twin", "diffusion model, AR decoding", "diffusion, 4 steps, bound 0.1",
+    assert list(rows) == [AR_TWIN, OWN_AR, "diffusion, 4 steps, bound 0.1",
                           "diffusion, 4 steps, bound 8", "diffusion, 2 steps, bound 0.1", "diffusion, 2 steps, bound 8",
-                          "diffusion, 4 steps, t 0.4->0.1"]
+                          "diffusion, 4 steps, t 0.4->0.1", GREEDY, SPECULATIVE]
     for row in rows.values():
-        assert row["prompts"] == 2
+        # --seeds 2: two prompts, each decoded twice, and every figure pooled over the four samples.
+        assert row["prompts"] == 2 and row["samples"] == 4
+        assert row["new_tokens"] == 4 * 16
+        assert len(row["judge_ar_twin_per_sample"]) == 4
         assert row["tokens_per_s"] == pytest.approx(row["new_tokens"] / row["seconds"])
         assert row["tokens_per_cpu_s"] == pytest.approx(row["new_tokens"] / row["cpu_seconds"])
         assert 0 < row["cpu_seconds"] <= row["seconds"] * 1.05  # one thread: CPU time cannot exceed wall time
         assert row["tokens_per_forward"] == pytest.approx(row["new_tokens"] / row["forward_passes"])
-        assert row["speed_ratio_vs_ar_twin"] == pytest.approx(row["tokens_per_s"] / rows["AR twin"]["tokens_per_s"])
+        assert row["all_passes"] == row["decoder_calls"] + row["encoder_calls"]
+        assert row["tokens_per_forward_all_passes"] == pytest.approx(row["new_tokens"] / row["all_passes"])
+        assert row["speed_ratio_vs_ar_twin"] == pytest.approx(row["tokens_per_s"] / rows[AR_TWIN]["tokens_per_s"])
         assert row["cpu_speed_ratio_vs_ar_twin"] == pytest.approx(
-            row["tokens_per_cpu_s"] / rows["AR twin"]["tokens_per_cpu_s"])
-    for label in ("AR twin", "diffusion model, AR decoding"):
+            row["tokens_per_cpu_s"] / rows[AR_TWIN]["tokens_per_cpu_s"])
+        assert 0 <= row["repeated_4gram_share"] <= 1 and 0 < row["distinct_2"] <= 1
+        assert row["unigram_entropy_nats"] >= 0
+    for label in (AR_TWIN, OWN_AR, GREEDY):
         # AR: one token per forward, exactly, and every forward is an encoder pass (prefill included).
-        assert rows[label]["tokens_per_forward"] == 1.0
-        assert rows[label]["new_tokens"] == 2 * 16
+        assert rows[label]["tokens_per_forward"] == rows[label]["tokens_per_forward_all_passes"] == 1.0
         assert rows[label]["encoder_calls"] == rows[label]["forward_passes"] and rows[label]["decoder_calls"] == 0
     for steps, bound in ((4, 0.1), (4, 8), (2, 0.1), (2, 8)):
         row = rows[f"diffusion, {steps} steps, bound {bound:g}"]
         # No EOS and no confident stop from random weights: every canvas runs all its steps.
-        assert row["canvases"] == 2 * 2 and row["adaptive_stops"] == 0
+        assert row["canvases"] == 4 * 2 and row["adaptive_stops"] == 0
         assert row["decoder_calls"] == row["forward_passes"] == row["canvases"] * steps
-        assert row["steps_per_canvas"] == steps
+        # The engine's count leaves out the encoder: the prefill and the pass that caches the first canvas.
+        assert row["encoder_calls"] == 4 * 2
         assert row["tokens_per_forward"] == pytest.approx(8 / steps)
+        assert row["tokens_per_forward_all_passes"] == pytest.approx(16 / (2 * steps + 2))
+        assert row["steps_per_canvas"] == steps
         assert 1 <= row["accepted_per_step"] <= 8 and 1 <= row["final_step_accepted"] <= 8
         assert row["final_step_entropy_mean"] > 0.005  # random weights: far from the adaptive stop's bar
     # A looser bound accepts more tokens per step.
     assert rows["diffusion, 4 steps, bound 8"]["accepted_per_step"] > rows["diffusion, 4 steps, bound 0.1"][
         "accepted_per_step"]
+    # Speculative decoding counts its prompt pass, drafts and verifications, as the engine does; at temperature 0
+    # it writes greedy AR's text, and the bench checks that sample by sample.
+    spec = rows[SPECULATIVE]
+    assert spec["forward_passes"] == spec["all_passes"] == 4 + spec["decoder_calls"] + spec["verifications"]
+    assert spec["same_text_as_ar_greedy"] == 1.0
+    assert spec["speed_ratio_vs_ar_greedy"] == pytest.approx(spec["tokens_per_s"] / rows[GREEDY]["tokens_per_s"])
+
+
+def test_matched_diversity_is_judged_against_ar_sampling_on_the_same_weights(report):
+    rows = {r["label"]: r for r in report["rows"]}
+    reference = report["diversity_reference"]
+    assert reference["reference"] == OWN_AR
+    assert reference["repeated_4gram_share"] == rows[OWN_AR]["repeated_4gram_share"]
+    for row in rows.values():
+        if row["kind"] == "ar":
+            assert "matched_diversity" not in row
+            continue
+        expected = (row["repeated_4gram_share"] <= reference["repeated_4gram_share"] + 0.05
+                    and row["unigram_entropy_nats"] >= 0.95 * reference["unigram_entropy_nats"])
+        assert row["matched_diversity"] is expected
+    head = report["headline"]["ar_twin/wall/matched-diversity"]
+    matched = {r["label"] for r in report["rows"] if r.get("matched_diversity")}
+    assert set(head["frontier"]) <= matched
+    assert report["judges"]["ar_twin"]["model"] == report["model"]["ar"]
+    assert len(report["judges"]["ar_twin"]["weights_sha256"]) == 16
+
+
+def test_matched_diversity_thresholds():
+    reference = {"repeated_4gram_share": 0.10, "unigram_entropy_nats": 5.0}
+
+    def row(repeats: float, entropy: float) -> dict:
+        return {"repeated_4gram_share": repeats, "unigram_entropy_nats": entropy}
+
+    assert matched_diversity(row(0.15, 4.75), reference) is True  # at both limits
+    assert matched_diversity(row(0.16, 5.0), reference) is False  # more repetitive
+    assert matched_diversity(row(0.0, 4.7), reference) is False  # narrower vocabulary
+    assert matched_diversity(row(0.0, 6.3), reference) is True  # broader is no gaming of the judge
+    assert matched_diversity({"repeated_4gram_share": None, "unigram_entropy_nats": 5.0}, reference) is None
 
 
 def test_judged_nll_is_the_judges_and_the_same_weights_agree(report, tiny):
@@ -111,17 +183,89 @@ def test_judged_nll_is_the_judges_and_the_same_weights_agree(report, tiny):
     judge = Pipeline.from_pretrained(str(tiny))
     texts = [s for s in report["samples"] if s["side"] == "diffusion, 2 steps, bound 8"]
     expected = [nll_per_char(judge, s["prompt"], s["text"]) for s in texts]
-    assert [s["prompt"] for s in texts] == ["the cat", "the dog sat\n"]  # "\n" in the file is a newline
-    assert [s["seed"] for s in texts] == [3, 4]  # --seed 3: prompt i gets seed 3 + i
-    again = judge.generate("the cat", seed=3, max_new_tokens=16, max_denoising_steps=2, entropy_bound=8.0)
-    assert again.text == texts[0]["text"]  # the bench's sample is the engine's output for that seed and setting
-    assert rows["diffusion, 2 steps, bound 8"]["judge_ar_twin_per_prompt"] == pytest.approx(expected)
-    assert rows["diffusion, 2 steps, bound 8"]["judge_ar_twin_nll_per_char"] == pytest.approx(sum(expected) / 2)
+    # "\n" in the file is a newline; --seed 3 --seeds 2: prompt i of round r gets seed 3 + 2r + i.
+    assert [(s["prompt"], s["seed"]) for s in texts] == [("the cat", 3), ("the dog sat\n", 4), ("the cat", 5),
+                                                         ("the dog sat\n", 6)]
+    again = judge.generate("the cat", seed=5, max_new_tokens=16, max_denoising_steps=2, entropy_bound=8.0)
+    assert again.text == texts[2]["text"]  # the bench's sample is the engine's output for that seed and setting
+    assert texts[0]["text"] != texts[2]["text"]  # another seed, another sample
+    row = rows["diffusion, 2 steps, bound 8"]
+    assert row["judge_ar_twin_per_sample"] == pytest.approx(expected)
+    assert row["judge_ar_twin_nll_per_char"] == pytest.approx(sum(expected) / 4)
+    # The standard error is over prompts: each prompt's two seeds are averaged first.
+    per_prompt = [(expected[0] + expected[2]) / 2, (expected[1] + expected[3]) / 2]
+    assert row["judge_ar_twin_stderr"] == pytest.approx(abs(per_prompt[0] - per_prompt[1]) / 2)
     joined = "".join(s["text"] for s in texts)
-    assert rows["diffusion, 2 steps, bound 8"]["whitespace_share"] == sum(c.isspace() for c in joined) / len(joined)
+    assert row["whitespace_share"] == sum(c.isspace() for c in joined) / len(joined)
     # Twin and diffusion model are one checkpoint here: AR decoding gives the same text, hence the same score.
-    twin, joint = rows["AR twin"], rows["diffusion model, AR decoding"]
-    assert twin["judge_ar_twin_per_prompt"] == joint["judge_ar_twin_per_prompt"]
+    twin, joint = rows[AR_TWIN], rows[OWN_AR]
+    assert twin["judge_ar_twin_per_sample"] == joint["judge_ar_twin_per_sample"]
+
+
+def test_seed_plan_gives_every_sample_its_own_seed():
+    assert seed_plan(["a", "b"], 3, 10) == [("a", 10), ("b", 11), ("a", 12), ("b", 13), ("a", 14), ("b", 15)]
+    assert seed_plan(["a", "b"]) == [("a", 0), ("b", 1)]  # one seed: prompt i with seed i, as before --seeds
+    with pytest.raises(BenchError, match="--seeds"):
+        seed_plan(["a"], 0)
+
+
+def test_heldout_prompts_are_deterministic_and_never_training_text(tmp_path):
+    corpus = _corpus(tmp_path / "corpus")
+    train, val = split_documents(load_corpus([str(corpus)]), 0.05)
+    prompts = heldout_prompts(6, [str(corpus)], 0.05)
+    assert prompts == heldout_prompts(6, [str(corpus)], 0.05)
+    assert len(set(prompts)) == 6
+    for prompt in prompts:
+        assert 80 <= len(prompt) <= 160 and prompt.endswith("\n")
+        assert any(("\n" + prompt) in ("\n" + d.text) for d in val)  # whole lines of a held-out document
+        assert not any(prompt in d.text for d in train)
+
+
+def test_draw_prompts_skips_windows_found_in_training_text_and_says_when_it_runs_out():
+    val = [Document("val", "".join(f"val line {j:02d}\n" for j in range(10)) + "train line 00\n")]
+    train = [Document("train", "some text\ntrain line 00\n")]
+    prompts = draw_prompts(val, 10, train, chars=14)
+    assert sorted(prompts) == [f"val line {j:02d}\n" for j in range(10)]  # one line each: two would not fit
+    assert draw_prompts(val, 10, train, chars=14, seed=1) != prompts  # the seed decides the order
+    assert "train line 00\n" in draw_prompts(val, 11, [], chars=14)
+    with pytest.raises(BenchError, match="only 10 usable"):
+        draw_prompts(val, 11, train, chars=14)
+
+
+def _parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return apply_preset(parser.parse_args(["bench", *argv]))
+
+
+def test_the_yardstick_preset_parses_and_explicit_options_win():
+    args = _parse("--yardstick")
+    assert (args.heldout_prompts, args.seeds, args.max_new_tokens) == (24, 3, 64)
+    assert (args.steps, args.entropy_bounds, args.setting) == ([32, 16, 8], [0.1, 1.0, 4.0], YARDSTICK_SETTINGS)
+    assert [describe(parse_setting(s)) for s in args.setting] == [GREEDY, SPECULATIVE]
+    args = _parse("--yardstick", "--steps", "4", "--seeds", "1", "--setting", "steps=2")
+    assert (args.steps, args.seeds, args.max_new_tokens) == ([4], 1, 64)
+    assert args.setting == [*YARDSTICK_SETTINGS, "steps=2"]
+    assert _parse("--yardstick", "--prompts-file", "p.txt").heldout_prompts is None
+    plain = _parse()
+    assert (plain.heldout_prompts, plain.seeds, plain.max_new_tokens, plain.steps, plain.setting) == (
+        None, 1, 96, [64, 32, 16, 8, 4], [])
+
+
+def test_the_yardstick_runs_end_to_end_on_held_out_prompts(tiny, tmp_path):
+    corpus = _corpus(tmp_path / "corpus")
+    out = tmp_path / "yardstick.json"
+    code = cli.main(["bench", "--yardstick", "--diffusion", str(tiny), "--ar", str(tiny), "--heldout-prompts", "2",
+                     "--seeds", "2", "--steps", "2", "--entropy-bounds", "8", "--max-new-tokens", "16",
+                     "--heldout-data", str(corpus), "--no-heldout", "--forward-reps", "1", "--gguf-judge", "off",
+                     "--results", str(tmp_path / "results"), "--out", str(out), "--no-progress"])
+    assert code == 0
+    card = json.loads(out.read_text())
+    assert [r["label"] for r in card["rows"]] == [AR_TWIN, OWN_AR, "diffusion, 2 steps, bound 8", GREEDY, SPECULATIVE]
+    assert card["settings"]["yardstick"] is True and card["settings"]["samples_per_side"] == 4
+    prompts = heldout_prompts(2, [str(corpus)], 0.05)
+    assert sorted({s["prompt"] for s in card["samples"]}) == sorted(prompts)
+    assert "held-out documents" in card["settings"]["prompt_source"]
 
 
 def test_heldout_losses_come_from_the_training_loop(report):
@@ -141,8 +285,10 @@ def test_card_plot_and_headline(report):
     assert [p.suffix for p in cards] == [".json", ".md", ".png"]
     page = cards[1].read_text()
     assert "| AR twin |" in page and "## Sides" in page
-    assert set(report["headline"]) == {"ar_twin/wall", "ar_twin/cpu"}  # no second judge asked for
-    for name, head in report["headline"].items():
+    # No second judge asked for.
+    assert set(report["headline"]) == {"ar_twin/wall", "ar_twin/cpu", "ar_twin/wall/matched-diversity"}
+    for name in ("ar_twin/wall", "ar_twin/cpu"):
+        head = report["headline"][name]
         speed = "tokens_per_s" if name.endswith("wall") else "tokens_per_cpu_s"
         assert head["speed"] == speed and head["ar_twin_speed"] == report["rows"][0][speed]
         assert head["ar_twin_nll_per_char"] == report["rows"][0]["judge_ar_twin_nll_per_char"]
