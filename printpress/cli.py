@@ -132,10 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        refuse_broken_text(argv)
+        args = build_parser().parse_args(argv)
+        level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
         return int(args.func(args) or 0)
     except PrintpressError as exc:
         print(f"printpress: error: {exc}", file=sys.stderr)
@@ -143,3 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("printpress: interrupted", file=sys.stderr)
         return 130
+
+
+def refuse_broken_text(argv: Sequence[str]) -> None:
+    """Raise PrintpressError for an argument that is not valid UTF-8 (Python hands its bytes on as lone surrogates,
+    which the tokenizer, a file name check or printing would later fail on with a traceback)."""
+    for position, arg in enumerate(argv, start=1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            shown = ascii(arg[max(0, exc.start - 20): exc.start + 20])
+            raise PrintpressError(f"argument {position} is not valid UTF-8 text (at character {exc.start}: "
+                                  f"{shown}); printpress reads its arguments as UTF-8") from None

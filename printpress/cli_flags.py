@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from printpress.errors import GenerationError
+from printpress.sampling import check_setting
 
 # (flag, setting name as in SamplerSettings / Pipeline.generate, type, help)
 SAMPLER_FLAGS = (
@@ -39,13 +40,20 @@ def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict:
-    """The sampler settings given on the command line, as `Pipeline.generate` keywords."""
+    """The sampler settings given on the command line, as `Pipeline.generate` keywords.
+
+    Each value is checked on its own here (`sampling.check_setting`: NaN, inf, 1e-38 or 10^11 steps end in one
+    line before a model is loaded); the checks between settings run when the checkpoint's defaults are known.
+    """
     given = {dest: getattr(args, dest, None) for _, dest, _, _ in SAMPLER_FLAGS}
     given["sample_accepted_only"] = args.sample_accepted_only
     eos = getattr(args, "eos", None)
     if eos is not None:
         given["eos_token_ids"] = parse_ids(eos, allow_empty=True)
-    return {name: value for name, value in given.items() if value is not None}
+    settings = {name: value for name, value in given.items() if value is not None}
+    for name, value in settings.items():
+        check_setting(name, value)
+    return settings
 
 
 def sampler_flags_given(args: argparse.Namespace) -> list[str]:

@@ -9,7 +9,7 @@ need not wait for a batch boundary. The server's scheduler drives the same objec
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -20,6 +20,8 @@ from printpress.request import Request, RequestState, check_prompts, model_devic
 from printpress.sampling import canvases_for, pad_after_eos
 
 logger = logging.getLogger(__name__)
+
+OnError = Callable[[int, Exception], None]  # a failed request's handle and exception (DiffusionBatch.step)
 
 
 def diffusion(
@@ -83,37 +85,94 @@ class DiffusionBatch:
         row.start_canvas(self.canvas_length, self.model.config.vocab_size, self.device)
 
     @torch.no_grad()
-    def step(self) -> list[Event]:
-        """One decoder pass over every request; returns its step, commit and done events."""
-        model, rows = self.model, self.rows
-        canvas = torch.cat([row.canvas for row in rows])
-        feedback, mask = self._self_conditioning(rows)
-        logits = denoise(model, canvas, self._cache(rows), feedback, mask)
-        outcome = _sample_step(logits, canvas, rows, model.config.vocab_size, self.canvas_length, self.device)
-        fed_back = outcome.feedback(model.dtype)
+    def step(self, on_error: OnError | None = None) -> list[Event]:
+        """One decoder pass over every request; returns its step, commit and done events.
+
+        Without `on_error` an exception ends the step (a `Pipeline.generate` call fails as a whole). With it, a
+        request that fails fails alone, so one caller's bad request cannot end another's (the server's
+        scheduler): when the shared pass raises, each request's generator is put back and the requests are
+        stepped one by one, as each would be stepped alone; a request whose own step raises is removed and
+        handed to `on_error(handle, exception)`, and the others get exactly the events they get alone.
+        """
+        if on_error is None or len(self.rows) == 1:
+            return self._step(list(self.rows), on_error)
+        generators = [(row.generator, row.generator.get_state()) for row in self.rows]
+        try:
+            return self._step(list(self.rows), on_error)
+        except Exception:  # noqa: BLE001 - the culprit is found below and its exception handed on
+            logger.warning("a shared decoder step of %d requests failed; stepping them one by one", len(self.rows))
+            for generator, state in generators:
+                generator.set_state(state)
+        events: list[Event] = []
+        for row in list(self.rows):
+            events.extend(self._step([row], on_error))
+        return events
+
+    def _step(self, rows: list[RequestState], on_error: OnError | None) -> list[Event]:
+        """Step `rows` together. The shared pass moves nothing but the rows' generators before it can raise, and
+        raises unless it served one row and `on_error` is given; after it, each row's own work fails alone."""
+        if len(rows) == 1:
+            outcome = self._guarded(rows[0], on_error, self._shared_pass, rows)
+            if outcome is None:
+                return []
+        else:
+            outcome = self._shared_pass(rows)
+        fed_back = outcome.feedback(self.model.dtype)
         events: list[Event] = []
         finished: list[RequestState] = []
         for j, row in enumerate(rows):
-            row.count_decoder_pass()
-            stopped = advance(row, outcome, j)
-            if row.step_events:
-                events.append(step_event(row, row.canvases, outcome, j, stopped))
-            if stopped or row.step == 0:
-                row.committed_canvas = outcome.argmax[j].clone()
-                finished.append(row)
-            else:
-                row.canvas = outcome.next_canvas[j : j + 1]
-                row.self_conditioning = fed_back[j : j + 1]
+            events.extend(self._guarded(row, on_error, self._advance, row, outcome, fed_back, j, finished) or [])
         for row in finished:
-            events.extend(_commit_canvas(row, row.canvases, self.decode))
-            if not row.finished:
-                # The next canvas sees the committed one through the cache, as the reference re-encodes it.
-                model.encode(row.committed_canvas[None], row.cache, logits="none")
-                self._start_canvas(row)
-            else:
-                events.append(row.done("diffusion", self.decode))
-                self.rows.remove(row)
+            events.extend(self._guarded(row, on_error, self._commit, row) or [])
         return events
+
+    def _shared_pass(self, rows: list[RequestState]) -> StepOutcome:
+        """The decoder pass over the rows' canvases and the canvas step; moves nothing but the generators."""
+        canvas = torch.cat([row.canvas for row in rows])
+        feedback, mask = self._self_conditioning(rows)
+        logits = denoise(self.model, canvas, self._cache(rows), feedback, mask)
+        return _sample_step(logits, canvas, rows, self.model.config.vocab_size, self.canvas_length, self.device)
+
+    def _advance(self, row: RequestState, outcome: StepOutcome, fed_back: torch.Tensor, j: int,
+                 finished: list[RequestState]) -> list[Event]:
+        """Row j's share of the step: its step event, and its next canvas or (stopped) a place in `finished`."""
+        row.count_decoder_pass()
+        stopped = advance(row, outcome, j)
+        events = [step_event(row, row.canvases, outcome, j, stopped)] if row.step_events else []
+        if stopped or row.step == 0:
+            row.committed_canvas = outcome.argmax[j].clone()
+            finished.append(row)
+        else:
+            row.canvas = outcome.next_canvas[j : j + 1]
+            row.self_conditioning = fed_back[j : j + 1]
+        return events
+
+    def _commit(self, row: RequestState) -> list[Event]:
+        """Commit the row's canvas; then start its next canvas, or it is done and leaves."""
+        events = list(_commit_canvas(row, row.canvases, self.decode))
+        if not row.finished:
+            # The next canvas sees the committed one through the cache, as the reference re-encodes it.
+            self.model.encode(row.committed_canvas[None], row.cache, logits="none")
+            self._start_canvas(row)
+        else:
+            events.append(row.done("diffusion", self.decode))
+            self.rows.remove(row)
+        return events
+
+    def _guarded(self, row: RequestState, on_error: OnError | None, work, *args):
+        """`work(*args)`; if it raises, with `on_error` the row is removed, the exception handed on and None
+        returned (without `on_error` the exception propagates)."""
+        try:
+            return work(*args)
+        except Exception as exc:
+            if on_error is None:
+                raise
+            self._fail(row, exc, on_error)
+            return None
+
+    def _fail(self, row: RequestState, exc: Exception, on_error: OnError) -> None:
+        self.remove(row.index)
+        on_error(row.index, exc)
 
     def _cache(self, rows: list[RequestState]):
         if len(rows) == 1:

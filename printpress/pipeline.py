@@ -77,6 +77,35 @@ def default_model_path() -> Path:
     return folder
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The device, or a PrintpressError saying why this machine cannot use it, before any weights are read (torch
+    would fail later with a traceback, e.g. "Torch not compiled with CUDA enabled" for cuda on a CPU build)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise PrintpressError(f"unknown device {str(device)!r}: {exc}") from None
+    count = _device_count(resolved.type)
+    if count == 0:
+        raise PrintpressError(f"device {str(device)!r} is not available: this torch ({torch.__version__}) has no "
+                              f"{resolved.type} support or sees no {resolved.type} device; use cpu")
+    if count is not None and resolved.index is not None and resolved.index >= count:
+        raise PrintpressError(f"device {str(device)!r} does not exist: torch sees {count} {resolved.type} device(s), "
+                              f"numbered from 0")
+    return resolved
+
+
+def _device_count(kind: str) -> int | None:
+    """How many devices of a kind torch can use here; None for a kind it has no count for (torch says more)."""
+    if kind == "cpu":
+        return None
+    if kind == "mps":
+        return int(torch.backends.mps.is_available())
+    backend = getattr(torch, kind, None)  # torch.cuda, torch.xpu, ...
+    if backend is None or not hasattr(backend, "is_available") or not hasattr(backend, "device_count"):
+        return None
+    return backend.device_count() if backend.is_available() else 0
+
+
 class Pipeline:
     """A loaded model with its tokenizer and generation defaults.
 
@@ -99,6 +128,7 @@ class Pipeline:
     ) -> Pipeline:
         from printpress.checkpoint import load_model
 
+        device = check_device(device)
         if path_or_id is None:
             path_or_id = default_model_path()
         model, config, generation_config, tokenizer = load_model(str(path_or_id), dtype=dtype, device=device)

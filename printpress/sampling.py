@@ -15,6 +15,7 @@ on which other requests share its batch.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,31 +75,98 @@ class SamplerSettings:
         return replace(self, **kept)
 
     def validate(self) -> SamplerSettings:
-        """Raise GenerationError with one clear message for the first setting that cannot work."""
+        """Raise GenerationError with one clear message for the first setting that cannot work.
+
+        Only the settings the mode reads are checked (`refuse_unread` refuses the others), each against the
+        range where the sampler's arithmetic stays finite (`check_setting`), then t_min against t_max.
+        """
         if self.mode not in MODES:
             raise GenerationError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
-        _require(isinstance(self.sample_accepted_only, bool),
-                 f"sample_accepted_only must be true or false, got {self.sample_accepted_only!r}")
-        _require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
-                 f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.mode in ("ar", "speculative"):  # speculative decoding samples (or not) like AR
-            _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-            _require(self.top_k is None or (_is_int(self.top_k) and self.top_k > 0),
-                     f"top_k must be a positive integer, got {self.top_k!r}")
-        if self.mode == "ar":
-            return self
-        _require(_is_int(self.max_denoising_steps) and self.max_denoising_steps > 0,
-                 f"steps (max_denoising_steps) must be a positive integer, got {self.max_denoising_steps!r}")
-        _require(math.isfinite(self.entropy_bound) and self.entropy_bound > 0,
-                 f"entropy_bound must be > 0, got {self.entropy_bound!r}")
-        _require(self.t_min >= 0, f"t_min must be >= 0, got {self.t_min!r}")
-        _require(self.t_max > 0, f"t_max must be > 0, got {self.t_max!r}")
-        _require(self.t_min <= self.t_max, f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})")
-        _require(_is_int(self.stability_threshold) and self.stability_threshold >= 0,
-                 f"stability_threshold must be an integer >= 0, got {self.stability_threshold!r}")
-        _require(self.confidence_threshold > 0,
-                 f"confidence_threshold must be > 0, got {self.confidence_threshold!r}")
+        for name in ("max_new_tokens", "sample_accepted_only", *MODE_SETTINGS[self.mode]):
+            check_setting(name, getattr(self, name))
+        if "t_max" in MODE_SETTINGS[self.mode]:
+            _require(self.t_min <= self.t_max, f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})")
         return self
+
+
+# Ranges where the sampler's arithmetic stays finite. Logits are divided by the temperature in float32: below
+# MIN_TEMPERATURE sampling is greedy in all but name (a logit gap of 0.01 already weighs e^100) while logits / T
+# heads for float32's overflow (T = 1e-38 made every logit inf, the softmax NaN, and the multinomial raise);
+# above MAX_TEMPERATURE every token is equally likely for any logits a model produces, and inf or NaN make the
+# logits NaN (t_max = inf silently generated nothing). The last diffusion step runs at t_min + (t_max - t_min)
+# / N, at least MIN_TEMPERATURE / MAX_DENOISING_STEPS, still far from overflow.
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+# The step counter is an int32 tensor (as the reference's), and the adaptive stop keeps `stability_threshold`
+# argmax canvases per request: a bound keeps a typo from becoming an endless loop or a 25 GB allocation. It is
+# 85 times the reference's default of 48 steps; a threshold above the step count could never fire anyway.
+MAX_DENOISING_STEPS = 4096
+
+
+def check_setting(name: str, value: object) -> None:
+    """Raise GenerationError when `value` cannot work for the setting `name`, whatever the other settings are.
+
+    The per-value half of `SamplerSettings.validate`, so a command line can refuse a bad flag before it loads
+    a model (the checks between settings, t_min <= t_max, need the checkpoint's defaults). Names without a
+    rule (mode, eos_token_ids) pass.
+    """
+    check = _CHECKS.get(name)
+    if check is not None:
+        check(value)
+
+
+def _integer(label: str, low: int, high: int | None = None):
+    words = "a positive integer" if low == 1 else f"an integer >= {low}"
+    words += "" if high is None else f" no larger than {high}"
+
+    def check(value: object) -> None:
+        _require(_is_int(value) and low <= value and (high is None or value <= high),
+                 f"{label} must be {words}, got {value!r}")
+
+    return check
+
+
+def _positive(label: str):
+    def check(value: object) -> None:
+        _require(_is_real(value) and math.isfinite(value) and value > 0,
+                 f"{label} must be > 0 and finite, got {value!r}")
+
+    return check
+
+
+def _temperature(label: str, zero: str | None):
+    """A temperature: within [MIN_TEMPERATURE, MAX_TEMPERATURE], or exactly 0 when `zero` says what 0 means."""
+    span = f"between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}"
+    words = f"> 0 and finite: {span}" if zero is None else f">= 0 and finite: 0{zero} or {span}"
+
+    def check(value: object) -> None:
+        in_range = _is_real(value) and MIN_TEMPERATURE <= value <= MAX_TEMPERATURE  # NaN fails both comparisons
+        _require(in_range or (zero is not None and _is_real(value) and value == 0),
+                 f"{label} must be {words}, got {value!r}")
+
+    return check
+
+
+def _check_top_k(value: object) -> None:
+    _require(value is None or (_is_int(value) and value > 0), f"top_k must be a positive integer, got {value!r}")
+
+
+def _check_flag(value: object) -> None:
+    _require(isinstance(value, bool), f"sample_accepted_only must be true or false, got {value!r}")
+
+
+_CHECKS = {
+    "max_new_tokens": _integer("max_new_tokens", 1),
+    "max_denoising_steps": _integer("steps (max_denoising_steps)", 1, MAX_DENOISING_STEPS),
+    "stability_threshold": _integer("stability_threshold", 0, MAX_DENOISING_STEPS),
+    "entropy_bound": _positive("entropy_bound"),
+    "confidence_threshold": _positive("confidence_threshold"),
+    "t_min": _temperature("t_min", zero=""),
+    "t_max": _temperature("t_max", zero=None),
+    "temperature": _temperature("temperature", zero=" (greedy)"),
+    "top_k": _check_top_k,
+    "sample_accepted_only": _check_flag,
+}
 
 
 def refuse_unread(mode: str, given: dict, defaults: SamplerSettings) -> None:
@@ -124,6 +192,10 @@ def refuse_unread(mode: str, given: dict, defaults: SamplerSettings) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import printpress
 from printpress.cli import build_parser, main
@@ -137,6 +138,62 @@ def test_bad_input_exits_2_with_one_line(folders, capsys, argv, message):
     lines = [line for line in err.splitlines() if not line.startswith("WARNING")]
     assert code == 2 and out == ""
     assert lines == [lines[0]] and lines[0].startswith(f"printpress: error: {message}")
+
+
+CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+MPS = pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        # Temperatures whose arithmetic is not finite: NaN tracebacks, or silently empty output (t_max = inf).
+        (["--t-max", "nan"], "t_max must be > 0 and finite: between 0.0001 and 10000, got nan"),
+        (["--t-max", "inf"], "t_max must be > 0 and finite: between 0.0001 and 10000, got inf"),
+        (["--t-min", "0", "--t-max", "1e-38"], "t_max must be > 0 and finite: between 0.0001 and 10000, got 1e-38"),
+        (["--t-min=-inf"], "t_min must be >= 0 and finite"),
+        (["--mode", "ar", "--temperature", "1e-38"], "temperature must be >= 0 and finite: 0 (greedy) or between"),
+        (["--mode", "speculative", "--temperature", "nan"], "temperature must be >= 0 and finite"),
+        (["--confidence-threshold", "nan"], "confidence_threshold must be > 0 and finite, got nan"),
+        # An int32 overflow traceback, and a 25 GB allocation for the stability history.
+        (["--steps", "100000000000"], "steps (max_denoising_steps) must be a positive integer no larger than 4096"),
+        (["--stability-threshold", "100000000"], "stability_threshold must be an integer >= 0 no larger than 4096"),
+        # torch's tracebacks ("Torch not compiled with CUDA enabled").
+        pytest.param(["--device", "cuda"], "device 'cuda' is not available: this torch", marks=CUDA),
+        pytest.param(["--device", "cuda:1"], "device 'cuda:1' is not available", marks=CUDA),
+        pytest.param(["--device", "mps"], "device 'mps' is not available: this torch", marks=MPS),
+        (["--device", "gpu"], "unknown device 'gpu'"),
+    ],
+)
+def test_settings_and_devices_are_refused_before_the_model_loads(capsys, tmp_path, argv, message):
+    """The model folder does not exist: the error is about the flag, so it was checked first."""
+    code, out, err = run_cli(capsys, "generate", "-m", str(tmp_path / "not-loaded"), *argv, "ROMEO:")
+    assert code == 2 and out == ""
+    assert err.splitlines() == [err.splitlines()[0]] and err.startswith(f"printpress: error: {message}")
+
+
+@pytest.mark.parametrize("command", [["generate"], ["edit", "--prefix"]])
+@pytest.mark.parametrize("text", ["caf\udce9", "lone \ud800 surrogate"])
+def test_arguments_that_are_not_utf8_exit_2(capsys, tmp_path, command, text):
+    code, out, err = run_cli(capsys, *command, text, "-m", str(tmp_path / "not-loaded"))
+    assert code == 2 and out == ""
+    assert err.startswith(f"printpress: error: argument {len(command) + 1} is not valid UTF-8 text (at character ")
+    assert len(err.splitlines()) == 1
+
+
+def test_invalid_utf8_bytes_from_the_shell_exit_2(folders):
+    """Real bytes in argv (Python hands them on as lone surrogates): one line, no traceback."""
+    done = subprocess.run([sys.executable, "-m", "printpress", "generate", "-m", folders["text"], b"w7 \xff\xfe"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("printpress: error: argument 4 is not valid UTF-8 text (at character 3: ")
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_serve_refuses_an_unavailable_device(capsys):
+    code, _, err = run_cli(capsys, "serve", "--device", "cuda", "--port", "0")
+    assert code == 2 and err.startswith("printpress: error: device 'cuda' is not available")
 
 
 def test_missing_model_exits_2(capsys, tmp_path):

@@ -190,6 +190,23 @@ def test_greedy_ar_sampling_is_argmax_and_sampled_is_reproducible():
         (dict(mode="beam"), "unknown mode 'beam'; expected one of diffusion, ar"),
         (dict(mode="ar", temperature=-1.0), "temperature must be >= 0"),
         (dict(mode="ar", top_k=0), "top_k must be a positive integer"),
+        # Values whose arithmetic is not finite: refused instead of NaN (every request of a shared step failed),
+        # silently empty output (t_max=inf), an int32 overflow or a 25 GB stability history.
+        (dict(t_min=0.0, t_max=1e-38), "t_max must be > 0 and finite: between 0.0001 and 10000, got 1e-38"),
+        (dict(t_max=float("inf")), "t_max must be > 0 and finite: between 0.0001 and 10000, got inf"),
+        (dict(t_max=float("nan")), "t_max must be > 0 and finite: between 0.0001 and 10000, got nan"),
+        (dict(t_max=1e300), "t_max must be > 0 and finite: between 0.0001 and 10000, got 1e+300"),
+        (dict(t_min=1e-38), "t_min must be >= 0 and finite: 0 or between 0.0001 and 10000, got 1e-38"),
+        (dict(t_min=float("nan")), "t_min must be >= 0 and finite"),
+        (dict(mode="ar", temperature=1e-38), "temperature must be >= 0 and finite: 0 (greedy) or between 0.0001 and "
+                                             "10000, got 1e-38"),
+        (dict(mode="speculative", temperature=float("inf")), "temperature must be >= 0 and finite"),
+        (dict(mode="ar", temperature="0.5"), "temperature must be >= 0 and finite"),
+        (dict(max_denoising_steps=10**11), "steps (max_denoising_steps) must be a positive integer no larger than "
+                                           "4096, got 100000000000"),
+        (dict(stability_threshold=10**8), "stability_threshold must be an integer >= 0 no larger than 4096"),
+        (dict(entropy_bound=float("inf")), "entropy_bound must be > 0 and finite, got inf"),
+        (dict(confidence_threshold=float("nan")), "confidence_threshold must be > 0 and finite, got nan"),
     ],
 )
 def test_bad_settings_raise_one_clear_generation_error(overrides, message):
@@ -201,3 +218,20 @@ def test_bad_settings_raise_one_clear_generation_error(overrides, message):
 def test_overrides_of_none_keep_defaults():
     settings = SamplerSettings(t_min=0.3).with_overrides(t_min=None, t_max=0.9, eos_token_ids=[1, 2])
     assert (settings.t_min, settings.t_max, settings.eos_token_ids) == (0.3, 0.9, (1, 2))
+
+
+def test_the_edges_of_the_finite_ranges_work():
+    """The smallest temperatures and the most steps allowed give finite probabilities (the last step runs at
+    MIN_TEMPERATURE / MAX_DENOISING_STEPS), and 0 still means greedy."""
+    from printpress.sampling import MAX_DENOISING_STEPS, MIN_TEMPERATURE, check_setting
+
+    settings = SamplerSettings(t_min=0.0, t_max=MIN_TEMPERATURE, max_denoising_steps=MAX_DENOISING_STEPS,
+                               stability_threshold=MAX_DENOISING_STEPS).validate()
+    logits = torch.randn(4, 32) * 30
+    for step in (MAX_DENOISING_STEPS, 1):
+        scaled = logits / step_temperature(step, settings)
+        assert torch.isfinite(torch.softmax(scaled, dim=-1)).all() and torch.isfinite(token_entropy(scaled)).all()
+    SamplerSettings(mode="ar", temperature=0).validate()
+    SamplerSettings(mode="ar", temperature=MIN_TEMPERATURE).validate()
+    check_setting("eos_token_ids", [1, 2])  # no rule: passes
+

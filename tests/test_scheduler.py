@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -10,7 +11,8 @@ from test_engine import models_  # noqa: F401  (the tiny checkpoints fixture)
 
 from printpress.engine import CommitEvent, DoneEvent, Request
 from printpress.errors import GenerationError
-from printpress.serve.scheduler import Limits, QueueFull, RequestTimeout, Scheduler
+from printpress.sampling import SamplerSettings
+from printpress.serve.scheduler import Limits, QueueFull, RequestFailed, RequestTimeout, Scheduler
 
 PROMPTS = [[2, 7, 9, 11, 13, 17], [2, 40], list(range(2, 30)), [2, 5, 6, 7]]
 SETTINGS = dict(max_new_tokens=24, max_denoising_steps=5, t_min=0.02, t_max=0.05, entropy_bound=1.0,
@@ -89,7 +91,7 @@ def test_limits_and_timeouts_are_clear_errors(models_):  # noqa: F811
             scheduler.submit(Request(PROMPTS[0], pipe.settings(max_new_tokens=8), 1))
         with pytest.raises(GenerationError, match="at most 16"):
             scheduler.submit(Request(PROMPTS[1], pipe.settings(max_new_tokens=17), 1))
-        slow = pipe.settings(max_new_tokens=16, max_denoising_steps=10_000, stability_threshold=10_000)
+        slow = pipe.settings(max_new_tokens=16, max_denoising_steps=4096, stability_threshold=4096)
         ticket = scheduler.submit(Request(PROMPTS[1], slow, 1))
         with pytest.raises(RequestTimeout, match="timeout"):
             list(ticket.events())
@@ -113,3 +115,37 @@ def test_edits_bring_their_own_stream_and_share_the_worker(models_):  # noqa: F8
     assert {e.request for e in events} == {ticket.id}
     assert events[-1].result.middle_ids == alone[-1].result.middle_ids
     assert len(events) == len(alone)
+
+
+def test_a_request_that_fails_fails_alone(models_, monkeypatch):  # noqa: F811
+    """Poison requests (a temperature that overflows the sampler to NaN, which validation now refuses: let
+    through here) share steps with diffusion, AR and edit requests. Before, the shared step raised and every
+    request in flight failed; now only the poison fails, and every other request gets its answer alone."""
+    from printpress.editing import infill_stream
+
+    _, pipe = models_["peaked"]
+    ar = dict(mode="ar", max_new_tokens=6, temperature=1.0)
+    edit = dict(length=3, seed=4, max_denoising_steps=3)
+    alone = [pipe.generate(p, seed=40 + i, **SETTINGS).token_ids for i, p in enumerate(PROMPTS)]
+    alone_ar = pipe.generate(PROMPTS[1], seed=3, **ar).token_ids
+    alone_edit = list(infill_stream(pipe, [2, 7, 9], [11, 13], **edit))[-1].result.middle_ids
+    good, good_ar = pipe.settings(**SETTINGS), pipe.settings(**ar)
+    monkeypatch.setattr(SamplerSettings, "validate", lambda self: self)
+    poisons = [dataclasses.replace(good, t_min=0.0, t_max=1e-38), dataclasses.replace(good_ar, temperature=1e-38)]
+
+    scheduler = Scheduler(pipe, Limits(max_rows=8))  # everything is queued before the worker starts: one batch
+    tickets = [scheduler.submit(Request(p, good, 40 + i)) for i, p in enumerate(PROMPTS[:2])]
+    poisoned = [scheduler.submit(Request(PROMPTS[0], poison, 1)) for poison in poisons]
+    tickets += [scheduler.submit(Request(p, good, 42 + i)) for i, p in enumerate(PROMPTS[2:])]
+    ar_ticket = scheduler.submit(Request(PROMPTS[1], good_ar, 3))
+    edit_ticket = scheduler.submit_stream(infill_stream(pipe, [2, 7, 9], [11, 13], **edit))
+    with scheduler:
+        for ticket in poisoned:
+            with pytest.raises(RequestFailed, match=r"generating this request failed \(RuntimeError: probability "
+                                                    r"tensor contains .*\); other requests were not affected"):
+                list(ticket.events())
+        assert [_result(t).token_ids for t in tickets] == alone
+        assert _result(ar_ticket).token_ids == alone_ar
+        assert _result(edit_ticket).middle_ids == alone_edit
+        assert scheduler.load == (0, 0)
+

@@ -40,7 +40,7 @@ from printpress.request import Request as EngineRequest
 from printpress.serve import protocol as p
 from printpress.serve.chat import ChatFormatter
 from printpress.serve.output import ChoiceText
-from printpress.serve.scheduler import QueueFull, RequestTimeout
+from printpress.serve.scheduler import QueueFull, RequestFailed, RequestTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ def _from_library(exc: Exception) -> ApiError:
         return ApiError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, RequestTimeout):
         return ApiError(408, str(exc), "timeout_error", code="request_timeout")
+    if isinstance(exc, RequestFailed):  # a bug that ended this request alone (the scheduler logged it)
+        return ApiError(500, str(exc), "server_error", code="generation_failed")
     if isinstance(exc, PrintpressError):
         return ApiError(400, str(exc))
     logger.exception("internal error")
@@ -86,20 +88,47 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    first = _most_telling(errors)
+    param, union = _where(first.get("loc", ()))
     kind = first.get("type", "")
     if kind == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
+    if kind == "missing" and param is None:
+        return "the request body is empty; expected a JSON object", None
     if kind == "extra_forbidden":
         return f"unknown field '{param}' (not supported by this server)", param
     if kind == "missing":
         return f"missing required field '{param}'", param
-    if not loc:
+    if param is None:
         return f"the body must be a JSON object: {first.get('msg')}", None
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return f"{param}: {first.get('msg')}{more}", param
+    if union is not None and kind != "value_error":  # no member of a union (str | list[int] | ...) took the value
+        at = union[0]
+        members = dict.fromkeys(u[1] for u in (_where(e.get("loc", ()))[1] for e in errors) if u and u[0] == at)
+        return f"{at} has the wrong type: expected one of {', '.join(members)}", at
+    message = str(first.get("msg", "")).removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 and union is None else ""
+    return f"{param}: {message}{more}", param
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """A failed check of a value (a lone surrogate, a bad chat name) says more than a union's wrong types."""
+    return next((e for e in errors if e.get("type") == "value_error"), errors[0])
+
+
+def _where(loc) -> tuple[str | None, tuple[str, str] | None]:
+    """pydantic's error location as the field path a client wrote ("messages.0.content"), and, when it passes a
+    union, the path up to it and the member it names ("str", "list[TextPart]": not fields, so not in the path)."""
+    path: list[str] = []
+    union = None
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, int) or (part.isidentifier() and part.islower() and part not in _TYPE_NAMES):
+            path.append(str(part))
+        elif union is None:
+            union = (".".join(path), part)
+    return ".".join(path) or None, union
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool"})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -163,6 +192,45 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class HostCheck:
+    """ASGI middleware for a server without an API key: answer only requests whose `Host` names an allowed host.
+
+    Loopback is reachable only from this machine, but a web page open in its browser can point a name of its own
+    at 127.0.0.1 (DNS rebinding) and then read the API's answers as same-origin. Those requests carry the page's
+    name in `Host`, so refusing names the server was not told it has stops them (as Jupyter guards its server).
+    `"*"` in `allowed` turns the check off.
+    """
+
+    def __init__(self, app, allowed: Iterable[str]) -> None:
+        self.app = app
+        self.allowed = frozenset(host_name(name) for name in allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or "*" in self.allowed:
+            return await self.app(scope, receive, send)
+        host = host_name(dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1"))
+        if host in self.allowed:
+            return await self.app(scope, receive, send)
+        names = ", ".join(f"[{n}]" if ":" in n else n for n in sorted(self.allowed))
+        refused = ApiError(403, f"this server has no API key, so it answers only requests addressed to {names} "
+                                "(a guard against DNS rebinding); start it with --allowed-hosts to add a name, or "
+                                "with an API key", "permission_error", code="host_not_allowed")
+        return await refused.response()(scope, receive, send)
+
+
+def host_name(host: str) -> str:
+    """The host of a `Host` header or a host name, without port, brackets or trailing dot, in lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        host = host[1:].split("]", 1)[0]
+    elif host.count(":") == 1:  # name:port (a bare IPv6 address has several colons)
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
 # ------------------------------------------------------------------------------------------------
 # State and dependencies
 # ------------------------------------------------------------------------------------------------
@@ -176,6 +244,7 @@ class ServerState:
     max_new_tokens: int  # the longest output a request may ask for
     max_prompt_tokens: int
     max_steps: int = 1024  # the most denoising steps per canvas a request may ask for
+    max_prompt_chars: int | None = None  # longer text cannot fit max_prompt_tokens (`prompt_chars_limit`)
     api_key: str | None = None
     chat: ChatFormatter = field(default_factory=ChatFormatter)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -296,6 +365,24 @@ def settings_for(st: ServerState, body: p.GenerationFields, max_tokens: int):
         confidence_threshold=body.confidence_threshold, sample_accepted_only=body.sample_accepted_only,
         temperature=body.temperature, top_k=body.top_k,
     )
+
+
+def prompt_chars_limit(tokenizer, max_prompt_tokens: int) -> int | None:
+    """The longest text that can tokenise to `max_prompt_tokens` tokens or fewer: that many times the longest
+    token of the vocabulary, in characters of its stored form (one per byte for byte-level BPE, so never fewer
+    than the text it stands for). Text over it is refused before it is tokenised, which for a body of a few
+    megabytes takes seconds of a server thread. None without a tokenizer (text is refused anyway)."""
+    if tokenizer is None:
+        return None
+    return max_prompt_tokens * max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
+def check_text_size(st: ServerState, text: str, what: str, param: str) -> None:
+    """400 `prompt_too_long` for text too long to fit the prompt limit, before tokenising it."""
+    if st.max_prompt_chars is not None and len(text) > st.max_prompt_chars:
+        raise ApiError(400, f"{what} has {len(text)} characters; this server accepts at most "
+                            f"{st.max_prompt_tokens} tokens, which no text over {st.max_prompt_chars} characters "
+                            "fits in", param=param, code="prompt_too_long")
 
 
 def check_prompt(st: ServerState, ids: list[int]) -> None:
@@ -509,12 +596,14 @@ def _sum_usage(jobs: Sequence[Job]) -> p.Usage:
 async def prompt_ids_of(st: ServerState, prompt) -> list[list[int]]:
     """The prompt field as token-id lists (text is tokenized off the event loop)."""
     if isinstance(prompt, str):
-        return [await run_in_threadpool(st.pipeline.encode_text, prompt)]
+        prompt = [prompt]
     if not prompt:
         raise ApiError(400, "prompt is empty", param="prompt")
     if all(isinstance(x, int) for x in prompt):
         prompts = [list(prompt)]
     elif all(isinstance(x, str) for x in prompt):
+        for text in prompt:
+            check_text_size(st, text, "the prompt", "prompt")
         prompts = [await run_in_threadpool(st.pipeline.encode_text, x) for x in prompt]
     else:
         prompts = [list(x) for x in prompt]
@@ -586,6 +675,7 @@ def api_router() -> APIRouter:
                         is not None else (body.max_tokens, "max_tokens"))
         max_tokens = max_tokens_for(st, asked, param)
         text = st.chat(body.messages)
+        check_text_size(st, text, "the conversation (in the chat template)", "messages")
         ids = await run_in_threadpool(st.pipeline.encode_text, text)
         jobs = submit_jobs(st, [ids], body, max_tokens, body.stream and body.stream_steps)
         rid, created = _new_id("chatcmpl"), int(time.time())
@@ -714,11 +804,12 @@ def _document_model_name(app: FastAPI, model_name: str) -> None:
 def create_app(pipeline, scheduler, *, model_name: str, max_new_tokens: int, max_prompt_tokens: int,
                max_steps: int = 1024, api_key: str | None = None, chat: ChatFormatter | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_scheduler: bool = True,
-               extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
+               extra_routers: Sequence[APIRouter] = (), allowed_hosts: Iterable[str] = ()) -> FastAPI:
     """The FastAPI app over a pipeline and its scheduler.
 
     With `manage_scheduler` the app starts the scheduler on startup and closes it on shutdown. `api_key`
-    (None: open) is held only here and compared in constant time; it is never logged.
+    (None: open) is held only here and compared in constant time; it is never logged. Without a key the app
+    answers only requests addressed (`Host`) to a loopback name or one of `allowed_hosts` (`HostCheck`).
     """
     from contextlib import asynccontextmanager
 
@@ -735,15 +826,19 @@ def create_app(pipeline, scheduler, *, model_name: str, max_new_tokens: int, max
     from printpress import __version__
 
     # No /docs or /redoc: FastAPI's pages load their scripts from a CDN; /openapi.json is served.
+    # No trailing-slash redirects: Starlette builds their Location from the request's Host header.
     app = FastAPI(title="printpress", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="An OpenAI-compatible API for text-diffusion models, with a step stream "
-                              "(see docs/server.md).")
+                  redirect_slashes=False, description="An OpenAI-compatible API for text-diffusion models, with a "
+                                                      "step stream (see docs/server.md).")
     app.state.printpress = ServerState(pipeline=pipeline, scheduler=scheduler, model_name=model_name,
                                        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                                       max_steps=max_steps, api_key=api_key or None, chat=chat or ChatFormatter())
+                                       max_steps=max_steps, api_key=api_key or None, chat=chat or ChatFormatter(),
+                                       max_prompt_chars=prompt_chars_limit(pipeline.tokenizer, max_prompt_tokens))
     _document_model_name(app, model_name)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if not api_key:  # added last, so it runs first: a refused Host costs nothing
+        app.add_middleware(HostCheck, allowed=[*LOOPBACK_HOSTS, *allowed_hosts])
     app.include_router(api_router())
     app.include_router(health_router())
     for router in extra_routers:

@@ -2,7 +2,8 @@
 
 Binds to 127.0.0.1 by default. With --api-key KEY (or the PRINTPRESS_API_KEY environment variable, which
 keeps the key out of the process list) every /v1 route needs `Authorization: Bearer KEY`. The key is never
-printed or logged.
+printed or logged. Without a key the server answers only requests addressed (Host header) to localhost,
+127.0.0.1, [::1], the --host it binds, or a name given with --allowed-hosts: a guard against DNS rebinding.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set {API_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="without an API key, host names (comma separated) requests may be addressed to besides "
+                        "localhost, 127.0.0.1, [::1] and --host; '*' allows any")
     limits = p.add_argument_group("limits (beyond them: 429 or 400 with a JSON error)")
     limits.add_argument("--max-rows", type=int, default=16, help="requests generated at once (default 16)")
     limits.add_argument("--max-queued", type=int, default=64, help="requests waiting for a row (default 64)")
@@ -76,14 +80,21 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (folder.name if folder else str(args.model))
     app = create_app(pipeline, scheduler, model_name=name, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=max_prompt, max_steps=args.max_steps, api_key=api_key, chat=ChatFormatter(template, specials),
-                     max_body_bytes=args.max_body_bytes, extra_routers=[edits_router()])
+                     max_body_bytes=args.max_body_bytes, extra_routers=[edits_router()],
+                     allowed_hosts=_allowed_hosts(args))
     if not _is_loopback(args.host) and api_key is None:
-        logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it, addressing it by a "
+                       "name given with --allowed-hosts", args.host)
     print(f"printpress: serving {name} on http://{_url_host(args.host)}:{args.port} "
           f"({'API key required' if api_key else 'no API key'}); the page is at /, the API under /v1",
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _allowed_hosts(args: argparse.Namespace) -> list[str]:
+    """The names a key-less server answers besides loopback's: the address it binds and --allowed-hosts."""
+    return [args.host, *(name.strip() for name in args.allowed_hosts.split(",") if name.strip())]
 
 
 def _model_folder(model: str | None) -> Path | None:

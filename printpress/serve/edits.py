@@ -36,6 +36,7 @@ from printpress.serve.app import (
     _from_library,
     _new_id,
     check_model,
+    check_text_size,
     guarded,
     require_key,
     sse,
@@ -96,8 +97,6 @@ def build_stream(st: ServerState, body: p.EditRequest):
         raise ApiError(400, f"a rewrite needs both text and span; '{missing}' is missing", param=missing)
     if not rewriting and body.prefix is None and body.suffix is None:
         raise ApiError(400, "nothing to edit: give text and span (rewrite) or prefix and/or suffix (infill)")
-    for name in ("text", "prefix", "suffix"):
-        _check_unicode(getattr(body, name), name)
     if isinstance(body.length, list) and len(body.length) > p.MAX_EDIT_LENGTHS:
         raise ApiError(400, f"length lists {len(body.length)} lengths; a search tries at most {p.MAX_EDIT_LENGTHS}",
                        param="length")
@@ -124,10 +123,12 @@ def build_stream(st: ServerState, body: p.EditRequest):
         prefix, suffix = body.prefix or "", body.suffix or ""
     if st.pipeline.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer (tokenizer.json), so it cannot edit text")
+    param = "text" if rewriting else "prefix"
+    check_text_size(st, prefix + suffix, "the text around the span", param)
     context = _count_tokens(st, prefix) + _count_tokens(st, suffix)
     if context > st.max_prompt_tokens:
         raise ApiError(400, f"the text around the span has {context} tokens; this server accepts at most "
-                            f"{st.max_prompt_tokens}", param="text" if rewriting else "prefix", code="prompt_too_long")
+                            f"{st.max_prompt_tokens}", param=param, code="prompt_too_long")
     settings = {
         "max_denoising_steps": body.steps, "entropy_bound": body.entropy_bound, "t_min": body.t_min,
         "t_max": body.t_max, "stability_threshold": body.stability_threshold,
@@ -140,17 +141,6 @@ def build_stream(st: ServerState, body: p.EditRequest):
     if rewriting:
         return editing.rewrite_stream(st.pipeline, body.text, start, end, **common)
     return editing.infill_stream(st.pipeline, prefix, suffix, **common)
-
-
-def _check_unicode(text: str | None, name: str) -> None:
-    """JSON may carry lone surrogates ("\\ud800"); they are not text and no tokenizer takes them."""
-    if text is None:
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ApiError(400, f"{name} is not valid Unicode: a lone surrogate at character {exc.start}",
-                       param=name) from None
 
 
 def _count_tokens(st: ServerState, text: str) -> int:

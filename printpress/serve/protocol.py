@@ -5,6 +5,10 @@ honour, and forbid every other field, so a typo or an unsupported option ("top_p
 names the field instead of being silently ignored. The diffusion settings are extra top-level fields
 (`steps`, `entropy_bound`, `t_min`, `t_max`, ...), which the openai client sends with `extra_body={...}`.
 
+Types are strict (pydantic's strict mode): "5" or 5.0 is not an integer, 1 is not a boolean, `true` is not a
+token id, so a client's mistake is a 400 naming the field rather than a guess. Every string, however deep,
+must be whole Unicode: JSON can carry a lone surrogate ("\\ud800"), which no tokenizer takes.
+
 Value ranges that are the same for every deployment are checked here (pydantic); limits that are settings
 of the server (longest output, longest prompt) and checks that need the model (vocabulary, temperature
 schedule) are made by the app, which answers with the same error shape.
@@ -12,9 +16,10 @@ schedule) are made by the app, which answers with the same error shape.
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 4
@@ -22,7 +27,28 @@ MAX_PROMPTS = 16  # prompts in one /v1/completions request (each takes its own s
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request (part): unknown fields refused, strict types, whole Unicode strings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _whole_unicode(cls, value):
+        _refuse_lone_surrogates(value)
+        return value
+
+
+def _refuse_lone_surrogates(value) -> None:
+    """A string (or a list holding strings) with a lone surrogate is refused: it is not text, and the tokenizer,
+    the template or the JSON answer would fail on it with a 500."""
+    if isinstance(value, list):
+        for item in value:
+            _refuse_lone_surrogates(item)
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"not valid Unicode: a lone surrogate at character {exc.start}") from None
 
 
 class StreamOptions(_Strict):
@@ -80,7 +106,24 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = Field(None, max_length=64, description="The speaker's name (the plain template uses it).")
+    name: str | None = Field(None, max_length=64, description="The speaker's name (the plain template uses it); no "
+                             "':', line breaks or control characters.")
+
+    @field_validator("name")
+    @classmethod
+    def _speaker_label(cls, name: str | None) -> str | None:
+        """The plain template writes the name as the speaker label ("NAME: text"), so a line break or a ':' in it
+        could forge a turn (the name "X: hi\\n\\nASSISTANT" would put words in the assistant's mouth); such names,
+        and control or format characters (zero-width, bidi), are refused."""
+        if name is not None and any(map(_breaks_a_label, name)):
+            raise ValueError("a name may not contain ':', line breaks or control characters: it becomes the speaker "
+                             "label of the chat template")
+        return name
+
+
+def _breaks_a_label(char: str) -> bool:
+    """':', a control, format or private character, or a line or paragraph separator."""
+    return char == ":" or unicodedata.category(char)[0] == "C" or unicodedata.category(char) in ("Zl", "Zp")
 
 
 class ChatCompletionRequest(GenerationFields):

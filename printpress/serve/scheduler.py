@@ -8,8 +8,12 @@ Diffusion requests share decoder steps (continuous batching, `printpress.diffusi
 between two steps the worker admits waiting requests up to `Limits.max_rows`, drops cancelled and
 timed-out ones, and then runs one decoder pass over every admitted request. AR and speculative
 requests are interleaved with them, one token (or one verified draft) per request per step, each in
-its own forward pass, and so are edits (`submit_stream`), one decoder pass per step. Each request draws from its own generator, so its output is what it gets
-alone with the same seed.
+its own forward pass, and so are edits (`submit_stream`), one decoder pass per step. Each request draws
+from its own generator, so its output is what it gets alone with the same seed.
+
+A request that fails fails alone: when a shared step raises, `DiffusionBatch.step` rewinds the generators
+and steps the requests one by one to find the culprit, and a stream that raises ends alone; the failed
+request's ticket gets the error (`RequestFailed` for a bug), every other request goes on unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from printpress.diffusion import DiffusionBatch
+from printpress.diffusion import DiffusionBatch, OnError
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import CommitEvent, DoneEvent, Event
 from printpress.pipeline import Pipeline, run
@@ -62,6 +66,19 @@ class RequestTimeout(PrintpressError):
 
 class SchedulerClosed(PrintpressError):
     """The scheduler is shutting down and takes no more requests."""
+
+
+class RequestFailed(Exception):
+    """A request's generation raised: a bug, not the client's fault (the server answers 500). Only this request
+    ends; the requests it shared steps with go on (`DiffusionBatch.step`, `_Streams.step`)."""
+
+    @classmethod
+    def of(cls, exc: Exception) -> RequestFailed:
+        detail = (str(exc).strip().splitlines() or [""])[0][:200]
+        failed = cls(f"generating this request failed ({type(exc).__name__}: {detail}); other requests were not "
+                     "affected")
+        failed.__cause__ = exc
+        return failed
 
 
 _END = object()  # after the DoneEvent (or an error), nothing more comes
@@ -153,17 +170,27 @@ class _Streams:
     def remove(self, handle: int) -> None:
         self.streams.pop(handle, None)
 
-    def step(self) -> list[Event]:
+    def step(self, on_error: OnError) -> list[Event]:
+        """Advance every stream; a stream that raises ends alone, its exception handed to `on_error`."""
         events: list[Event] = []
         for handle, (stream, per_commit) in list(self.streams.items()):
-            for event in stream:
-                events.append(event)
-                if isinstance(event, DoneEvent):
-                    del self.streams[handle]
-                if isinstance(event, (CommitEvent, DoneEvent)) or not per_commit:
-                    break
-            else:
-                del self.streams[handle]  # ended without a DoneEvent (it should not)
+            try:
+                events.extend(self._advance(handle, stream, per_commit))
+            except Exception as exc:  # noqa: BLE001 - handed to on_error: this request fails, the others go on
+                del self.streams[handle]
+                on_error(handle, exc)
+        return events
+
+    def _advance(self, handle: int, stream: Iterator[Event], per_commit: bool) -> list[Event]:
+        """One stream's events up to its next commit (or its next event), dropping it when it is done."""
+        events: list[Event] = []
+        for event in stream:
+            events.append(event)
+            if isinstance(event, DoneEvent):
+                del self.streams[handle]
+            if isinstance(event, (CommitEvent, DoneEvent)) or not per_commit:
+                return events
+        del self.streams[handle]  # ended without a DoneEvent (it should not)
         return events
 
 
@@ -294,7 +321,7 @@ class Scheduler:
                 continue
             except Exception as exc:  # a bug: this request fails, the server goes on
                 logger.exception("request %d failed to start", ticket.id)
-                ticket._finish(exc)
+                ticket._finish(RequestFailed.of(exc))
                 continue
             with self._lock:
                 self._running[ticket.id] = ticket
@@ -323,8 +350,8 @@ class Scheduler:
         try:
             for batch in (self._diffusion, self._streams):
                 if len(batch):
-                    events.extend(batch.step())
-        except Exception as exc:  # a bug: fail the requests in flight rather than the server
+                    events.extend(batch.step(self._fail))
+        except Exception as exc:  # a bug outside any one request: fail the requests in flight, not the server
             logger.exception("a generation step failed")
             for ticket in list(self._running.values()):
                 self._batch_for(ticket).remove(ticket.id)
@@ -336,12 +363,27 @@ class Scheduler:
         for event in events:
             ticket = self._running.get(event.request)
             if ticket is None:
-                continue
+                continue  # cancelled, or failed during the step
             ticket._put(event)
             if isinstance(event, DoneEvent):
                 with self._lock:
                     del self._running[ticket.id]
                 ticket._finish()
+
+    def _fail(self, handle: int, exc: Exception) -> None:
+        """One request's generation raised (its batch has dropped it): it ends with an error, the others go on.
+
+        A `PrintpressError` is the request's own fault and passes as it is (a 400); anything else is a bug, logged
+        with its traceback and passed on as `RequestFailed` (a 500 that says what failed).
+        """
+        with self._lock:
+            ticket = self._running.pop(handle, None)
+        if ticket is None:
+            return
+        if not isinstance(exc, PrintpressError):
+            logger.error("request %d failed; the others go on", handle, exc_info=exc)
+            exc = RequestFailed.of(exc)
+        ticket._finish(exc)
 
     def _shut_down(self) -> None:
         with self._lock:
