@@ -100,6 +100,8 @@ def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:
     if (folder / SAFE_INDEX).exists():
         return _index_shards(folder, folder / SAFE_INDEX, ".safetensors")
     if (folder / SAFE_SINGLE).exists():
+        if not (folder / SAFE_SINGLE).is_file():
+            raise CheckpointError(f"{folder / SAFE_SINGLE}: not a file")
         return [folder / SAFE_SINGLE]
     pickles = [folder / n for n in PICKLE_NAMES if (folder / n).exists()]
     if pickles:

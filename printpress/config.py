@@ -185,9 +185,17 @@ class TextConfig:
         need(self.tie_word_embeddings, "tie_word_embeddings=false (untied encoder/decoder weights) is not supported")
         need(self.use_bidirectional_attention in (None, "vision"),
              f"use_bidirectional_attention={self.use_bidirectional_attention!r} is not supported (text encoder must be causal)")
+        need(_number(self.rms_norm_eps) and self.rms_norm_eps > 0,
+             f"rms_norm_eps must be a positive number (got {self.rms_norm_eps!r})")
+        need(self.final_logit_softcapping is None or (_number(self.final_logit_softcapping)
+                                                      and self.final_logit_softcapping > 0),
+             f"final_logit_softcapping must be a positive number or null (got {self.final_logit_softcapping!r})")
+        need(isinstance(self.rope_parameters, dict), f"rope_parameters must be an object (got {self.rope_parameters!r})")
         for kind in set(self.layer_types):
             rope = self.rope_parameters.get(kind)
-            need(rope is not None, f"rope_parameters has no entry for {kind!r}")
+            need(isinstance(rope, dict), f"rope_parameters has no entry for {kind!r}")
+            need(_number(rope.get("rope_theta", 10_000.0)) and rope.get("rope_theta", 10_000.0) > 0,
+                 f"rope_theta for {kind!r} must be a positive number (got {rope.get('rope_theta')!r})")
             need(rope.get("rope_type", "default") in ("default", "proportional"),
                  f"rope_type {rope.get('rope_type')!r} for {kind!r} is not supported")
         for index, spec in enumerate(self.layers):
@@ -314,7 +322,24 @@ class GenerationConfig:
         eos = values.get("eos_token_id")
         if isinstance(eos, int):
             values["eos_token_id"] = [eos]
-        return cls(**values)
+        generation = cls(**values)
+        generation.validate()
+        return generation
+
+    def validate(self) -> None:
+        """Types only (ranges are the sampler's to check): a wrong type here would fail much later, mid-generation."""
+        def need(ok: bool, name: str, kind: str) -> None:
+            if not ok:
+                raise ConfigError(f"invalid generation_config: {name} must be {kind} (got {getattr(self, name)!r})")
+
+        for name in ("max_new_tokens", "max_denoising_steps", "stability_threshold"):
+            need(_integer(getattr(self, name)), name, "an integer")
+        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
+            need(_number(getattr(self, name)), name, "a number")
+        for name in ("pad_token_id", "bos_token_id"):
+            need(getattr(self, name) is None or _integer(getattr(self, name)), name, "a token id or null")
+        need(self.eos_token_id is None or (isinstance(self.eos_token_id, list) and all(map(_integer, self.eos_token_id))),
+             "eos_token_id", "a token id, a list of them, or null")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -331,12 +356,22 @@ class GenerationConfig:
         }
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except OSError as exc:  # a folder where the file should be, no permission, ...
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):

@@ -174,6 +174,10 @@ def test_truncated_weights_file_is_refused(reference_checkpoints, tmp_path):
         (lambda c: c["text_config"].__setitem__("sliding_window", 1), "sliding_window must be an integer >= 2"),
         (lambda c: c.pop("text_config"), "config.json has no text_config"),
         (lambda c: c.__setitem__("canvas_length", -4), "canvas_length must be a positive integer"),
+        (lambda c: c["text_config"].__setitem__("rope_parameters", "x"), "rope_parameters must be an object"),
+        (lambda c: c["text_config"].__setitem__("rms_norm_eps", "a"), "rms_norm_eps must be a positive number"),
+        (lambda c: c["text_config"].__setitem__("final_logit_softcapping", "a"),
+         "final_logit_softcapping must be a positive number or null"),
     ],
 )
 def test_invalid_config_values_are_refused(reference_checkpoints, tmp_path, change, message):
@@ -319,4 +323,25 @@ def test_absurd_sizes_are_refused_before_any_allocation(reference_checkpoints, t
 
     monkeypatch.setattr(checkpoint, "build_empty", never)
     with pytest.raises(CheckpointError, match=message):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"max_denoising_steps": "a", "eos_token_id": 1}, "max_denoising_steps must be an integer"),
+    ({"eos_token_id": "x"}, "eos_token_id must be a token id, a list of them, or null"),
+    ({"t_max": [1], "eos_token_id": 1}, "t_max must be a number"),
+])
+def test_mistyped_generation_config_is_refused_at_load(reference_checkpoints, tmp_path, content, message):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    (folder / "generation_config.json").write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match=f"invalid generation_config: {message}"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_folder_where_a_file_should_be_is_one_error(reference_checkpoints, tmp_path, name):
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    (folder / name).unlink()
+    (folder / name).mkdir()
+    with pytest.raises((ConfigError, CheckpointError), match=f"{name}: (cannot read it|not a file)"):
         load_model(folder)
