@@ -63,6 +63,9 @@ class KVCache:
         self.offsets = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Absolute position held by each ring slot of the sliding layers (-1: empty).
         self.slot_positions = torch.full((self.window,), -1, dtype=torch.long, device=device)
+        # Index tensors every sliding layer of a pass asks for, kept for the length they were made at.
+        self._order_memo: tuple[int, torch.Tensor | None] = (-1, None)
+        self._ring_memo: tuple[tuple[int, int], torch.Tensor | None] = ((-1, 0), None)
         self.layers: list[LayerKV] = []
         for spec in config.layers:
             slots = self.window if spec.sliding else max_length
@@ -97,6 +100,10 @@ class KVCache:
     def has_room(self, new_tokens: int) -> bool:
         return self.length + new_tokens <= self.max_length
 
+    def all_valid(self) -> bool:
+        """True when every cached position holds a real token (no left padding): no key needs masking."""
+        return bool(self.pad_mask[:, : self.length].all())
+
     def sliding_prefix(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sliding layer's cached keys/values, oldest first.
 
@@ -110,12 +117,18 @@ class KVCache:
         return layer.keys.index_select(2, order), layer.values.index_select(2, order)
 
     def _chronological_slots(self) -> torch.Tensor | None:
-        """Ring slots oldest-first once the ring has wrapped with the oldest not in slot 0; None otherwise."""
+        """Ring slots oldest-first once the ring has wrapped with the oldest not in slot 0; None otherwise.
+
+        Every sliding layer of a pass asks for the same order: it is kept for the current length."""
+        if self._order_memo[0] == self.length:
+            return self._order_memo[1]
         start = self.length % self.window if self.window else 0
-        if self.length <= self.window or start == 0:
-            return None
-        return torch.cat([torch.arange(start, self.window, device=self.device),
-                          torch.arange(0, start, device=self.device)])
+        order = None
+        if self.length > self.window and start != 0:
+            order = torch.cat([torch.arange(start, self.window, device=self.device),
+                               torch.arange(0, start, device=self.device)])
+        self._order_memo = (self.length, order)
+        return order
 
     @property
     def filled_slots(self) -> int:
@@ -179,9 +192,15 @@ class KVCache:
         self.length = start + new_tokens
 
     def _ring_slots(self, new_tokens: int) -> torch.Tensor:
+        """Ring slots a block of `new_tokens` starting at the current length writes (kept: every sliding layer
+        of a pass writes the same slots)."""
+        if self._ring_memo[0] == (self.length, new_tokens):
+            return self._ring_memo[1]
         keep = min(new_tokens, self.window)
         first = self.length + new_tokens - keep
-        return torch.arange(first, first + keep, device=self.device) % self.window
+        slots = torch.arange(first, first + keep, device=self.device) % self.window
+        self._ring_memo = ((self.length, new_tokens), slots)
+        return slots
 
     # -- rolling back (speculative decoding) ------------------------------------------------------------
     def snapshot(self, new_tokens: int) -> RingSnapshot:
@@ -281,6 +300,7 @@ class StackedCache:
         for row, cache in enumerate(caches):
             own = cache.prefix_valid(True)[0]
             self._sliding_valid[row, self.filled_slots - own.numel():] &= own
+        self._all_valid = bool(self._full_valid.all()) and bool(self._sliding_valid.all())
         self.layers: list[LayerKV] = []
         for index, layer in enumerate(first.layers):
             size = self.filled_slots if layer.sliding else self.max_length
@@ -311,6 +331,9 @@ class StackedCache:
 
     def has_room(self, new_tokens: int) -> bool:
         return self.length + new_tokens <= self.max_length
+
+    def all_valid(self) -> bool:
+        return self._all_valid
 
     full_with_block = KVCache.full_with_block
     row_positions = KVCache.row_positions

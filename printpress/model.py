@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from torch import nn
 
 from printpress.cache import KVCache
 from printpress.config import FULL, SLIDING, LayerSpec, TextConfig
+
+if TYPE_CHECKING:
+    from printpress.fast import CompiledARStep
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LogitsMode = Literal["all", "last", "none"]
@@ -34,6 +37,16 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return F.silu
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in fp32: the part of Gemma's RMSNorm before its weight.
+
+    Several norms of a layer read the same tensor and differ only in their weights (the dense MLP's, the experts'
+    and the router's; the keys' and the values' on K=V layers): they share this, saving five kernels each, with
+    the same operations on the same values, so the result is bit-identical."""
+    h = x.float()
+    return h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+
+
 class RMSNorm(nn.Module):
     """Gemma 4 RMSNorm: computed in fp32, scaled by `weight` (not `1 + weight`); optionally weightless."""
 
@@ -43,11 +56,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return self.scale(rms_normalize(x, self.eps), x.dtype)
+
+    def scale(self, normalized: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This norm's weight applied to `rms_normalize`'s output, cast back to the input's `dtype`."""
+        h = normalized
         if self.weight is not None:
-            h = h * self.weight.float()
-        return h.type_as(x)
+            h = h * (self.weight if self.weight.dtype == torch.float32 else self.weight.float())
+        return h if h.dtype == dtype else h.to(dtype)
 
 
 class GatedMLP(nn.Module):
@@ -75,7 +91,11 @@ class Router(nn.Module):
         self.root_size = config.hidden_size**-0.5
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.norm(x) * self.scale * self.root_size
+        return self.route(self.norm(x))
+
+    def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and experts (T, k) from the already normed input (`self.norm(x)`)."""
+        h = normed * self.scale * self.root_size
         probs = F.softmax(self.proj(h), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -93,6 +113,11 @@ class Experts(nn.Module):
         self.act = activation(config.hidden_activation)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._static(x, weights, experts)
+        training = torch.is_grad_enabled() and (x.requires_grad or self.gate_up_proj.requires_grad)
+        if x.shape[0] == 1 and not training:
+            return self._one_token(x, weights, experts)
         # Group the (token, slot) pairs by expert with one sort (the reference's: the row order inside a
         # group can change a threaded GEMM's rounding), run every used expert, then undo the sort.
         top_k = experts.shape[-1]
@@ -101,15 +126,43 @@ class Experts(nn.Module):
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0])
         gathered = x.index_select(0, order // top_k)
         slot_weights = weights.reshape(-1).index_select(0, order)
-        if torch.is_grad_enabled() and (x.requires_grad or self.gate_up_proj.requires_grad):
+        if training:
             out = self._expert_loop(gathered, counts.tolist())  # grouped_mm has no CPU backward
         else:
             out = self._grouped(gathered, torch.cumsum(counts, dim=0, dtype=torch.int32))
         # As the reference: weight by the fp32 router weights, put the (token, slot) rows back in order and sum
         # each token's k expert outputs in slot order. The same summation order keeps the result bit-equal.
-        weighted = torch.empty_like(out, dtype=slot_weights.dtype)
-        weighted[order] = out * slot_weights[:, None]
+        weighted = torch.empty_like(out, dtype=slot_weights.dtype).index_copy_(0, order, out * slot_weights[:, None])
         return weighted.view(-1, top_k, x.shape[-1]).sum(dim=1).to(x.dtype)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """One token (an AR step): its k experts one after the other, with no sort, gather or scatter.
+
+        Each expert sees the one-row GEMMs the grouped path runs for it, and the k weighted outputs are summed in
+        slot order as there, so the result is bit-identical; the grouped path would also run an empty GEMM for
+        every expert the token does not use."""
+        rows = []
+        for expert in experts[0].tolist():
+            gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            rows.append(F.linear(self.act(gate) * up, self.down_proj[expert]))
+        weighted = torch.cat(rows) * weights.reshape(-1, 1)
+        return weighted.sum(dim=0, keepdim=True).to(x.dtype)
+
+    def _static(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Static shapes for compiled graphs (`printpress.fast`): no sort, no sizes that depend on the routing.
+        A few tokens gather their experts' weights; more than the expert count run every expert on every token.
+        Not bit-identical to the grouped path (other kernels, other summation order)."""
+        n, k = experts.shape
+        if n * k <= self.gate_up_proj.shape[0]:
+            chosen = experts.reshape(-1)
+            rows = x.repeat_interleave(k, dim=0)[:, :, None]  # (n*k, H, 1)
+            gate, up = torch.bmm(self.gate_up_proj[chosen], rows).squeeze(-1).chunk(2, dim=-1)
+            out = torch.bmm(self.down_proj[chosen], (self.act(gate) * up)[:, :, None]).view(n, k, -1)
+        else:
+            gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # (E, n, I) each
+            every = torch.matmul(self.act(gate) * up, self.down_proj.transpose(1, 2))  # (E, n, H)
+            out = every[experts, torch.arange(n, device=x.device)[:, None]]  # (n, k, H)
+        return (out * weights[..., None]).sum(dim=1).to(x.dtype)
 
     def _grouped(self, gathered: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Two grouped GEMMs over all experts (what the reference runs): far fewer calls than a Python loop."""
@@ -144,10 +197,12 @@ def rope_inv_freq(config: TextConfig, spec: LayerSpec) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half layout: x * cos + cat(-x2, x1) * sin, written as x * cos + cat(x2, x1) * cat(-sin1, sin2).
+
+    Negating a factor of a product is exact, so this is bit-identical to the usual form; `signed_sin` is built
+    once per pass (`DiffusionGemma.rope`) and the swap is one `roll`, two kernels fewer per call."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -169,23 +224,39 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        shape: tuple[int, int],
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         kv_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        b, t, _ = x.shape
+        """Attention for x (B*T, H), the rows of `shape` = (B, T) sequences; returns (B*T, H)."""
+        return self.o_proj(self.attend(*self.project(x, shape, rope), mask, kv_fn))
+
+    def project(self, x: torch.Tensor, shape: tuple[int, int], rope: tuple[torch.Tensor, torch.Tensor]):
+        """Normed, rotated queries (B, T, heads, D), keys and values (B, kv_heads, T, D) of x (B*T, H)."""
+        b, t = shape
         cos, sin = rope
         q = rotate(self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)), cos, sin)
         k_raw = self.k_proj(x).view(b, t, -1, self.head_dim)
-        v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(b, t, -1, self.head_dim)
-        k = rotate(self.k_norm(k_raw), cos, sin).transpose(1, 2)
-        v = self.v_norm(v_raw).transpose(1, 2)
+        k_normalized = rms_normalize(k_raw, self.k_norm.eps)
+        k = rotate(self.k_norm.scale(k_normalized, x.dtype), cos, sin).transpose(1, 2)
+        if self.v_proj is None:  # K=V layer: the values are the keys' norm without its weight
+            v = self.v_norm.scale(k_normalized, x.dtype).transpose(1, 2)
+        else:
+            v = self.v_norm(self.v_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               kv_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Attention of the block's queries over the keys/values `kv_fn` joins to the block's; (B*T, heads*D),
+        before the output projection."""
+        b, t = q.shape[:2]
         k, v = kv_fn(k, v)
         # Scale 1.0: the q/k norms already set the logit scale.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=mask, scale=1.0, enable_gqa=self.num_kv_heads != self.num_heads
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return out.transpose(1, 2).reshape(b * t, -1)
 
 
 class Layer(nn.Module):
@@ -207,17 +278,32 @@ class Layer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x, rope, mask, kv_fn, encoder: bool | torch.Tensor) -> torch.Tensor:
-        """`encoder` picks the mode's layer scalar: a bool, or a (T,) bool tensor when one sequence mixes
-        encoder (clean) and decoder (canvas) tokens, as block-diffusion training does."""
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, kv_fn))
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
-        flat = x.reshape(-1, x.shape[-1])
-        weights, experts = self.router(flat)
-        sparse = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).reshape(x.shape)
+    def forward(self, x, shape: tuple[int, int], rope, mask, kv_fn, encoder: bool | torch.Tensor) -> torch.Tensor:
+        """One layer over x (B*T, H), the rows of `shape` = (B, T) sequences. Rows, not (B, T, H): every linear
+        is then one mm, without the views matmul wraps around a 3-D input (the same mm, so the same bits).
+
+        `encoder` picks the mode's layer scalar: a bool, or a (T,) bool tensor when one sequence mixes encoder
+        (clean) and decoder (canvas) tokens, as block-diffusion training does."""
+        attended = self.self_attn.attend(*self.attention_inputs(x, shape, rope), mask, kv_fn)
+        return self.after_attention(x, attended, shape, encoder)
+
+    def attention_inputs(self, x: torch.Tensor, shape: tuple[int, int], rope: tuple[torch.Tensor, torch.Tensor]):
+        """Queries, keys and values of the layer's input (the part before the cache is read)."""
+        return self.self_attn.project(self.input_layernorm(x), shape, rope)
+
+    def after_attention(self, x: torch.Tensor, attended: torch.Tensor, shape: tuple[int, int],
+                        encoder: bool | torch.Tensor) -> torch.Tensor:
+        """The rest of the layer, from the attention output (before `o_proj`): per token, no cache."""
+        x = x + self.post_attention_layernorm(self.self_attn.o_proj(attended))
+        # The dense MLP, the experts and the router each norm this same x: normalize once, weight three times.
+        normalized = rms_normalize(x, self.pre_feedforward_layernorm.eps)
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm.scale(normalized, x.dtype)))
+        weights, experts = self.router.route(self.router.norm.scale(normalized, x.dtype))
+        sparse = self.experts(self.pre_feedforward_layernorm_2.scale(normalized, x.dtype), weights, experts)
         x = x + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
         if isinstance(encoder, torch.Tensor):
-            return x * torch.where(encoder[:, None], self.encoder_layer_scalar, self.layer_scalar)
+            scalar = torch.where(encoder[:, None], self.encoder_layer_scalar, self.layer_scalar)
+            return (x.view(*shape, -1) * scalar).view(x.shape)
         return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
 
 
@@ -265,6 +351,9 @@ class DiffusionGemma(nn.Module):
         self.self_conditioning = SelfConditioning(config)
         for name, value in self.rope_buffers(config).items():
             self.register_buffer(name, value, persistent=False)
+        self._rope_memo: tuple | None = None  # (key, positions, tables) of the last canvas (`_canvas_rope`)
+        # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
+        self.compiled_ar_step: CompiledARStep | None = None
         self.reset_parameters()
 
     @staticmethod
@@ -330,25 +419,33 @@ class DiffusionGemma(nn.Module):
         return logits.div_(cap).tanh_().mul_(cap)  # in place: a (B, C, vocab) tensor per step at inference
 
     def rope(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin per layer kind for `positions` (T,) or per row (B, T), shaped (1 or B, T, 1, D)."""
+        """cos and signed sin (see `rotate`) per layer kind for `positions` (T,) or per row (B, T), shaped
+        (1 or B, T, 1, D)."""
         out = {}
         rows = positions if positions.dim() == 2 else positions[None]
         for kind in _first_spec_per_kind(self.config):
             freqs = rows.float()[..., None] * getattr(self, f"{kind}_inv_freq").float()
             emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
-            out[kind == "sliding"] = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+            sin = emb.sin().to(self.dtype)
+            half = sin.shape[-1] // 2
+            out[kind == "sliding"] = (emb.cos().to(self.dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
         return out
 
     def run_layers(
-        self, x: torch.Tensor, positions: torch.Tensor, masks: Masks, kv_fn: KVFn | None, encoder: bool | torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor, masks: Masks, kv_fn: KVFn | None, encoder: bool | torch.Tensor,
+        ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """All layers and the final norm. `kv_fn(layer, k, v)` turns the block's keys/values into the keys/values
-        it attends to (joining a cache); None attends within the block only."""
-        ropes = self.rope(positions)
+        it attends to (joining a cache); None attends within the block only. `ropes`: `self.rope(positions)`,
+        if the caller already has it."""
+        if ropes is None:
+            ropes = self.rope(positions)
+        b, t, h = x.shape
+        x = x.reshape(b * t, h)
         for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
             layer_kv = _identity_kv if kv_fn is None else (lambda k, v, i=index: kv_fn(i, k, v))
-            x = layer(x, ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
-        return self.norm(x)
+            x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
+        return self.norm(x).view(b, t, h)
 
     # -- encoder --------------------------------------------------------------------------------------------
     def encode(
@@ -363,15 +460,17 @@ class DiffusionGemma(nn.Module):
         `attention_mask` (B, T) marks real tokens (False for left padding). Returns float32 next-token
         logits for every position ("all"), the last one ("last"), or nothing ("none").
         """
+        step = self.compiled_ar_step
+        if step is not None and step.covers(input_ids, cache, attention_mask, logits):
+            out = step(input_ids, cache)
+            if out is not None:
+                return out
         t = input_ids.shape[1]
         cache.check_room(t)
         start = cache.length
         positions = torch.arange(start, start + t, device=input_ids.device)
         new_valid = None if attention_mask is None else attention_mask.to(torch.bool)
-        masks = Masks(
-            sliding=self._encoder_mask(cache, positions, new_valid, sliding=True) if self._has(True) else None,
-            full=self._encoder_mask(cache, positions, new_valid, sliding=False) if self._has(False) else None,
-        )
+        masks = self._encoder_masks(cache, positions, new_valid)
 
         def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if not self.specs[index].sliding:
@@ -391,6 +490,19 @@ class DiffusionGemma(nn.Module):
 
     def _has(self, sliding: bool) -> bool:
         return any(spec.sliding == sliding for spec in self.specs)
+
+    def _encoder_masks(self, cache: KVCache, positions: torch.Tensor, new_valid: torch.Tensor | None) -> Masks:
+        """Causal (and windowed) masks over cached + new keys, None where every key is visible.
+
+        One new token with no padding anywhere (an AR step) sees every cached key: the causal rule allows all of
+        them and the sliding ring holds only the window before it. Attention without a mask is bit-identical to
+        attention with an all-true one, and skipping it saves ~25 kernels per step."""
+        if len(positions) == 1 and (new_valid is None or bool(new_valid.all())) and cache.all_valid():
+            return Masks(sliding=None, full=None)
+        return Masks(
+            sliding=self._encoder_mask(cache, positions, new_valid, sliding=True) if self._has(True) else None,
+            full=self._encoder_mask(cache, positions, new_valid, sliding=False) if self._has(False) else None,
+        )
 
     def _encoder_mask(self, cache: KVCache, positions: torch.Tensor, new_valid, sliding: bool) -> torch.Tensor | None:
         key_positions = torch.cat([cache.prefix_positions(sliding), positions])
@@ -420,7 +532,6 @@ class DiffusionGemma(nn.Module):
         has it (the sampler does: passing it saves one softmax over the vocabulary per step).
         `self_conditioning_mask` (B,) marks rows that have a previous step (the others get none)."""
         c = canvas_ids.shape[1]
-        positions = torch.arange(cache.length, cache.length + c, device=canvas_ids.device)
         x = self.embed_canvas(canvas_ids, self_conditioning_logits, self_conditioning_mask, probs=self_conditioning_probs)
         masks = Masks(sliding=self._decoder_mask(cache, c, sliding=True), full=self._decoder_mask(cache, c, sliding=False))
         scratch = cache.has_room(c)  # free slots after the prefix hold the canvas: no copy of the prefix
@@ -431,9 +542,21 @@ class DiffusionGemma(nn.Module):
             past_k, past_v = cache.sliding_prefix(index) if self.specs[index].sliding else cache.full_prefix(index)
             return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
-        return self.logits(self.run_layers(x, cache.row_positions(positions), masks, kv_fn, encoder=False))
+        positions, ropes = self._canvas_rope(cache, c, canvas_ids.device)
+        return self.logits(self.run_layers(x, positions, masks, kv_fn, encoder=False, ropes=ropes))
+
+    def _canvas_rope(self, cache: KVCache, canvas: int, device: torch.device) -> tuple[torch.Tensor, dict]:
+        """Positions and RoPE tables of a canvas after `cache`. Every denoising step of a canvas has the same
+        positions, so the last call's are kept while the cache length, canvas length and row offsets match."""
+        key = (cache.length, canvas, tuple(cache.offsets.tolist()), self.dtype, device)
+        if self._rope_memo is None or self._rope_memo[0] != key:
+            positions = cache.row_positions(torch.arange(cache.length, cache.length + canvas, device=device))
+            self._rope_memo = (key, positions, self.rope(positions))
+        return self._rope_memo[1], self._rope_memo[2]
 
     def _decoder_mask(self, cache: KVCache, canvas: int, sliding: bool) -> torch.Tensor | None:
+        if cache.all_valid():
+            return None
         past_valid = cache.prefix_valid(sliding)
         if bool(past_valid.all()):
             return None

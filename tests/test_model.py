@@ -229,3 +229,43 @@ def test_expert_loop_for_training_equals_the_grouped_path_for_inference():
     with torch.no_grad():
         inferred = experts(x, weights, chosen)  # grouped_mm
     assert torch.equal(trained.detach(), inferred)
+
+
+@pytest.mark.parametrize("name", ["gqa", "default_pattern", "twelve_layers"])
+@torch.no_grad()
+def test_ar_steps_without_a_mask_are_bit_equal_to_masked_ones(pairs, name, monkeypatch):
+    """An AR step with no padding attends with no mask (it sees every cached key): bit-identical to building the
+    all-true causal and window masks, well past the sliding window."""
+    from printpress.cache import KVCache
+
+    _, model, config = pairs[name]
+    ids = prompt(config.text.vocab_size, 1, 3 * config.text.sliding_window + 5, seed=21)
+
+    def steps() -> list[torch.Tensor]:
+        cache = model.new_cache(1, 64)
+        return [model.encode(ids[:, i : i + 1], cache, logits="last") for i in range(ids.shape[1])]
+
+    unmasked = steps()
+    monkeypatch.setattr(KVCache, "all_valid", lambda self: False)  # forces the masks to be built
+    masked = steps()
+    assert all(torch.equal(a, b) for a, b in zip(unmasked, masked))
+
+
+def test_one_token_expert_path_equals_the_per_expert_loop():
+    """The AR step's expert path (no sort, gather or scatter) runs the same one-row GEMMs as the loop (which equals
+    the grouped path, test above) and sums the k slots in the same order."""
+    from printpress.config import TextConfig
+    from printpress.model import Experts
+
+    text = TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, num_experts=8, top_k_experts=3, moe_intermediate_size=16)
+    experts = Experts(text)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        x, weights = torch.randn(1, 32, generator=g), torch.rand(1, 3, generator=g)
+        chosen = torch.randperm(8, generator=g)[:3][None]
+        looped = experts(x, weights, chosen).detach()  # parameters require grad: the per-expert loop
+        with torch.no_grad():
+            assert torch.equal(experts(x, weights, chosen), looped)  # the one-token path

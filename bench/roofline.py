@@ -1,0 +1,439 @@
+"""Roofline: how far each hot-path operation of the engine is from this machine's limits.
+
+One process, one thread (by default). It measures the machine, then the engine:
+
+1. **The roofs.** fp32 GEMM throughput (square `torch.mm`, the best of a few sizes: the peak a forward could reach
+   if it were all large GEMMs), bf16 GEMM throughput *only as a note* when the CPU has no native bf16
+   (`avx512_bf16` / `amx_bf16` absent from /proc/cpuinfo: then bf16 matmuls are emulated and far slower than fp32),
+   read bandwidth (`x.sum()` over an array sized for the L2, the L3 and DRAM), and the rate of an element-wise
+   transcendental (`torch.exp` over a canvas x vocabulary tensor, in cache), the sampler's kind of work.
+2. **The work.** For the shipped model (models/shakespeare-joint) and the bandwidth-bound benchmark size (the
+   99.7M-parameter `large` config of bench/engine_speed.py, random weights), after a 64-token prefix: one AR step
+   (`model.encode` of 1 token, `logits="last"`), one self-conditioned decoder pass (`model.denoise`) per canvas
+   length, and one sampler step (`printpress.canvas.denoise_step` on that canvas's logits), in exact mode and with
+   `sample_accepted_only`. Each gets a predicted time from an analytic count of its FLOPs and bytes (`ar_work`,
+   `decoder_work`, `sampler_work`): compute = FLOPs / GEMM peak, memory = bytes / the read bandwidth of the
+   smallest memory level its working set fits in, roofline = the larger. The ratio measured / roofline says how
+   far the engine is from the machine (1.0 = at the limit). `--compiled` adds the opt-in compiled AR step
+   (`printpress.fast.compile_ar_step`, not bit-exact) on the same weights.
+
+The workloads of one model are timed interleaved (one repetition of each in turn), so a change in the machine's
+load hits them alike; medians and minima are reported, and the 1-minute load average at the start and the end
+(the machine may be shared: ratios measured in one run are what matter).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/roofline.py --compiled --out docs/results/roofline.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/roofline.py --models shipped --reps 3 --out /tmp/roofline.json  # smoke
+
+Writes the JSON and, beside it, the markdown table (`.md`) that docs/benchmarks.md quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import printpress
+from printpress import canvas as canvas_step
+from printpress.config import TextConfig
+from printpress.fast import compile_ar_step
+from printpress.model import DiffusionGemma
+from printpress.sampling import SamplerSettings, StabilityTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_speed import SIZES, cpu_caches  # noqa: E402  (the benchmark sizes live there)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "models" / "shakespeare-joint"
+FP32 = 4  # bytes
+
+
+# --------------------------------------------------------------------------------------------
+# The machine's roofs
+# --------------------------------------------------------------------------------------------
+
+
+def timings(fn: Callable[[], Any], reps: int) -> list[float]:
+    """Seconds per call over `reps` calls after one warm-up call."""
+    fn()
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gemm_rate(dtype: torch.dtype, sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """FLOP/s of square n x n matmuls: the median and best call per size; `peak` is the best over all."""
+    per_size = {}
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        seconds = timings(lambda: a @ b, reps)
+        per_size[n] = {"median_gflop_s": 2 * n**3 / statistics.median(seconds) / 1e9,
+                       "best_gflop_s": 2 * n**3 / min(seconds) / 1e9}
+    return {"per_size": per_size, "peak_gflop_s": max(p["best_gflop_s"] for p in per_size.values())}
+
+
+def read_bandwidth(nbytes: int, reps: int) -> dict[str, float]:
+    """Read bandwidth of `x.sum()` over an fp32 array of `nbytes` (a streaming read, as weights are read)."""
+    x = torch.rand(nbytes // FP32)
+    seconds = timings(lambda: x.sum(), reps)
+    return {"bytes": nbytes, "median_gb_s": nbytes / statistics.median(seconds) / 1e9,
+            "best_gb_s": nbytes / min(seconds) / 1e9}
+
+
+def exp_rate(elements: int, reps: int) -> dict[str, float]:
+    x = torch.randn(elements)
+    seconds = timings(lambda: torch.exp(x), reps)
+    return {"elements": elements, "median_gelem_s": elements / statistics.median(seconds) / 1e9,
+            "best_gelem_s": elements / min(seconds) / 1e9}
+
+
+def measure_roofs(caches: dict[str, int], quick: bool) -> dict[str, Any]:
+    """The machine's limits, measured on this thread now. Peaks are the best call (the least disturbed)."""
+    flags = cpu_flags()
+    native_bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
+    sizes = (512, 1024) if quick else (512, 1024, 2048)
+    roofs: dict[str, Any] = {"fp32_gemm": gemm_rate(torch.float32, sizes, 3 if quick else 7)}
+    if native_bf16:
+        roofs["bf16_gemm"] = gemm_rate(torch.bfloat16, sizes, 3 if quick else 7)
+    else:  # a note, not a roof: without native bf16 the matmul is emulated
+        roofs["bf16_gemm"] = {**gemm_rate(torch.bfloat16, (512,), 2), "native": False,
+                              "note": "no avx512_bf16/amx_bf16: bf16 matmuls are emulated (fp32 is the fast dtype)"}
+    l2, l3 = caches.get("L2", 2**20), caches.get("L3", 32 * 2**20)
+    levels = {"L2": l2 // 2, "L3": l3 // 2, "DRAM": max(8 * l3, 256 * 2**20)}
+    roofs["read_bandwidth"] = {level: read_bandwidth(size, 3 if quick else (41 if level == "L2" else 9))
+                               for level, size in levels.items()}
+    roofs["level_capacity_bytes"] = {"L2": l2, "L3": l3}
+    roofs["exp"] = exp_rate(32 * 4096, 9 if quick else 41)
+    return roofs
+
+
+# --------------------------------------------------------------------------------------------
+# The work: analytic FLOPs and bytes (fp32)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Work:
+    """What one operation must do at the least: FLOPs (GEMMs and attention), bytes it must read or write,
+    the bytes its repeated runs keep hot (which memory level serves it), and transcendentals (the sampler)."""
+
+    flop: float
+    bytes: float
+    working_set: float
+    transcendentals: float = 0.0
+
+
+def layer_macs(text: TextConfig, tokens: int, keys_per_layer: list[int]) -> float:
+    """Multiply-adds of the layers for `tokens` new positions; attention counted as QK^T plus AV."""
+    h, i, e, k, m = (text.hidden_size, text.intermediate_size, text.num_experts, text.top_k_experts,
+                     text.moe_intermediate_size)
+    macs = 0.0
+    for spec, keys in zip(text.layers, keys_per_layer):
+        q, kv = text.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        projections = h * q + h * kv * (1 if spec.shares_kv else 2) + q * h
+        macs += tokens * (projections + 3 * h * i + e * h + k * 3 * h * m) + 2 * tokens * q * keys
+    return macs
+
+
+def layer_weight_params(text: TextConfig, used_experts: float) -> float:
+    """Weights the layers read (norm vectors left out): attention, dense MLP, router, the experts used."""
+    h, i, e, m = text.hidden_size, text.intermediate_size, text.num_experts, text.moe_intermediate_size
+    total = 0.0
+    for spec in text.layers:
+        q, kv = text.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        total += h * q + h * kv * (1 if spec.shares_kv else 2) + q * h + 3 * h * i + e * h + used_experts * 3 * h * m
+    return total
+
+
+def kv_read_params(text: TextConfig, context: int) -> float:
+    """Cached keys and values the layers read (both tensors per layer)."""
+    window = text.sliding_window - 1
+    return sum(2 * (min(context, window) if spec.sliding else context) * spec.num_kv_heads * spec.head_dim
+               for spec in text.layers)
+
+
+def keys_seen(text: TextConfig, context: int, tokens: int) -> list[int]:
+    window = text.sliding_window - 1
+    return [(min(context, window) if spec.sliding else context) + tokens for spec in text.layers]
+
+
+def model_bytes(text: TextConfig) -> float:
+    return FP32 * text.num_parameters()
+
+
+def ar_work(text: TextConfig, context: int) -> Work:
+    """One AR step: 1 token through the layers, the LM head on it; reads the routed experts only."""
+    h, v = text.hidden_size, text.vocab_size
+    macs = layer_macs(text, 1, keys_seen(text, context, 1)) + h * v
+    params = layer_weight_params(text, text.top_k_experts) + v * h + kv_read_params(text, context)
+    io = v  # the logits written
+    return Work(flop=2 * macs, bytes=FP32 * (params + io), working_set=model_bytes(text))
+
+
+def decoder_work(text: TextConfig, canvas: int, context: int) -> Work:
+    """One self-conditioned decoder pass: soft embedding (probs @ E) and its MLP, the layers over the canvas,
+    the LM head over the canvas. Experts read: those the canvas routes to (uniform routing assumed); E is read
+    once (it serves the soft embedding and the LM head)."""
+    h, v, i, e, k = (text.hidden_size, text.vocab_size, text.intermediate_size, text.num_experts,
+                     text.top_k_experts)
+    used = e * (1 - (1 - k / e) ** canvas)
+    macs = canvas * (v * h + 3 * h * i) + layer_macs(text, canvas, keys_seen(text, context, canvas)) + canvas * v * h
+    params = layer_weight_params(text, used) + v * h + 3 * h * i + kv_read_params(text, context)
+    io = 2 * canvas * v  # the self-conditioning probabilities read, the logits written
+    return Work(flop=2 * macs, bytes=FP32 * (params + io), working_set=model_bytes(text))
+
+
+def sampler_work(canvas: int, vocab: int, accepted_only: bool) -> Work:
+    """One sampler step over (canvas, vocab) fp32 logits: at the least read the logits and write the scaled
+    logits and their softmax (both are kept: the next step is conditioned on them). Transcendentals per
+    element: the softmax's exp, the entropy's logsumexp and softmax (as Categorical computes it), and, in
+    exact mode, the multinomial's exponential draw (accepted-only draws only at the accepted positions)."""
+    elements = canvas * vocab
+    return Work(flop=0.0, bytes=FP32 * 3 * elements, working_set=FP32 * 3 * elements,
+                transcendentals=(3 if accepted_only else 4) * elements)
+
+
+def predict(work: Work, roofs: dict[str, Any]) -> dict[str, Any]:
+    """Predicted milliseconds: compute, memory (at the level the working set fits in), and their max."""
+    capacity = roofs["level_capacity_bytes"]
+    level = next((name for name in ("L2", "L3") if work.working_set <= capacity[name]), "DRAM")
+    bandwidth = roofs["read_bandwidth"][level]["best_gb_s"] * 1e9
+    compute_ms = 1e3 * work.flop / (roofs["fp32_gemm"]["peak_gflop_s"] * 1e9)
+    compute_ms += 1e3 * work.transcendentals / (roofs["exp"]["best_gelem_s"] * 1e9)
+    memory_ms = 1e3 * work.bytes / bandwidth
+    return {"compute_ms": compute_ms, "memory_ms": memory_ms, "roofline_ms": max(compute_ms, memory_ms),
+            "bound": "compute" if compute_ms >= memory_ms else "memory", "memory_level": level}
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's operations, measured
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """A canvas row for `denoise_step` (what `printpress.canvas.CanvasRow` asks of a request)."""
+
+    index: int
+    generator: torch.Generator
+    tracker: StabilityTracker | None
+    step: int
+    settings: SamplerSettings
+
+
+@dataclass
+class Workload:
+    name: str
+    run: Callable[[], Any]
+    work: Work
+
+
+def shipped_model() -> DiffusionGemma:
+    return printpress.load(SHIPPED).model
+
+
+def benchmark_model(size: str) -> DiffusionGemma:
+    torch.manual_seed(0)
+    return DiffusionGemma(TextConfig(**SIZES[size].text)).eval()
+
+
+def ar_step_call(model: DiffusionGemma, context: int) -> Callable[[], None]:
+    """One AR step after a `context`-token prefix, rolled back after each call (the same prefix every time)."""
+    gen = torch.Generator().manual_seed(0)
+    cache = model.new_cache(1, context + 1)
+    model.encode(torch.randint(3, model.config.vocab_size, (1, context), generator=gen), cache, logits="none")
+    token = torch.randint(3, model.config.vocab_size, (1, 1), generator=gen)
+
+    def ar_step() -> None:
+        snapshot = cache.snapshot(1)
+        model.encode(token, cache, logits="last")
+        cache.truncate(context, snapshot)  # rolls the sliding ring back too
+
+    return ar_step
+
+
+def workloads(model: DiffusionGemma, canvases: tuple[int, ...], context: int,
+              compiled: DiffusionGemma | None = None) -> list[Workload]:
+    """AR step, decoder pass per canvas and sampler step per canvas, each after a `context`-token prefix; and the
+    AR step of `compiled` (the same weights with `printpress.fast.compile_ar_step`), if given."""
+    text = model.config
+    gen = torch.Generator().manual_seed(1)
+    cache = model.new_cache(1, context + max(canvases))
+    model.encode(torch.randint(3, text.vocab_size, (1, context), generator=gen), cache, logits="none")
+    out = [Workload("AR step", ar_step_call(model, context), ar_work(text, context))]
+    if compiled is not None:
+        out.append(Workload("AR step, compiled (opt-in, not bit-exact)", ar_step_call(compiled, context),
+                            ar_work(text, context)))
+    settings = SamplerSettings(max_denoising_steps=32)
+    for c in canvases:
+        ids = torch.randint(3, text.vocab_size, (1, c), generator=gen)
+        logits = model.denoise(ids, cache)
+        probs = torch.softmax(logits / 0.8, dim=-1, dtype=torch.float32)  # the previous step's feedback
+        out.append(Workload(f"decoder pass, canvas {c}",
+                            lambda ids=ids, probs=probs: model.denoise(ids, cache, self_conditioning_probs=probs),
+                            decoder_work(text, c, context)))
+        for accepted_only in (False, True):
+            row = Row(0, torch.Generator().manual_seed(0), None, 16, settings.with_overrides(
+                sample_accepted_only=accepted_only))
+            label = "sampler step, accepted-only" if accepted_only else "sampler step"
+            out.append(Workload(f"{label}, canvas {c}",
+                                lambda logits=logits, row=row: canvas_step.denoise_step(logits, [row], text.vocab_size),
+                                sampler_work(c, text.vocab_size, accepted_only)))
+    return out
+
+
+def measure(loads: list[Workload], reps: int) -> dict[str, list[float]]:
+    """Seconds per call of each workload, interleaved: one call of each in turn, `reps` rounds."""
+    for load in loads:
+        load.run()  # warm-up
+    seconds: dict[str, list[float]] = {load.name: [] for load in loads}
+    for _ in range(reps):
+        for load in loads:
+            start = time.perf_counter()
+            load.run()
+            seconds[load.name].append(time.perf_counter() - start)
+    return seconds
+
+
+def bench_model(label: str, model: DiffusionGemma, roofs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    text = model.config
+    print(f"{label}: {text.num_parameters() / 1e6:.2f}M parameters, {model_bytes(text) / 2**20:.1f} MiB fp32",
+          flush=True)
+    compiled = None
+    if args.compiled:
+        compiled = type(model)(text).eval()
+        compiled.load_state_dict(model.state_dict())
+        compile_ar_step(compiled)
+    with torch.no_grad():
+        loads = workloads(model, tuple(args.canvases), args.context, compiled)
+        seconds = measure(loads, args.reps)
+    rows = []
+    for load in loads:
+        measured = seconds[load.name]
+        prediction = predict(load.work, roofs)
+        median_ms, best_ms = 1e3 * statistics.median(measured), 1e3 * min(measured)
+        rows.append({"work": load.name, **asdict(load.work), **prediction, "measured_median_ms": median_ms,
+                     "measured_best_ms": best_ms, "ratio_median": median_ms / prediction["roofline_ms"],
+                     "ratio_best": best_ms / prediction["roofline_ms"]})
+        print(f"  {load.name:40s} roofline {prediction['roofline_ms']:8.3f} ms ({prediction['bound']}, "
+              f"{prediction['memory_level']})  measured {median_ms:8.2f} ms (best {best_ms:7.2f})  "
+              f"x{median_ms / prediction['roofline_ms']:.1f}", flush=True)
+    return {"label": label, "parameters": text.num_parameters(), "fp32_bytes": model_bytes(text),
+            "config": {key: getattr(text, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
+                                                            "num_hidden_layers", "num_experts", "top_k_experts",
+                                                            "moe_intermediate_size", "sliding_window")},
+            "rows": rows}
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def markdown(report: dict[str, Any]) -> str:
+    roofs = report["roofs"]
+    bw = roofs["read_bandwidth"]
+    lines = [
+        f"Machine: {report['machine']['cpu']}, {report['machine']['torch_threads']} thread; 1-minute load average "
+        f"{report['load_average'][0]:.2f} at the start, {report['load_average'][1]:.2f} at the end. fp32 GEMM peak "
+        f"{roofs['fp32_gemm']['peak_gflop_s']:.1f} GFLOP/s; read bandwidth L2 {bw['L2']['best_gb_s']:.1f}, L3 "
+        f"{bw['L3']['best_gb_s']:.1f}, DRAM {bw['DRAM']['best_gb_s']:.1f} GB/s; exp {roofs['exp']['best_gelem_s']:.2f} "
+        f"Gelem/s; bf16 GEMM {roofs['bf16_gemm']['peak_gflop_s']:.2f} GFLOP/s"
+        + (" (not native: emulated)" if roofs["bf16_gemm"].get("native") is False else "") + ".",
+        "",
+        "| model | work | GFLOP | MiB moved | compute ms | memory ms (level) | roofline ms "
+        "| measured ms (median / best) | measured / roofline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in report["models"]:
+        for row in model["rows"]:
+            lines.append(
+                f"| {model['label']} | {row['work']} | {row['flop'] / 1e9:.3f} | {row['bytes'] / 2**20:.1f} | "
+                f"{row['compute_ms']:.3f} | {row['memory_ms']:.3f} ({row['memory_level']}) | "
+                f"{row['roofline_ms']:.3f} | "
+                f"{row['measured_median_ms']:.2f} / {row['measured_best_ms']:.2f} | "
+                f"{row['ratio_median']:.1f}x / {row['ratio_best']:.1f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results/roofline.json")
+    parser.add_argument("--models", nargs="+", default=["shipped", "large"],
+                        help="'shipped' (models/shakespeare-joint) and/or sizes of bench/engine_speed.py")
+    parser.add_argument("--canvases", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--context", type=int, default=64, help="cached prefix before each operation")
+    parser.add_argument("--reps", type=int, default=15, help="interleaved rounds per model")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the opt-in compiled AR step (printpress.fast; compiles for a minute or two)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions of the roof measurements (smoke)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
+    caches = cpu_caches()
+    roofs = measure_roofs(caches, args.quick)
+    print(f"fp32 GEMM peak {roofs['fp32_gemm']['peak_gflop_s']:.1f} GFLOP/s; read GB/s "
+          + ", ".join(f"{k} {v['best_gb_s']:.1f}" for k, v in roofs["read_bandwidth"].items()), flush=True)
+    models = []
+    for name in args.models:
+        model = shipped_model() if name == "shipped" else benchmark_model(name)
+        label = "shipped (shakespeare-joint)" if name == "shipped" else f"{name} (bench/engine_speed.py)"
+        models.append(bench_model(label, model, roofs, args))
+        del model
+    report = {
+        "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} python bench/roofline.py "
+                   + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                    "caches_bytes": caches, "native_bf16": bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}),
+                    "torch": torch.__version__, "python": platform.python_version()},
+        "load_average": [load_start, os.getloadavg()[0]],
+        "context": args.context,
+        "reps": args.reps,
+        "roofs": roofs,
+        "models": models,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Opt-in compiled AR step: one `torch.compile` graph per step. Faster; NOT bit-exact to the reference.
+
+The exact engine runs an AR step as ~700 small eager kernels, each paying dispatch cost (docs/benchmarks.md,
+"Roofline"). Here one step (1 token per row after the cache, `logits="last"`) is a single graph, the way gpt-fast
+runs a decode step: static shapes, the cache read whole under a mask (no chronological reordering of the
+sliding ring), the experts gathered per token instead of grouped by a sort. Inductor then fuses the norms, RoPE
+and the elementwise work around the GEMMs.
+
+What it costs: fused kernels sum in another order and the ring is attended in slot order, so logits differ
+from the exact path in the last bits (~1e-6 on the shipped model). Greedy decoding then usually, but not
+always, picks the same tokens, and sampled decoding draws from (numerically) the same distribution but not
+the reference's stream. The exact path stays the default; this one is enabled per model:
+
+    import printpress
+    from printpress.fast import compile_ar_step
+
+    pipe = printpress.load()
+    compile_ar_step(pipe.model)            # AR steps of this model now run compiled (the first call compiles)
+    pipe.generate("ROMEO:", mode="ar", temperature=0)
+
+Anything the graph does not cover (several tokens at once, padding masks in the new block, `logits` other than
+"last") runs the exact eager path. If compiling or running the graph fails (no compiler, an unsupported op), a
+warning is logged once and every later step runs the exact eager path: the caller sees no error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from printpress.cache import KVCache
+
+# printpress.model imports this module (for the type of `DiffusionGemma.compiled_ar_step`), so the model is typed
+# here as the nn.Module it is, not imported: the package keeps no import cycle (tests/test_imports.py).
+DiffusionGemma = nn.Module
+
+logger = logging.getLogger(__name__)
+
+
+def ar_step_graph(
+    model: DiffusionGemma,
+    ids: torch.Tensor,
+    position: torch.Tensor,
+    offsets: torch.Tensor,
+    pad_mask: torch.Tensor,
+    slot_positions: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One AR step as a pure function of tensors (what `torch.compile` captures): the next-token logits (B, 1, V)
+    and each layer's new key and value, which the caller writes into the cache.
+
+    `position` (0-d) is the cache slot of the new token (the cache length); `offsets` (B,) each row's left pads;
+    `pad_mask` (B, L) which cached slots hold real tokens; `slot_positions` (W,) the position each sliding-ring
+    slot holds (-1: empty); `keys`/`values` the cache's tensors per layer (full: (B, H_kv, L, D), sliding: the
+    ring (B, H_kv, W, D)), read only."""
+    b = ids.shape[0]
+    x = model.embed(ids).reshape(b, -1)
+    ropes = model.rope((position - offsets)[:, None])
+    full_mask, sliding_mask = _step_masks(position, pad_mask, slot_positions)
+    new_keys, new_values = [], []
+    for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
+        q, k, v = layer.attention_inputs(x, (b, 1), ropes[spec.sliding])
+        new_keys.append(k)
+        new_values.append(v)
+        # The new key is appended after every cached slot; the masks hide empty, padded and future slots.
+        k_all, v_all = torch.cat([keys[index], k], dim=2), torch.cat([values[index], v], dim=2)
+        attention = layer.self_attn
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_all, v_all, attn_mask=sliding_mask if spec.sliding else full_mask, scale=1.0,
+            enable_gqa=attention.num_kv_heads != attention.num_heads)
+        x = layer.after_attention(x, out.transpose(1, 2).reshape(b, -1), (b, 1), True)
+    return model.logits(model.norm(x)[:, None, :]), new_keys, new_values
+
+
+def _step_masks(position: torch.Tensor, pad_mask: torch.Tensor, slot_positions: torch.Tensor):
+    """(B, 1, 1, S + 1) masks over the cached slots plus the new key (always visible).
+
+    Full layers: slots before `position` holding real tokens. Sliding layers: ring slots that hold a real token;
+    the ring keeps only the window before the new token, so none is too far back."""
+    b, length = pad_mask.shape
+    itself = torch.ones(b, 1, dtype=torch.bool, device=pad_mask.device)
+    before = torch.arange(length, device=pad_mask.device) < position
+    full = torch.cat([pad_mask & before, itself], dim=1)
+    filled = slot_positions >= 0
+    ring = pad_mask[:, slot_positions.clamp(min=0)] & filled
+    sliding = torch.cat([ring, itself], dim=1)
+    return full[:, None, None, :], sliding[:, None, None, :]
+
+
+class CompiledARStep:
+    """`model.encode(ids (B, 1), cache, logits="last")` through one compiled graph; see the module docstring."""
+
+    def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
+        self.model = model
+        self.backend = backend
+        self.failure: str | None = None
+        self._graph = torch.compile(ar_step_graph, backend=backend, fullgraph=True)
+
+    def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
+        """Whether this call is an AR step the graph runs (else the eager path runs it)."""
+        return (self.failure is None and input_ids.shape[1] == 1 and attention_mask is None and logits == "last"
+                and isinstance(cache, KVCache) and not torch.is_grad_enabled())
+
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """The step's logits (B, 1, V), with the cache advanced; None if the graph failed (nothing was written:
+        the caller runs the eager path)."""
+        cache.check_room(1)
+        # Cache sizes change with every request (and the ring's with short ones): compile once for any size.
+        torch._dynamo.maybe_mark_dynamic(cache.pad_mask, 1)
+        torch._dynamo.maybe_mark_dynamic(cache.slot_positions, 0)
+        for layer in cache.layers:
+            torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+            torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        try:
+            logits, new_keys, new_values = self._graph(
+                self.model, input_ids, torch.tensor(cache.length, device=input_ids.device), cache.offsets,
+                cache.pad_mask, cache.slot_positions, [layer.keys for layer in cache.layers],
+                [layer.values for layer in cache.layers])
+        except Exception as error:  # noqa: BLE001 - any compiler failure means "use the eager path"
+            self.failure = f"{type(error).__name__}: {error}"
+            logger.warning("compiled AR step unavailable (%s); running the exact eager path", self.failure)
+            return None
+        for index, (k, v) in enumerate(zip(new_keys, new_values)):
+            cache.write(index, k, v)
+        cache.advance(1, None)
+        return logits
+
+
+def compile_ar_step(model: DiffusionGemma, backend: str = "inductor") -> CompiledARStep:
+    """Run this model's AR steps through one compiled graph from now on (opt-in, not bit-exact); returns the
+    step object (`.failure` says why it fell back, if it did). `remove_compiled_ar_step` undoes it."""
+    step = CompiledARStep(model, backend)
+    model.compiled_ar_step = step
+    return step
+
+
+def remove_compiled_ar_step(model: DiffusionGemma) -> None:
+    model.compiled_ar_step = None

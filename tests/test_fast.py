@@ -1,0 +1,101 @@
+"""The opt-in compiled AR step (printpress.fast): one graph per step, close to the exact path, never in the way.
+
+The graph is captured with the "eager" backend here (seconds: it checks that the whole step is one graph and
+computes what the exact path computes); `-m slow` also compiles it with inductor, as users run it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import printpress
+from printpress.fast import compile_ar_step, remove_compiled_ar_step
+
+from conftest import make_reference
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fast") / "gqa"
+    make_reference("gqa").save_pretrained(folder)
+    return printpress.load(folder).model
+
+
+def run_steps(model, batch: torch.Tensor, mask: torch.Tensor | None, steps: int):
+    """Encode a (padded) prompt, then `steps` AR steps feeding back the argmax; the logits of each step and the
+    final cache."""
+    generator = torch.Generator().manual_seed(3)
+    cache = model.new_cache(batch.shape[0], batch.shape[1] + steps + 8)
+    with torch.no_grad():
+        logits = model.encode(batch, cache, attention_mask=mask, logits="last")
+        out = []
+        for _ in range(steps):
+            token = torch.randint(3, model.config.vocab_size, (batch.shape[0], 1), generator=generator)
+            logits = model.encode(token, cache, logits="last")
+            out.append(logits)
+    return out, cache
+
+
+def padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    batch = torch.randint(3, vocab, (2, 9), generator=generator)
+    mask = torch.ones_like(batch, dtype=torch.bool)
+    mask[1, :4] = False  # the second row is left padded
+    return batch.masked_fill(~mask, 0), mask
+
+
+def test_the_step_is_one_graph_and_computes_the_exact_paths_logits(model):
+    batch, mask = padded_prompts(model.config.vocab_size)
+    exact, exact_cache = run_steps(model, batch, mask, steps=12)  # 9 + 12 positions: the 5-slot ring wraps
+    step = compile_ar_step(model, backend="eager")
+    try:
+        fast, fast_cache = run_steps(model, batch, mask, steps=12)
+    finally:
+        remove_compiled_ar_step(model)
+    assert step.failure is None  # fullgraph=True: a graph break would have been a failure
+    for a, b in zip(exact, fast):
+        assert (a - b).abs().max() < 1e-5
+    assert fast_cache.length == exact_cache.length
+    assert torch.equal(fast_cache.pad_mask, exact_cache.pad_mask)
+    assert torch.equal(fast_cache.slot_positions, exact_cache.slot_positions)
+    for exact_layer, fast_layer in zip(exact_cache.layers, fast_cache.layers):
+        assert (exact_layer.keys - fast_layer.keys).abs().max() < 1e-5
+
+
+def test_a_failing_graph_falls_back_to_the_exact_path_once(model, caplog):
+    batch, _ = padded_prompts(model.config.vocab_size)
+    exact, _ = run_steps(model, batch, None, steps=3)
+    step = compile_ar_step(model, backend="eager")
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no compiler here")
+
+    step._graph = broken
+    try:
+        with caplog.at_level(logging.WARNING, logger="printpress.fast"):
+            fallback, _ = run_steps(model, batch, None, steps=3)
+    finally:
+        remove_compiled_ar_step(model)
+    assert len(calls) == 1 and "no compiler here" in step.failure
+    assert sum("exact eager path" in r.message for r in caplog.records) == 1
+    assert all(torch.equal(a, b) for a, b in zip(exact, fallback))  # the exact path, bit for bit
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_step_of_the_shipped_model():
+    pipe = printpress.load()
+    exact = pipe.generate("ROMEO:", mode="ar", temperature=0, max_new_tokens=24)
+    step = compile_ar_step(pipe.model)
+    try:
+        fast = pipe.generate("ROMEO:", mode="ar", temperature=0, max_new_tokens=24)
+    finally:
+        remove_compiled_ar_step(pipe.model)
+    assert step.failure is None
+    assert len(fast.token_ids) == len(exact.token_ids)
+    # Not bit-exact: greedy tokens agree where no two logits are within rounding of each other.
+    assert sum(a == b for a, b in zip(fast.token_ids, exact.token_ids)) >= 20
