@@ -32,7 +32,7 @@ SETTINGS += [(8, 31, 32), (8, 3, 32), (1, 7, 8), (1, 3, 4), (2, 3, 4)]
 
 def run_ar(pipe, prompt: list[int], tokens: int) -> tuple[list[int], float]:
     """AR through the engine with no text decoding, as the speculative side runs (decoding text costs time)."""
-    settings = pipe.settings(mode="ar", max_new_tokens=tokens)
+    settings = pipe.settings(mode="ar", max_new_tokens=tokens, temperature=0.0)
     start = time.perf_counter()
     events = run(pipe.model, pipe.canvas_length, [Request(prompt, settings, 0)], None, step_events=False)
     result = next(e.result for e in events if isinstance(e, DoneEvent))

@@ -2,7 +2,8 @@
 
 One argparse parser with a subcommand per task. A subcommand is a function that adds its
 subparser and sets `func` (a callable taking the parsed args and returning an exit code); to add
-one (`train`, `serve`), write `register_<name>(subparsers)` and list it in `COMMANDS`.
+one (`train`, `serve`), write `register_<name>(subparsers)` and list it in `COMMANDS` (or in `LAZY_COMMANDS`
+when its module imports torch at module level: building the parser, and so `--help`, never imports torch).
 
 Errors a user can cause (`PrintpressError`) end the program with one line on stderr and exit
 status 2; everything else is a bug and keeps its traceback.
@@ -16,13 +17,15 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TextIO
 
-from printpress.cli_flags import add_sampler_arguments, parse_ids, sampler_overrides
+from printpress.chat_command import register_chat
+from printpress.cli_flags import add_sampler_arguments, parse_ids, read_prompts, sampler_overrides
 from printpress.edit_command import register_edit
 from printpress.errors import PrintpressError
+from printpress.events import CommitEvent, DoneEvent
 from printpress.eval.bench import register as register_bench
 from printpress.eval.command import register as register_eval
-from printpress.live_view import LiveView
 from printpress.serve.command import register as register_serve
 
 Register = Callable[[argparse._SubParsersAction], None]
@@ -37,13 +40,15 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
         help="generate text from a prompt",
-        description="Generate a continuation of one or more prompts (diffusion by default, or --mode ar).",
+        description="Generate a continuation of one or more prompts (diffusion by default, or --mode ar). The text "
+                    "is written to stdout as it is committed (canvas by canvas, or token by token in AR).",
     )
-    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several prompts run as one batch)")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT",
+                   help="prompt text, or - to read it from stdin (several prompts run as one batch)")
     p.add_argument("--model", "-m", default=None, help="model folder or hub id (default: the shipped model)")
     p.add_argument("--ids", action="store_true", help="prompts are token ids, e.g. '2,651,1234' or '2 651 1234'")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one)")
-    p.add_argument("--json", action="store_true", help="print ids, text and statistics as JSON")
+    p.add_argument("--json", action="store_true", help="print ids, text and statistics as JSON (at the end)")
     p.add_argument("--show-steps", action="store_true", help="draw the canvas on stderr as it denoises")
     p.add_argument("--stats", action="store_true", help="print one line of statistics per prompt on stderr")
     add_sampler_arguments(p)
@@ -52,31 +57,97 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     import printpress
+    from printpress.live_view import LiveView
 
-    prompts = [parse_ids(p) for p in args.prompts] if args.ids else list(args.prompts)
+    prompts = read_prompts(args.prompts)
+    prompts = [parse_ids(p) for p in prompts] if args.ids else prompts
     settings = sampler_overrides(args)
     pipe = printpress.load(args.model, dtype=args.dtype, device=args.device)
     view = LiveView(pipe, sys.stderr, len(prompts)) if args.show_steps else None
+    # The live view owns the terminal while it draws, so the text is then printed when each prompt is done.
+    printer = None if args.json else TextPrinter(sys.stdout, len(prompts), stream=view is None,
+                                                 ids=pipe.tokenizer is None)
+    listeners = [part.update for part in (printer, view) if part is not None]
     try:
-        results = pipe.generate(prompts, seed=args.seed, on_event=view.update if view else None, **settings)
+        results = pipe.generate(prompts, seed=args.seed, on_event=_fan_out(listeners), **settings)
     finally:
         if view is not None:
             view.close()
     if args.json:
         payload = [_result_json(r) for r in results]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2, ensure_ascii=False))
-    else:
-        for result in results:
-            print(result.text if result.text is not None else " ".join(map(str, result.completion_ids)))
+    sys.stdout.flush()  # the text is out before the statistics, whichever way the two streams are buffered
     if args.stats:
         for result in results:
-            print(_stats_line(result.stats), file=sys.stderr)
+            print(_stats_line(result), file=sys.stderr)
     return 0
 
 
-def _stats_line(stats) -> str:
+def _fan_out(listeners: list[Callable]) -> Callable | None:
+    if not listeners:
+        return None
+    return listeners[0] if len(listeners) == 1 else lambda event: [listen(event) for listen in listeners]
+
+
+class TextPrinter:
+    """Writes each prompt's text to `out` as it is committed, in prompt order.
+
+    The first unfinished prompt streams live; a later prompt's text is held until the prompts before it are
+    finished, then written at once, and it goes on live. With several prompts each output starts with a header
+    line, `==> prompt N <==`, after a blank line (as `head` and `tail` separate files). Without `stream` (or for
+    a model without a tokenizer, whose output is ids) the text is written when its prompt is done.
+    """
+
+    def __init__(self, out: TextIO, prompts: int, stream: bool = True, ids: bool = False) -> None:
+        self.out, self.prompts, self.stream, self.ids = out, prompts, stream, ids
+        self.held = [""] * prompts
+        self.done = [False] * prompts
+        self.current = 0
+        self._header()
+
+    def update(self, event) -> None:
+        if isinstance(event, CommitEvent) and self.stream and not self.ids:
+            self.add(event.request, event.text)
+        elif isinstance(event, DoneEvent):
+            result = event.result
+            if not self.stream or self.ids:
+                self.add(event.request, result.text if not self.ids else " ".join(map(str, result.completion_ids)))
+            self.finish(event.request)
+
+    def add(self, prompt: int, text: str) -> None:
+        if prompt == self.current:
+            self._write(text)
+        else:
+            self.held[prompt] += text
+
+    def finish(self, prompt: int) -> None:
+        self.done[prompt] = True
+        while self.current < self.prompts and self.done[self.current]:
+            self._write("\n")
+            self.current += 1
+            if self.current < self.prompts:
+                self._header()
+                self._write(self.held[self.current])
+                self.held[self.current] = ""
+
+    def _header(self) -> None:
+        if self.prompts > 1:
+            blank = "\n" if self.current else ""
+            self._write(f"{blank}==> prompt {self.current + 1} <==\n")
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+
+def _stats_line(result) -> str:
+    """One line: the tokens printed, and what the engine generated (whole canvases in diffusion) and how fast."""
+    stats = result.stats
     rate = stats.new_tokens / stats.wall_time_s if stats.wall_time_s else float("nan")
-    line = (f"[{stats.new_tokens} tokens in {stats.wall_time_s:.2f} s = {rate:.0f} tokens/s; "
+    printed = len(result.completion_ids)
+    made = f" of {stats.new_tokens} generated" if stats.new_tokens != printed else ""
+    line = (f"[{printed} tokens{made} in {stats.wall_time_s:.2f} s = {rate:.0f} tokens/s; "
             f"{stats.tokens_per_forward:.2f} tokens per forward over {stats.forward_passes} forwards")
     if stats.denoising_steps:
         line += f", {stats.canvases} canvases"
@@ -115,11 +186,18 @@ def register_distill(subparsers: argparse._SubParsersAction) -> None:
     distill.register(subparsers)
 
 
-COMMANDS: list[Register] = [register_generate, register_train, register_distill, register_edit, register_eval,
-                            register_serve, register_bench]
+COMMANDS: list[Register] = [register_generate, register_chat, register_edit, register_eval, register_serve,
+                            register_bench]
+# Subcommands whose modules import torch when imported: (name, one-line help, register). The parser lists them with
+# their help, and registers one for real only when the command line names it (or when it is built for every one).
+LAZY_COMMANDS: list[tuple[str, str, Register]] = [
+    ("train", "train a model from a recipe or a config file", register_train),
+    ("distill", "make distillation data: a teacher continues training prefixes", register_distill),
+]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given the command line, it registers a lazy subcommand only if that is the one named."""
     from printpress import __version__
 
     parser = argparse.ArgumentParser(prog="printpress", description="An open engine for text-diffusion LMs.")
@@ -128,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in COMMANDS:
         register(subparsers)
+    named = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
+    for name, text, register in LAZY_COMMANDS:
+        if named is None or named == name:
+            register(subparsers)
+        else:
+            subparsers.add_parser(name, help=text, add_help=False)
     return parser
 
 
@@ -135,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         refuse_broken_text(argv)
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
         level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
         logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
         return int(args.func(args) or 0)

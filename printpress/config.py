@@ -274,9 +274,16 @@ class ModelConfig:
         return cls.from_dict(read_json(path))
 
 
+# AR sampling when generation_config.json says nothing about it (printpress's default, not transformers': a small
+# diffusion LM's causal head loops when greedy). A file that sets any of do_sample / temperature / top_k is read as
+# transformers reads it (do_sample false, its default, means greedy).
+AR_TEMPERATURE, AR_TOP_K = 0.8, 50
+_AR_KEYS = ("do_sample", "temperature", "top_k")
+
+
 @dataclass
 class GenerationConfig:
-    """`generation_config.json`; unset fields take the reference's defaults."""
+    """`generation_config.json`; unset fields take the reference's defaults (and printpress's AR sampling)."""
 
     max_new_tokens: int = 256
     max_denoising_steps: int = 48
@@ -288,6 +295,9 @@ class GenerationConfig:
     eos_token_id: list[int] | None = None
     pad_token_id: int | None = 0
     bos_token_id: int | None = 2
+    # The causal head's sampling (mode="ar" and the speculative mode's verifier): 0 = greedy.
+    temperature: float = AR_TEMPERATURE
+    top_k: int | None = AR_TOP_K
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], text: TextConfig | None = None) -> GenerationConfig:
@@ -310,8 +320,10 @@ class GenerationConfig:
     def _parse(cls, data: dict[str, Any], text: TextConfig | None) -> GenerationConfig:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if data.get(f.name) is not None:
+            if data.get(f.name) is not None and f.name not in _AR_KEYS:
                 values[f.name] = data[f.name]
+        if any(data.get(key) is not None for key in _AR_KEYS):
+            values.update(_ar_sampling(data))
         sampler = data.get("sampler_config")
         if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
             values["entropy_bound"] = sampler["entropy_bound"]
@@ -334,8 +346,9 @@ class GenerationConfig:
 
         for name in ("max_new_tokens", "max_denoising_steps", "stability_threshold"):
             need(_integer(getattr(self, name)), name, "an integer")
-        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
+        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold", "temperature"):
             need(_number(getattr(self, name)), name, "a number")
+        need(self.top_k is None or _integer(self.top_k), "top_k", "an integer or null")
         for name in ("pad_token_id", "bos_token_id"):
             need(getattr(self, name) is None or _integer(getattr(self, name)), name, "a token id or null")
         need(self.eos_token_id is None or (isinstance(self.eos_token_id, list) and all(map(_integer, self.eos_token_id))),
@@ -353,7 +366,27 @@ class GenerationConfig:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
             "bos_token_id": self.bos_token_id,
+            **self._ar_sampling_dict(),
         }
+
+    def _ar_sampling_dict(self) -> dict[str, Any]:
+        """AR sampling in transformers' keys, written only when it is not printpress's default (so a default
+        config's file is unchanged and a greedy or otherwise tuned one survives a save/load round trip)."""
+        if (self.temperature, self.top_k) == (AR_TEMPERATURE, AR_TOP_K):
+            return {}
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": float(self.temperature), "top_k": self.top_k or 0}
+
+
+def _ar_sampling(data: dict[str, Any]) -> dict[str, Any]:
+    """temperature / top_k from transformers' keys: greedy unless do_sample; temperature 1 and top-k 50 when unset
+    (transformers' defaults); top_k 0 means no top-k cut."""
+    do_sample = data.get("do_sample", False)
+    if not isinstance(do_sample, bool):
+        raise ConfigError(f"invalid generation_config: do_sample must be true or false (got {do_sample!r})")
+    top_k = data.get("top_k", 50)
+    return {"temperature": data.get("temperature", 1.0) if do_sample else 0.0, "top_k": top_k or None}
 
 
 def _integer(value: Any) -> bool:

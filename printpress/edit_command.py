@@ -1,7 +1,7 @@
 """`printpress edit`: fill in the middle between two texts, or rewrite a character span of a text in place.
 
-    printpress edit --prefix "ROMEO:\\nBut soft, what light" --suffix " breaks?\\n" [--length 6]
-    printpress edit --text "ROMEO:\\nBut soft, what light through yonder window breaks?" --span 40:47
+    printpress edit --prefix $'ROMEO.\\nBut soft, what light' --suffix $' breaks?\\n' [--length 6]
+    printpress edit --text $'ROMEO.\\nBut soft, what light through yonder window breaks?' --span 22:49
 
 Prints the whole edited text (prefix + new middle + suffix) on stdout; --json adds the span, ids, the
 candidates of a length search and statistics. `--show-steps` draws the span denoising on stderr, the
@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--show-steps", action="store_true", help="draw the span on stderr as it denoises")
     p.add_argument("--stats", action="store_true", help="print one line of statistics on stderr")
-    # The length decides the new tokens, and editing is diffusion only.
-    add_sampler_arguments(p, skip=("mode", "max_new_tokens", "temperature", "top_k", "eos_token_ids"))
+    # The length decides the new tokens, and editing is diffusion only (--temperature scales its schedule).
+    add_sampler_arguments(p, skip=("mode", "max_new_tokens", "draft_steps", "top_k", "eos_token_ids"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError("give --prefix and/or --suffix to infill, or --text with --span START:END to rewrite")
     length = parse_length(args.length)
     span = None if infilling else parse_span(args.span)
+    if span is not None:
+        editing.check_span(args.text, *span)  # before the model loads: the text is on the command line
     settings = sampler_overrides(args)
     pipe = printpress.load(args.model, dtype=args.dtype, device=args.device)
     prefix = (args.prefix or "") if infilling else args.text[: max(span[0], 0)]

@@ -14,9 +14,11 @@ During training a canvas position is left clean with probability 1 - t, so "some
 already right" is a state the decoder has seen; a clean run at the canvas end is just a low-noise
 corner of it. K defaults to what fills the trained canvas (canvas_length - L); `suffix_window` may
 show more (a canvas longer than trained) or none. The length L is either given, taken from the
-original span (rewrite), or searched: each candidate length is denoised and the one whose join
-(middle + the start of the suffix) is most probable per character under the model's own causal head
-wins. Design and measurements: docs/decisions/0005-infilling.md, docs/benchmarks-infill.md.
+original span (rewrite), or searched: each candidate length is denoised and the one after which the
+start of the suffix is most probable under the model's own causal head wins (the same text scored for
+every candidate, so no per-character or per-token normalisation tilts the choice towards long or short
+middles; the earlier per-character score of middle + suffix chose middles full of cheap newlines and speaker
+names). Design and measurements: docs/decisions/0005-infilling.md, docs/benchmarks-infill.md.
 
     >>> pipe = printpress.load()
     >>> pipe.infill("ROMEO:\nBut soft, what light", " breaks?\n", length=6, seed=0).text
@@ -86,7 +88,8 @@ def rewrite_stream(pipe, text: str, start: int, end: int, *, length: int | Seque
     if length is None:
         if start == end:
             raise GenerationError("the span is empty (start == end); give a length to insert text there")
-        length = len(_tokenize(pipe, text[start:end]))
+        # Counted as the model will write it: with the blank before it, which a byte-level BPE puts on the word.
+        length = len(_tokenize(pipe, _trailing_blank(text[:start]) + text[start:end]))
         if length > pipe.canvas_length:
             raise GenerationError(
                 f"the span [{start}, {end}) is {length} tokens but a span is rewritten in one canvas of "
@@ -110,8 +113,8 @@ def infill_stream(
 
     length: tokens of the middle, at most the canvas length; a list of lengths to search; None to search
         `default_lengths(canvas_length)`. A search denoises every candidate (candidate i with seed + i)
-        and keeps the lowest NLL per character of the join (middle + first `canvas_length` suffix tokens)
-        under the model's own causal head.
+        and keeps the one after which the first `canvas_length` suffix tokens have the lowest NLL under the
+        model's own causal head (`Candidate.score`; without a suffix, the middle's NLL per token).
     suffix_window: suffix tokens clamped into the canvas; default canvas_length - length (the trained
         canvas size); larger values lengthen the canvas beyond what the model was trained on.
     suffix_feedback: the self-conditioning signal at clamped positions: "predicted" (the model's own
@@ -125,7 +128,10 @@ def infill_stream(
     if overrides.get("max_new_tokens") is not None:
         raise GenerationError("editing generates `length` tokens; max_new_tokens does not apply")
     settings = pipe.settings(**overrides)
-    prefix_ids, suffix_ids = _ids(pipe, prefix, "prefix"), _ids(pipe, suffix, "suffix")
+    # A blank at the end of a text prefix is left out of the context: the model writes it as the start of the
+    # middle's first word (" light", as the BPE tokenises words), and `_fit_middle` joins the two without doubling it.
+    context_prefix = prefix[: len(prefix) - len(_trailing_blank(prefix))] if isinstance(prefix, str) else prefix
+    prefix_ids, suffix_ids = _ids(pipe, context_prefix, "prefix"), _ids(pipe, suffix, "suffix")
     if not prefix_ids and not suffix_ids:
         raise GenerationError("nothing to condition on: the prefix and the suffix are both empty")
     lengths = _lengths(length, pipe.canvas_length)
@@ -180,6 +186,7 @@ def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suf
     started = time.perf_counter()
     model = pipe.model
     device = model_device(model)
+    prefix_text, suffix_text = _as_text(pipe, prefix), _as_text(pipe, suffix)
     scored = suffix_ids[: pipe.canvas_length]
     room = max(max(n + k for n, k in zip(lengths, windows)), max(lengths) + len(scored))
     cache = model.new_cache(1, len(context) + room)
@@ -194,16 +201,16 @@ def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suf
         state = RequestState.start(0, Request(context, settings, (seed + index) % 2**64), device, budget=length,
                                    step_events=step_events)
         middle = yield from _denoise_span(model, cache, state, length, clamp, banned, index, exact_feedback)
-        nll, chars = 0.0, 0
+        middle_nll = suffix_nll = 0.0
         if len(lengths) > 1:
-            nll, chars = _join_nll(pipe, cache, first_logits, middle, scored)
+            middle_nll, suffix_nll = _join_nll(pipe, cache, first_logits, middle, scored)
             scoring_passes += 1
-        candidates.append(Candidate(length, state.request.seed, middle, _decode(pipe, middle), nll, chars,
+        text = None if pipe.tokenizer is None else _fit_middle(pipe.decode(middle), prefix_text, suffix_text)
+        candidates.append(Candidate(length, state.request.seed, middle, text, middle_nll, suffix_nll, len(scored),
                                     state.decoder_passes))
     chosen = min(range(len(candidates)), key=lambda i: candidates[i].score) if len(candidates) > 1 else 0
     best = candidates[chosen]
     yield CommitEvent(0, chosen, list(best.middle_ids), best.middle or "", True)
-    prefix_text, suffix_text = _as_text(pipe, prefix), _as_text(pipe, suffix)
     text = None if best.middle is None or prefix_text is None else prefix_text + best.middle + suffix_text
     start = len(prefix_text) if prefix_text is not None else 0
     stats = EditStats(
@@ -217,7 +224,7 @@ def _edit(pipe, settings: SamplerSettings, context: list[int], prefix: Text, suf
         wall_time_s=time.perf_counter() - started,
     )
     result = EditResult(text=text, middle=best.middle, start=start, end=start + len(best.middle or ""),
-                        middle_ids=list(best.middle_ids), seed=best.seed, stats=stats,
+                        middle_ids=list(best.middle_ids), seed=seed, stats=stats,
                         candidates=candidates if len(candidates) > 1 else [])
     yield DoneEvent(0, result)
 
@@ -261,17 +268,16 @@ def _denoise_span(model, cache, state: RequestState, length: int, clamp: torch.T
         state.self_conditioning = outcome.feedback(model.dtype)
 
 
-def _join_nll(pipe, cache, first_logits: torch.Tensor, middle: list[int], scored: list[int]) -> tuple[float, int]:
-    """NLL of middle + scored suffix tokens after the cached prefix, under the model's causal head."""
+def _join_nll(pipe, cache, first_logits: torch.Tensor, middle: list[int], scored: list[int]) -> tuple[float, float]:
+    """Summed NLLs of the middle, and of the scored suffix tokens after it, following the cached prefix, under the
+    model's causal head (one encoder pass)."""
     scratch = cache.rows([0])  # a copy: the prefix cache stays as it is for the next candidate
     ids = middle + scored
     logits = pipe.model.encode(torch.tensor([ids], device=cache.device), scratch, logits="all")[0]
     logits = torch.cat([first_logits[None], logits[:-1]]).float()
     targets = torch.tensor(ids, device=cache.device)
-    nll = float(-torch.log_softmax(logits, dim=-1)[torch.arange(len(ids)), targets].sum())
-    if pipe.tokenizer is None:
-        return nll, len(ids)
-    return nll, len(pipe.decode(ids))
+    nll = -torch.log_softmax(logits, dim=-1)[torch.arange(len(ids)), targets]
+    return float(nll[: len(middle)].sum()), float(nll[len(middle):].sum())
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,8 +321,23 @@ def _as_text(pipe, value: Text) -> str | None:
     return None if pipe.tokenizer is None else pipe.decode(list(value))
 
 
-def _decode(pipe, ids: list[int]) -> str | None:
-    return None if pipe.tokenizer is None else pipe.decode(ids)
+BLANKS = " \t"
+
+
+def _trailing_blank(text: Text) -> str:
+    """The spaces and tabs that end a text prefix ("" for token ids)."""
+    return text[len(text.rstrip(BLANKS)):] if isinstance(text, str) else ""
+
+
+def _fit_middle(middle: str, prefix: str | None, suffix: str | None) -> str:
+    """The middle as it goes between the prefix and the suffix: without a leading blank where the prefix ends with
+    one (the model wrote the word's blank itself, the context having been given without it) and without a trailing
+    blank where the suffix starts with whitespace. The text around it is never changed."""
+    if prefix and _trailing_blank(prefix):
+        middle = middle.lstrip(BLANKS)
+    if suffix and suffix[0].isspace():
+        middle = middle.rstrip(BLANKS)
+    return middle
 
 
 def _check_vocab(ids: list[int], vocab: int) -> None:

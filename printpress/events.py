@@ -92,12 +92,13 @@ class GenerationResult:
     """What one request produced.
 
     `token_ids` holds every committed token. In diffusion mode that is whole canvases, with pad
-    after the first EOS, exactly the new part of the reference's `sequences`. `text` is the
-    completion up to (not including) the first EOS, or None without a tokenizer.
+    after the first EOS, exactly the new part of the reference's `sequences`. `completion_ids` and
+    `text` are the completion: up to (not including) the first EOS and at most `max_new_tokens`
+    tokens; `text` is None without a tokenizer.
     """
 
     token_ids: list[int]
-    completion_ids: list[int]  # the generated tokens up to (not including) the first EOS
+    completion_ids: list[int]  # the generated tokens before the first EOS, at most max_new_tokens of them
     text: str | None
     prompt_ids: list[int]
     stats: GenerationStats
@@ -112,20 +113,23 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One denoised middle of a given length and its score (the join's NLL under the causal head)."""
+    """One denoised middle of a given length and its score under the model's causal head (printpress.editing)."""
 
     length: int
     seed: int
     middle_ids: list[int]
     middle: str | None
-    join_nll: float  # summed NLL (nats) of middle + scored suffix tokens, after the prefix
-    join_chars: int  # characters of middle + scored suffix (tokens without a tokenizer)
+    middle_nll: float  # summed NLL (nats) of the middle's tokens after the prefix
+    suffix_nll: float  # summed NLL of the scored suffix tokens (the same for every candidate) after prefix + middle
+    suffix_tokens: int  # suffix tokens scored: the first canvas_length of the suffix
     forward_passes: int
 
     @property
     def score(self) -> float:
-        """NLL per character of the join: lower is better (what the length search minimises)."""
-        return self.join_nll / max(self.join_chars, 1)
+        """What the length search minimises: the NLL of the suffix after prefix + middle, a score of the same text
+        for every candidate (so no length normalisation can favour long or short middles); without a suffix,
+        the middle's own NLL per token."""
+        return self.suffix_nll if self.suffix_tokens else self.middle_nll / max(self.length, 1)
 
 
 @dataclass

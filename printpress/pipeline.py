@@ -22,7 +22,7 @@ from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
 from printpress.request import Request, check_prompts
-from printpress.sampling import SamplerSettings, refuse_unread
+from printpress.sampling import SPECULATIVE_DRAFT_STEPS, SamplerSettings, check_setting, refuse_unread
 from printpress.speculative import speculative
 
 
@@ -59,7 +59,6 @@ Prompt = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]], torch
 
 
 DEFAULT_MODEL = "shakespeare-joint"
-SPECULATIVE_DRAFT_STEPS = 1  # mode="speculative": decoder passes per draft unless max_denoising_steps is given
 
 
 def default_model_path() -> Path:
@@ -75,6 +74,15 @@ def default_model_path() -> Path:
         raise PrintpressError(f"the default model is not at {folder} (it ships with the source repository); "
                               "pass a model folder or hub id")
     return folder
+
+
+def model_folder(model: str | os.PathLike | None) -> Path | None:
+    """The local folder `printpress.load(model)` reads: the default model's for None, the path when it is a
+    folder, None for a hub id (its files live in the hub cache)."""
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    return path if path.is_dir() else None
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -154,22 +162,42 @@ class Pipeline:
             confidence_threshold=g.confidence_threshold,
             eos_token_ids=eos_ids,
             pad_token_id=g.pad_token_id,
+            temperature=g.temperature,
+            top_k=g.top_k,
         )
 
     def settings(self, **overrides) -> SamplerSettings:
-        """Checkpoint defaults with the given overrides (any `SamplerSettings` field but the pad id; None keeps
-        the default), validated. A setting the mode does not use is refused (`sampling.refuse_unread`)."""
-        unknown = sorted(set(overrides) - SETTING_NAMES)
+        """Checkpoint defaults with the given overrides (any `SamplerSettings` field but the pad id, and
+        `draft_steps`; None keeps the default), validated. A setting the mode does not use is refused
+        (`sampling.refuse_unread`).
+
+        Two settings read differently by mode: `draft_steps` (speculative only) is the drafts' denoising steps,
+        stored in `max_denoising_steps` (which the draft loop reads; default `SPECULATIVE_DRAFT_STEPS`, not the
+        checkpoint's canvas steps); `temperature` in diffusion mode multiplies the t_max -> t_min schedule
+        (`SamplerSettings.scale_schedule`), in AR and speculative mode it is the causal head's temperature.
+        """
+        unknown = sorted(set(overrides) - SETTING_NAMES - {"draft_steps"})
         if unknown:
             raise GenerationError(f"unknown generation setting(s): {', '.join(unknown)}")
         defaults = self.default_settings()
         mode = overrides.get("mode") or defaults.mode
-        if mode == "speculative" and overrides.get("max_denoising_steps") is None:
-            # Draft steps: one is the fastest setting measured on the shipped model (docs/benchmarks-speculative.md);
-            # the checkpoint's step count is meant for whole canvases.
-            overrides = {**overrides, "max_denoising_steps": SPECULATIVE_DRAFT_STEPS}
+        overrides = dict(overrides)
+        draft_steps = overrides.pop("draft_steps", None)
+        if draft_steps is not None and mode != "speculative":
+            raise GenerationError(f"draft_steps={draft_steps!r} does not apply to mode={mode!r} (only mode "
+                                  "'speculative' uses it); leave it out")
+        if mode == "speculative":
+            if draft_steps is not None and overrides.get("max_denoising_steps") is not None:
+                raise GenerationError("give draft_steps or max_denoising_steps (the same setting in mode "
+                                      "'speculative'), not both")
+            if draft_steps is not None:
+                check_setting("draft_steps", draft_steps)
+            if overrides.get("max_denoising_steps") is None:
+                overrides["max_denoising_steps"] = SPECULATIVE_DRAFT_STEPS if draft_steps is None else draft_steps
         settings = defaults.with_overrides(**overrides).validate()
         refuse_unread(settings.mode, overrides, defaults)  # an option the mode cannot honour is an error
+        if settings.mode == "diffusion" and overrides.get("temperature") is not None:
+            settings = settings.scale_schedule(settings.temperature)
         return settings
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
@@ -244,8 +272,8 @@ class Pipeline:
         seed one is drawn from torch's global generator, so `torch.manual_seed` still makes runs
         repeatable. Other keyword arguments override the checkpoint defaults: mode ("diffusion",
         "ar" or "speculative"), max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max,
-        stability_threshold, confidence_threshold, eos_token_ids, sample_accepted_only, temperature
-        and top_k; one the mode does not use is refused (`settings`).
+        stability_threshold, confidence_threshold, eos_token_ids, sample_accepted_only, temperature,
+        top_k and draft_steps; one the mode does not use is refused (`settings`).
         """
         requests, single = self._requests(prompt, seed, overrides)
         results: list[GenerationResult | None] = [None] * len(requests)

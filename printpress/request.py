@@ -118,7 +118,11 @@ class RequestState:
         return self.eos_at is not None or len(self.tokens) >= self.budget
 
     def completion(self) -> list[int]:
-        return self.tokens if self.eos_at is None else self.tokens[: self.eos_at]
+        """The generated tokens before the first EOS, at most max_new_tokens of them: a diffusion request commits
+        whole canvases (as the reference does), but its text stops where the budget asked (as the server's
+        max_tokens does), so `max_new_tokens=10` means ten tokens of text in every mode."""
+        end = len(self.tokens) if self.eos_at is None else self.eos_at
+        return self.tokens[: min(end, self.settings.max_new_tokens)]
 
     # -- the canvas loop ----------------------------------------------------------------------------------------
     def start_canvas(self, length: int, vocab_size: int, device: torch.device) -> None:

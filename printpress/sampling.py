@@ -30,11 +30,16 @@ DIFFUSION_SAMPLER = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "
 ADAPTIVE_STOP = ("stability_threshold", "confidence_threshold")
 AR_SAMPLER = ("temperature", "top_k")
 MODE_SETTINGS = {
-    "diffusion": DIFFUSION_SAMPLER + ADAPTIVE_STOP,
+    # temperature in diffusion mode multiplies the t_max -> t_min schedule (`scale_schedule`)
+    "diffusion": DIFFUSION_SAMPLER + ADAPTIVE_STOP + ("temperature",),
     "ar": AR_SAMPLER,
     "speculative": AR_SAMPLER + DIFFUSION_SAMPLER,  # the AR model samples; the drafts run every step, no stop
 }
 _MODE_SPECIFIC = frozenset(name for names in MODE_SETTINGS.values() for name in names)
+
+# mode="speculative": decoder passes per draft unless told (`draft_steps`). One is the fastest setting measured on
+# the shipped model (docs/benchmarks-speculative.md); a whole canvas's step count (32) would run at a tenth of it.
+SPECULATIVE_DRAFT_STEPS = 1
 
 
 _DEFAULTS = GenerationConfig()
@@ -46,7 +51,8 @@ class SamplerSettings:
 
     Names follow the checkpoint's generation_config.json. `temperature` and `top_k` are the AR
     model's sampling (`mode="ar"` and `"speculative"`); the diffusion sampler uses the linear schedule
-    `t_max -> t_min` instead. `MODE_SETTINGS` says which mode reads which setting.
+    `t_max -> t_min` instead, which a `temperature` given in diffusion mode scales (`scale_schedule`).
+    `MODE_SETTINGS` says which mode reads which setting.
     """
 
     # The reference's defaults, kept in one place (printpress.config.GenerationConfig).
@@ -73,6 +79,20 @@ class SamplerSettings:
         if "eos_token_ids" in kept:
             kept["eos_token_ids"] = tuple(int(t) for t in kept["eos_token_ids"])
         return replace(self, **kept)
+
+    def scale_schedule(self, temperature: float) -> SamplerSettings:
+        """Diffusion mode's reading of `temperature`: a multiplier of the whole t_max -> t_min schedule.
+
+        1 keeps the schedule as set (the checkpoint's, or the given t_min / t_max), 0.5 halves both ends, 0 is the
+        coldest the sampler allows (t_max = MIN_TEMPERATURE, t_min = 0: every position all but greedy). Ends are
+        clamped into the accepted ranges, so any valid temperature gives a valid schedule.
+        """
+        if temperature == 1:
+            return self
+        t_max = min(max(self.t_max * temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+        t_min = self.t_min * temperature
+        t_min = 0.0 if t_min == 0 else min(max(t_min, MIN_TEMPERATURE), t_max)
+        return replace(self, t_min=t_min, t_max=t_max, temperature=temperature)
 
     def validate(self) -> SamplerSettings:
         """Raise GenerationError with one clear message for the first setting that cannot work.
@@ -108,7 +128,7 @@ def check_setting(name: str, value: object) -> None:
 
     The per-value half of `SamplerSettings.validate`, so a command line can refuse a bad flag before it loads
     a model (the checks between settings, t_min <= t_max, need the checkpoint's defaults). Names without a
-    rule (mode, eos_token_ids) pass.
+    rule (eos_token_ids) pass.
     """
     check = _CHECKS.get(name)
     if check is not None:
@@ -155,9 +175,15 @@ def _check_flag(value: object) -> None:
     _require(isinstance(value, bool), f"sample_accepted_only must be true or false, got {value!r}")
 
 
+def _check_mode(value: object) -> None:
+    _require(value in MODES, f"unknown mode {value!r}; expected one of {', '.join(MODES)}")
+
+
 _CHECKS = {
+    "mode": _check_mode,
     "max_new_tokens": _integer("max_new_tokens", 1),
     "max_denoising_steps": _integer("steps (max_denoising_steps)", 1, MAX_DENOISING_STEPS),
+    "draft_steps": _integer("draft_steps", 1, MAX_DENOISING_STEPS),
     "stability_threshold": _integer("stability_threshold", 0, MAX_DENOISING_STEPS),
     "entropy_bound": _positive("entropy_bound"),
     "confidence_threshold": _positive("confidence_threshold"),
@@ -174,8 +200,9 @@ def refuse_unread(mode: str, given: dict, defaults: SamplerSettings) -> None:
 
     A value that asks for nothing the request does not get anyway passes, so a client may send the same
     settings to every mode: the default (the checkpoint's, for the diffusion settings) of a diffusion
-    setting, or sample_accepted_only=False. temperature and top_k ask for AR sampling, which diffusion mode
-    never does, so any value of them is refused there. (The rule is written down in docs/generation.md.)
+    setting, or sample_accepted_only=False. top_k asks for AR sampling, which diffusion mode (and so editing)
+    never does, so any value of it is refused there; temperature has a meaning in every mode (in diffusion it
+    scales the schedule). (The rule is written down in docs/generation.md.)
     """
     if mode not in MODE_SETTINGS:
         return  # validate() names the unknown mode
@@ -188,6 +215,19 @@ def refuse_unread(mode: str, given: dict, defaults: SamplerSettings) -> None:
         only = f"only mode {readers[0]} uses it" if len(readers) == 1 else f"only modes {' and '.join(readers)} use it"
         label = "steps (max_denoising_steps)" if name == "max_denoising_steps" else name
         raise GenerationError(f"{label}={value!r} does not apply to mode={mode!r} ({only}); leave it out")
+
+
+def refuse_canvas_steps(mode: str | None, steps: object) -> None:
+    """`steps` where a person or a client writes it (the CLI's --steps, the HTTP API's `steps`) means a diffusion
+    canvas's denoising steps. Speculative drafts are canvases too, but a draft wants one or two steps where a
+    canvas wants 32, so the same number copied from a diffusion request would be a slow surprise (16 steps per
+    draft ran at 3.9 tokens/s): there the drafts' steps are `draft_steps`, and `steps` is refused. (The Python
+    API's `max_denoising_steps` keeps meaning "steps of each canvas the mode denoises", drafts included.)"""
+    if mode == "speculative" and steps is not None:
+        raise GenerationError(
+            f"steps={steps!r} does not apply to mode='speculative' (it sets the denoising steps of a diffusion "
+            f"canvas); the speculative drafts run draft_steps steps (default {SPECULATIVE_DRAFT_STEPS}, the fastest "
+            "measured): set draft_steps, or leave steps out")
 
 
 def _is_int(value: object) -> bool:

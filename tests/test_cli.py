@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,7 @@ def test_ar_mode_and_its_flags(folders, capsys):
     data = json.loads(out)
     assert code == 0 and data["mode"] == "ar" and len(data["token_ids"]) == 5
     assert data["token_ids"] == printpress.load(folders["ids"]).generate(
-        [2, 7, 9], mode="ar", max_new_tokens=5, eos_token_ids=[]).token_ids
+        [2, 7, 9], mode="ar", max_new_tokens=5, eos_token_ids=[], temperature=0).token_ids
 
 
 def test_show_steps_writes_one_line_per_step_when_not_a_terminal(folders, capsys):
@@ -163,6 +164,13 @@ MPS = pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine
         pytest.param(["--device", "cuda:1"], "device 'cuda:1' is not available", marks=CUDA),
         pytest.param(["--device", "mps"], "device 'mps' is not available: this torch", marks=MPS),
         (["--device", "gpu"], "unknown device 'gpu'"),
+        # Issue 14: a mode in the wrong case, zero steps, and speculative drafts asked for with a canvas's steps.
+        (["--mode", "AR"], "unknown mode 'AR'; expected one of diffusion, ar, speculative"),
+        (["--steps", "0"], "steps (max_denoising_steps) must be a positive integer"),
+        (["--mode", "speculative", "--steps", "16"], "steps=16 does not apply to mode='speculative' (it sets the "
+                                                     "denoising steps of a diffusion canvas); the speculative drafts "
+                                                     "run draft_steps steps"),
+        (["--draft-steps", "0"], "draft_steps must be a positive integer"),
     ],
 )
 def test_settings_and_devices_are_refused_before_the_model_loads(capsys, tmp_path, argv, message):
@@ -216,14 +224,13 @@ def test_python_dash_m_runs_the_cli(folders):
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert len(done.stdout.split()) == 8  # one whole canvas of ids
+    assert len(done.stdout.split()) == 4  # the ids of --max-new-tokens, out of one whole canvas of 8
     bad = subprocess.run([sys.executable, "-m", "printpress", "generate", "-m", folders["ids"], "--ids", ""],
                          capture_output=True, text=True, cwd=REPO, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
 def test_show_steps_redraws_in_a_real_pseudo_terminal(folders):
-    import os
     import pty
 
     controller, terminal = pty.openpty()
@@ -247,3 +254,136 @@ def test_show_steps_redraws_in_a_real_pseudo_terminal(folders):
     text = drawn.decode()
     assert "\x1b[1F" in text  # frames redraw in place over the previous one
     assert "\x1b[2m" in text and "\x1b[1m" in text  # re-noised positions dim, accepted bright
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 14: the habits of llama.cpp / Ollama users
+# ------------------------------------------------------------------------------------------------
+
+
+def test_edit_span_is_checked_before_the_model_loads(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "edit", "-m", str(tmp_path / "not-loaded"), "--text", "abc", "--span", "3:99")
+    assert code == 2 and out == ""
+    assert err == "printpress: error: the span end 99 is beyond the text's 3 characters\n"
+
+
+def test_max_new_tokens_prints_that_many_tokens_in_diffusion_mode(folders, capsys):
+    """The engine computes a whole canvas (8 here); the text holds --max-new-tokens tokens, as the server's
+    max_tokens does."""
+    code, out, _ = run_cli(capsys, "generate", "-m", folders["text"], "--seed", "3", "--max-new-tokens", "5",
+                           "--eos", "", "w7 w9")
+    result = printpress.load(folders["text"]).generate("w7 w9", seed=3, max_new_tokens=5, eos_token_ids=[])
+    assert len(result.token_ids) == 8 and len(result.completion_ids) == 5
+    assert code == 0 and out == result.text + "\n" and len(out.split()) == 5
+
+
+class Recorder(io.StringIO):
+    """stdout that remembers each write and each flush, to see text arrive while generation goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+        self.flushes = 0
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_text_streams_to_stdout_as_it_is_committed(folders, monkeypatch):
+    pipe = printpress.load(folders["text"])
+    for mode, commits in (("diffusion", 3), ("ar", 20)):
+        out = Recorder()
+        monkeypatch.setattr(sys, "stdout", out)
+        assert main(["generate", "-m", folders["text"], "--mode", mode, "--seed", "4", "--max-new-tokens", "20",
+                     "--eos", "", "w7 w9"]) == 0
+        expected = pipe.generate("w7 w9", mode=mode, seed=4, max_new_tokens=20, eos_token_ids=[]).text
+        assert out.getvalue() == expected + "\n"
+        # canvas by canvas (8 tokens; the last one cut at 20) or token by token, each flushed at once
+        pieces = [w for w in out.writes if w.strip()]
+        assert len(pieces) == commits and out.flushes >= commits
+
+
+def test_several_prompts_are_printed_in_order_under_headers(folders, capsys):
+    code, out, _ = run_cli(capsys, "generate", "-m", folders["text"], "--seed", "1", "--max-new-tokens", "6",
+                           "--eos", "", "w7 w9", "w11", "w12 w13 w14")
+    texts = [r.text for r in printpress.load(folders["text"]).generate(["w7 w9", "w11", "w12 w13 w14"], seed=1,
+                                                                        max_new_tokens=6, eos_token_ids=[])]
+    assert code == 0
+    assert out == (f"==> prompt 1 <==\n{texts[0]}\n\n==> prompt 2 <==\n{texts[1]}\n"
+                   f"\n==> prompt 3 <==\n{texts[2]}\n")
+
+
+def test_text_printer_holds_later_prompts_until_the_earlier_ones_finish():
+    from printpress.cli import TextPrinter
+    from printpress.events import DoneEvent
+
+    out = io.StringIO()
+    printer = TextPrinter(out, 2)
+    printer.update(CommitEvent(1, 0, [5], "second ", False))
+    assert out.getvalue() == "==> prompt 1 <==\n"  # prompt 2's text waits for prompt 1
+    printer.update(CommitEvent(0, 0, [5], "first", True))
+    assert out.getvalue() == "==> prompt 1 <==\nfirst"
+    printer.update(DoneEvent(0, None))  # prompt 2 goes live: what it held, then what comes
+    printer.update(CommitEvent(1, 1, [6], "more", True))
+    printer.update(DoneEvent(1, None))
+    assert out.getvalue() == "==> prompt 1 <==\nfirst\n\n==> prompt 2 <==\nsecond more\n"
+
+
+def test_a_dash_reads_the_prompt_from_stdin(folders, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w7 w9 w11"))
+    code, out, _ = run_cli(capsys, "generate", "-m", folders["text"], "--seed", "3", "--max-new-tokens", "8", "-")
+    expected = printpress.load(folders["text"]).generate("w7 w9 w11", seed=3, max_new_tokens=8).text
+    assert code == 0 and out == expected + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("2 7 9"))
+    code, out, _ = run_cli(capsys, "generate", "-m", folders["ids"], "--ids", "--seed", "3", "--max-new-tokens", "8",
+                           "--json", "-")
+    assert code == 0 and json.loads(out)["prompt_ids"] == [2, 7, 9]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, out, err = run_cli(capsys, "generate", "-m", folders["text"], "-")
+    assert code == 2 and err == "printpress: error: '-' reads the prompt from stdin, and stdin was empty\n"
+
+
+def test_stats_go_to_stderr_on_their_own_line_after_the_text(folders):
+    done = subprocess.run([sys.executable, "-m", "printpress", "generate", "-m", folders["text"], "--seed", "2",
+                           "--max-new-tokens", "5", "--eos", "", "--stats", "w7"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("WARNING")]  # the tiny test model's
+    assert done.returncode == 0 and len(lines) == 2, done.stdout
+    assert len(lines[0].split()) == 5  # the text, then (flushed first) the statistics
+    assert lines[1].startswith("[5 tokens of 8 generated in ") and lines[1].endswith(" canvases]")
+
+
+def test_help_does_not_import_torch():
+    """`printpress --help` and `printpress generate --help` answer without importing torch (2.4 s on a busy
+    machine before; the lazily registered train and distill commands import it only when they run)."""
+    code = ("import sys\nfrom printpress.cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['chat', '--help'], ['serve', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\nprint('no torch')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0 and done.stdout.endswith("no torch\n"), done.stderr
+    assert "train" in done.stdout and "distill" in done.stdout and "chat" in done.stdout  # listed all the same
+
+
+def test_chat_answers_each_line_of_stdin_over_the_plain_template():
+    """`printpress chat` from a pipe: one answer per line, each the engine's continuation of the conversation in the
+    server's plain template, cut where the next USER turn would start; turn i uses seed + i."""
+    from printpress.serve.chat import PLAIN_STOP
+
+    done = subprocess.run([sys.executable, "-m", "printpress", "chat", "--mode", "ar", "--seed", "5",
+                           "--max-new-tokens", "24", "--system", "A street in Verona."],
+                          input="Who is there?\n\nWhat news?\n/bye\nnever read\n", capture_output=True, text=True,
+                          cwd=REPO, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    pipe = printpress.load()
+    history, printed = "A street in Verona.\n\n", []
+    for turn, line in enumerate(["Who is there?", "What news?"]):
+        history += f"USER: {line}\n\nASSISTANT:"
+        answer = pipe.generate(history, mode="ar", seed=5 + turn, max_new_tokens=24).text.split(PLAIN_STOP)[0]
+        printed.append(answer.lstrip() + "\n")
+        history += f" {answer.strip()}\n\n"
+    assert done.stdout == "".join(printed)

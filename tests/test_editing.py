@@ -124,18 +124,21 @@ def test_a_seed_repeats_the_events_and_another_changes_them(pipe):
     assert editing.infill(pipe, "w7", "w8", length=3).middle_ids == unseeded.middle_ids
 
 
-def test_length_search_keeps_the_candidate_with_the_best_join_score(pipe):
+def test_length_search_keeps_the_candidate_after_which_the_suffix_is_most_probable(pipe):
     prefix, suffix = "w7 w9 w4", "w11 w12 w13 w14 w15 w16 w17 w18 w19 w20"
     result = editing.infill(pipe, prefix, suffix, length=[1, 3, 6], seed=20)
     assert [c.length for c in result.candidates] == [1, 3, 6]
-    best = min(result.candidates, key=lambda c: c.join_nll / c.join_chars)
+    best = min(result.candidates, key=lambda c: c.suffix_nll)
+    assert all(c.score == c.suffix_nll and c.suffix_tokens == CANVAS for c in result.candidates)
     assert result.middle_ids == best.middle_ids and result.stats.length == best.length
-    assert result.seed == best.seed and result.stats.candidates == 3
+    assert result.seed == 20 and result.stats.candidates == 3  # the seed as given, whichever candidate won
     # candidate i is exactly what a fixed-length infill with seed + i produces
     for i, candidate in enumerate(result.candidates):
+        assert candidate.seed == 20 + i
         alone = editing.infill(pipe, prefix, suffix, length=candidate.length, seed=20 + i)
         assert alone.middle_ids == candidate.middle_ids and alone.candidates == []
-    # the join NLL is the causal head's NLL of middle + the first canvas_length suffix tokens after <bos> prefix
+    # the NLLs are the causal head's: of the middle after <bos> prefix, and of the first canvas_length suffix
+    # tokens after it (the same tokens for every candidate, so the scores compare like with like)
     candidate = result.candidates[1]
     prefix_ids = pipe.tokenizer.encode(prefix, add_special_tokens=False).ids
     scored = pipe.tokenizer.encode(suffix, add_special_tokens=False).ids[:CANVAS]
@@ -143,10 +146,39 @@ def test_length_search_keeps_the_candidate_with_the_best_join_score(pipe):
     with torch.no_grad():
         logits = pipe.model.encode(torch.tensor([ids]), pipe.model.new_cache(1, len(ids)))[0]
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-    start = 1 + len(prefix_ids)
-    expected = -sum(float(logp[p - 1, ids[p]]) for p in range(start, len(ids)))
-    assert candidate.join_nll == pytest.approx(expected, abs=1e-3)
-    assert candidate.join_chars == len(pipe.decode(candidate.middle_ids + scored))
+    start, middle_end = 1 + len(prefix_ids), 1 + len(prefix_ids) + candidate.length
+    assert candidate.middle_nll == pytest.approx(-sum(float(logp[p - 1, ids[p]]) for p in range(start, middle_end)),
+                                                 abs=1e-3)
+    assert candidate.suffix_nll == pytest.approx(-sum(float(logp[p - 1, ids[p]]) for p in range(middle_end, len(ids))),
+                                                 abs=1e-3)
+
+
+def test_without_a_suffix_the_search_scores_the_middle_per_token(pipe):
+    result = editing.infill(pipe, "w7 w9 w4", "", length=[2, 5], seed=3)
+    assert all(c.suffix_tokens == 0 and c.suffix_nll == 0 for c in result.candidates)
+    assert [c.score for c in result.candidates] == [c.middle_nll / c.length for c in result.candidates]
+    assert result.middle_ids == min(result.candidates, key=lambda c: c.middle_nll / c.length).middle_ids
+
+
+def test_blanks_at_the_joins_are_not_doubled():
+    """A prefix ending with a blank ("what ") is given to the model without it, so the middle's first word brings its
+    own (" light", as the BPE writes words) and the join has one blank, not two; a blank before a suffix that starts
+    with one is dropped. The text outside the middle is never changed."""
+    shipped = printpress.load()
+    prefix, suffix = "ROMEO.\nBut soft, what ", " breaks?\n"
+    for seed in range(3):
+        result = editing.infill(shipped, prefix, suffix, length=[2, 4, 6], seed=seed)
+        assert result.text == prefix + result.middle + suffix and result.text[result.start:result.end] == result.middle
+        assert not result.middle.startswith((" ", "\t")) and not result.middle.endswith((" ", "\t"))
+        assert result.stats.prefix_tokens == len(shipped.encode_text(prefix.rstrip(" ")))
+        assert all(not c.middle.startswith(" ") for c in result.candidates)
+    text = "ROMEO.\nBut soft, what light through yonder window breaks?\n"
+    rewritten = editing.rewrite(shipped, text, 22, 49, seed=0)  # "light through yonder window"
+    assert rewritten.text.startswith("ROMEO.\nBut soft, what ") and rewritten.text.endswith(" breaks?\n")
+    assert "  " not in rewritten.text[18:rewritten.end + 2]
+    # the span's length is counted as the model writes it, with the blank before it
+    assert rewritten.stats.length == len(shipped.tokenizer.encode(" light through yonder window",
+                                                                  add_special_tokens=False).ids)
 
 
 def test_default_lengths_are_fractions_of_the_canvas():
@@ -179,7 +211,7 @@ def test_token_ids_work_without_a_tokenizer(folders):
         ({"max_denoising_steps": 0}, "steps (max_denoising_steps) must be a positive integer"),
         ({"beam": 3}, "unknown generation setting(s): beam"),
         ({"max_new_tokens": 4}, "editing generates `length` tokens; max_new_tokens does not apply"),
-        ({"temperature": 0.5}, "temperature=0.5 does not apply to mode='diffusion'"),
+        ({"top_k": 5}, "top_k=5 does not apply to mode='diffusion'"),
         ({"prefix": [5, 999]}, "token id 999 is outside the vocabulary (0..127)"),
         ({"seed": -1}, "a seed must be an integer in [0, 2**64), got -1"),
         ({"prefix": "w5 " * 510}, "the model's position limit is 512; shorten the prefix"),
@@ -233,6 +265,15 @@ def test_cli_rewrite_json_has_the_span_and_candidates(folders, capsys):
     assert data["text"][: data["start"]] == TEXT[:6] and data["text"][data["end"]:] == TEXT[14:]
     assert [c["length"] for c in data["candidates"]] == [1, 3]
     assert data["stats"]["length"] in (1, 3) and "score" in data["candidates"][0]
+    # the seed as given (it reported the winning candidate's, seed + its index: --seed 0 printed 4)
+    assert data["seed"] == 2 and [c["seed"] for c in data["candidates"]] == [2, 3]
+
+
+def test_cli_temperature_scales_the_edit_schedule(folders, capsys):
+    code, out, _ = run_cli(capsys, "-m", folders["text"], "--prefix", "w7 w9", "--suffix", "w11", "--length", "3",
+                           "--seed", "6", "--temperature", "0.5")
+    expected = editing.infill(printpress.load(folders["text"]), "w7 w9", "w11", length=3, seed=6, temperature=0.5)
+    assert code == 0 and out == expected.text + "\n"
 
 
 def test_cli_show_steps_draws_one_line_per_step(folders, capsys):

@@ -83,6 +83,12 @@ def test_rewrite_equals_the_library_and_keeps_the_rest(server, pipe):
     assert got["candidates"] == []
 
 
+def test_temperature_scales_the_edit_schedule_as_in_the_library(server, pipe):
+    got = edit(server, {"text": TEXT, "span": list(SPAN), "seed": 3, "steps": STEPS, "temperature": 0.5}).json()
+    want = editing.rewrite(pipe, TEXT, *SPAN, seed=3, max_denoising_steps=STEPS, temperature=0.5)
+    assert got["middle_ids"] == want.middle_ids and got["text"] == want.text and got["seed"] == 3
+
+
 def test_rewrite_with_a_length_and_infill_with_a_search(server, pipe):
     got = edit(server, {"text": TEXT, "span": list(SPAN), "seed": 9, "steps": STEPS, "length": 7}).json()
     want = editing.rewrite(pipe, TEXT, *SPAN, seed=9, max_denoising_steps=STEPS, length=7)
@@ -92,7 +98,8 @@ def test_rewrite_with_a_length_and_infill_with_a_search(server, pipe):
     got = edit(server, {"prefix": prefix, "suffix": suffix, "seed": 2, "steps": STEPS}).json()
     want = editing.infill(pipe, prefix, suffix, seed=2, max_denoising_steps=STEPS)
     assert got["text"] == want.text == prefix + want.middle + suffix and got["middle_ids"] == want.middle_ids
-    assert got["seed"] == want.seed and got["stats"]["candidates"] == len(editing.default_lengths(32)) == 5
+    assert got["seed"] == want.seed == 2 and got["stats"]["candidates"] == len(editing.default_lengths(32)) == 5
+    assert [c["seed"] for c in got["candidates"]] == [2, 3, 4, 5, 6]
     assert [c["length"] for c in got["candidates"]] == [4, 8, 12, 16, 24]
     assert [c["score"] for c in got["candidates"]] == pytest.approx([c.score for c in want.candidates])
     best = min(got["candidates"], key=lambda c: c["score"])
@@ -160,7 +167,7 @@ def test_the_serve_command_mounts_the_edits_route(monkeypatch):
     from printpress.serve import command
 
     apps = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: apps.append(server.config.app))
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     assert command.run(parser.parse_args(["--port", "0"])) == 0
@@ -196,7 +203,8 @@ BAD_EDITS = [
     ({"text": "ab cd", "span": [0, 5], "length": 40}, 400, "exceeds the canvas", "length"),
     ({"prefix": "x", "foo": 1}, 400, "unknown field 'foo'", "foo"),
     ({"prefix": "x", "mode": "ar"}, 400, "unknown field 'mode'", "mode"),
-    ({"prefix": "x", "temperature": 0.5}, 400, "unknown field 'temperature'", "temperature"),
+    ({"prefix": "x", "top_k": 5}, 400, "unknown field 'top_k'", "top_k"),
+    ({"prefix": "x", "temperature": -1}, 400, "greater than or equal to 0", "temperature"),
     ({"prefix": "x", "steps": 9}, 400, "at most 8 denoising steps", "steps"),
     ({"prefix": "x", "t_min": 0.9, "t_max": 0.5}, 400, "t_min (0.9) must not exceed t_max", None),
     ({"prefix": "x", "seed": -1}, 400, "seed", "seed"),

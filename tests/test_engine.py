@@ -124,6 +124,51 @@ def test_checkpoint_generation_config_supplies_the_defaults(models_):
     assert result.stats.forward_passes == 10  # 5 steps each
 
 
+def test_ar_samples_at_the_checkpoints_defaults_and_greedy_only_when_asked(models_):
+    """Issue 14: AR decoding samples (0.8, top-k 50 when generation_config.json is silent, as the shipped models'
+    is), so the seed matters; temperature=0 is greedy. A file with transformers' keys is read as transformers reads
+    it, and a save writes them back only when they differ from the default."""
+    from printpress.config import GenerationConfig
+
+    _, pipe = models_["gqa"]
+    settings = pipe.settings(mode="ar")
+    assert (settings.temperature, settings.top_k) == (0.8, 50)
+    sampled = [pipe.generate(PROMPTS[0], mode="ar", seed=s, max_new_tokens=9, eos_token_ids=[]).token_ids
+               for s in (1, 2)]
+    assert sampled[0] != sampled[1]
+    assert sampled[0] == pipe.generate(PROMPTS[0], mode="ar", seed=1, max_new_tokens=9, eos_token_ids=[],
+                                       temperature=0.8, top_k=50).token_ids
+    for data, expected in [({}, (0.8, 50)), ({"do_sample": False}, (0.0, 50)), ({"do_sample": True}, (1.0, 50)),
+                           ({"do_sample": True, "temperature": 0.6, "top_k": 0}, (0.6, None)),
+                           ({"temperature": 0.7}, (0.0, 50))]:  # transformers: no do_sample, no sampling
+        config = GenerationConfig.from_dict(data)
+        assert (config.temperature, config.top_k) == expected, data
+        assert GenerationConfig.from_dict(config.to_dict()) == config
+    assert not {"do_sample", "temperature", "top_k"} & set(GenerationConfig().to_dict())
+    with pytest.raises(PrintpressError, match="do_sample must be true or false"):
+        GenerationConfig.from_dict({"do_sample": "yes"})
+
+
+def test_temperature_in_diffusion_mode_multiplies_the_schedule(models_):
+    from printpress.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+    _, pipe = models_["gqa"]
+    base = pipe.settings(t_min=0.3, t_max=0.9)
+    for temperature, (t_min, t_max) in [(1, (0.3, 0.9)), (0.5, (0.15, 0.45)), (2, (0.6, 1.8)),
+                                        (0, (0.0, MIN_TEMPERATURE)), (1e-4, (MIN_TEMPERATURE, MIN_TEMPERATURE))]:
+        scaled = pipe.settings(t_min=0.3, t_max=0.9, temperature=temperature)
+        assert (scaled.t_min, scaled.t_max) == pytest.approx((t_min, t_max)), temperature
+        assert scaled.max_denoising_steps == base.max_denoising_steps and scaled.mode == "diffusion"
+    hot = pipe.settings(t_min=0.3, t_max=2.0, temperature=1e4)  # ends clamped into the accepted range
+    assert (hot.t_min, hot.t_max) == pytest.approx((3000.0, MAX_TEMPERATURE))
+    one = pipe.generate(PROMPTS[0], seed=4, max_new_tokens=8, temperature=1)
+    assert one.token_ids == pipe.generate(PROMPTS[0], seed=4, max_new_tokens=8).token_ids  # 1: the checkpoint's
+    half = pipe.generate(PROMPTS[0], seed=4, max_new_tokens=8, temperature=0.5)
+    defaults = pipe.settings()
+    assert half.token_ids == pipe.generate(PROMPTS[0], seed=4, max_new_tokens=8, t_min=defaults.t_min * 0.5,
+                                           t_max=defaults.t_max * 0.5).token_ids
+
+
 def test_early_stop_and_eos_are_exercised(models_):
     """Guard for the parity cases above: they do cover the adaptive stop and EOS padding."""
     _, pipe = models_["peaked"]
@@ -134,7 +179,7 @@ def test_early_stop_and_eos_are_exercised(models_):
     eos_ids = set(CASES[9][1]["eos_token_ids"])
     for r in eos:
         first = next((i for i, t in enumerate(r.token_ids) if t in eos_ids), len(r.token_ids))
-        assert r.completion_ids == r.token_ids[:first]
+        assert r.completion_ids == r.token_ids[: min(first, CASES[9][1]["max_new_tokens"])]
 
 
 def test_unseeded_runs_repeat_under_torch_manual_seed(models_):
@@ -156,7 +201,7 @@ BATCH = [[2, 7, 9, 11, 13, 17], [2, 40], [2, 5, 6, 7], [2, 99, 98, 97, 96, 95, 9
         ("gqa", dict(max_new_tokens=24, max_denoising_steps=4, eos_token_ids=list(range(3, 8)))),
         ("peaked", dict(max_new_tokens=32, max_denoising_steps=6, t_min=0.02, t_max=0.05, entropy_bound=1.0,
                         confidence_threshold=0.05, eos_token_ids=list(range(20, 31)))),
-        ("gqa", dict(mode="ar", max_new_tokens=10, eos_token_ids=list(range(3, 9)))),
+        ("gqa", dict(mode="ar", max_new_tokens=10, temperature=0, eos_token_ids=list(range(3, 9)))),
         ("gqa", dict(mode="ar", max_new_tokens=10, temperature=1.0, eos_token_ids=list(range(3, 9)))),
     ],
 )
@@ -287,7 +332,7 @@ def reference_greedy(ref, prompt: list[int], new_tokens: int) -> list[int]:
 def test_greedy_ar_equals_reference_encoder_argmax(models_, name):
     ref, pipe = models_[name]
     for prompt in PROMPTS[:2]:
-        result = pipe.generate(prompt, mode="ar", max_new_tokens=9, eos_token_ids=[])
+        result = pipe.generate(prompt, mode="ar", temperature=0, max_new_tokens=9, eos_token_ids=[])
         assert result.token_ids == reference_greedy(ref, prompt, 9)
         assert result.stats.tokens_per_forward == 1.0 and result.stats.denoising_steps == 0
         assert result.stats.finish_reason == "length"
@@ -295,9 +340,9 @@ def test_greedy_ar_equals_reference_encoder_argmax(models_, name):
 
 def test_ar_stops_at_eos_and_sampling_follows_the_seed(models_):
     _, pipe = models_["gqa"]
-    greedy = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=9, eos_token_ids=[])
+    greedy = pipe.generate(PROMPTS[0], mode="ar", temperature=0, max_new_tokens=9, eos_token_ids=[])
     eos = greedy.token_ids[3]
-    stopped = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=9, eos_token_ids=[eos])
+    stopped = pipe.generate(PROMPTS[0], mode="ar", temperature=0, max_new_tokens=9, eos_token_ids=[eos])
     first = greedy.token_ids.index(eos)
     assert stopped.token_ids == greedy.token_ids[: first + 1]
     assert stopped.stats.finish_reason == "eos" and stopped.completion_ids == greedy.token_ids[:first]
@@ -366,7 +411,7 @@ def test_prompt_forms(models_):
         ([2, 3], dict(entropy_bound=0.0), "entropy_bound must be > 0"),
         ([2, 3], dict(t_min=0.9, t_max=0.2), "t_min (0.9) must not exceed t_max (0.2)"),
         ([2, 3], dict(mode="beam"), "unknown mode 'beam'"),
-        ([2, 3], dict(temperature=0.5), "temperature=0.5 does not apply to mode='diffusion'"),
+        ([2, 3], dict(top_k=5), "top_k=5 does not apply to mode='diffusion'"),
         ([2, 3], dict(steps=4), "unknown generation setting(s): steps"),
         ("some text", {}, "this model has no tokenizer (tokenizer.json); pass token ids instead of text"),
         ([[2, 3], [2, 4]], dict(seed=[1]), "got 1 seeds for 2 prompts"),
@@ -385,8 +430,10 @@ def test_bad_input_raises_one_clear_generation_error(models_, prompt, settings, 
 @pytest.mark.parametrize(
     "settings,message",
     [
-        (dict(temperature=0.0), "temperature=0.0 does not apply to mode='diffusion' (only modes 'ar' and 'speculative' "
-                                "use it); leave it out"),
+        (dict(draft_steps=2), "draft_steps=2 does not apply to mode='diffusion' (only mode 'speculative' uses it); "
+                              "leave it out"),
+        (dict(mode="ar", draft_steps=2), "draft_steps=2 does not apply to mode='ar'"),
+        (dict(mode="speculative", draft_steps=2, max_denoising_steps=2), "give draft_steps or max_denoising_steps"),
         (dict(top_k=5), "top_k=5 does not apply to mode='diffusion'"),
         (dict(mode="ar", max_denoising_steps=4), "steps (max_denoising_steps)=4 does not apply to mode='ar' (only modes "
                                                  "'diffusion' and 'speculative' use it)"),

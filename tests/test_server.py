@@ -191,8 +191,9 @@ def test_autoregressive_mode_through_the_api(client, pipe):
 def test_max_tokens_cuts_inside_a_canvas(client, pipe):
     out = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=5, seed=4, extra_body={"steps": STEPS})
     full = expected(pipe, "ROMEO:", seed=4, max_new_tokens=5)  # the engine commits a whole canvas of 32
-    assert len(full.completion_ids) > 5, "this seed must not end within 5 tokens for the test to mean anything"
-    assert out.choices[0].text == pipe.decode(full.completion_ids[:5])
+    assert len(full.token_ids) == 32 and 1 not in full.token_ids[:5], "the seed must not end within 5 tokens"
+    assert full.completion_ids == full.token_ids[:5]  # the library's text stops at max_new_tokens too
+    assert out.choices[0].text == full.text == pipe.decode(full.token_ids[:5])
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 5
 
@@ -235,6 +236,76 @@ def test_models_and_health(client, server):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(doc["paths"])
     fields = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"steps", "entropy_bound", "t_min", "t_max", "mode", "stream_steps", "seed"} <= set(fields)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 14: what stock clients send, and defaults that show the model at its best
+# ------------------------------------------------------------------------------------------------
+
+
+def test_stock_client_fields_at_their_neutral_values_are_accepted(client, pipe):
+    """What LangChain, LiteLLM and chat front ends send on every request: accepted, and changing nothing."""
+    neutral = {"top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "n": 1, "logit_bias": {}}
+    out = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=32, seed=3, logprobs=None, best_of=1,
+                                    extra_body={"steps": STEPS}, **neutral)
+    assert out.choices[0].text == expected(pipe, "ROMEO.\n", seed=3).text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}], max_tokens=32,
+                                          seed=3, logprobs=False, top_logprobs=0, extra_body={"steps": STEPS},
+                                          **neutral)
+    assert chat.choices[0].message.content == expected(pipe, "USER: Speak.\n\nASSISTANT:", seed=3).text
+
+
+def test_temperature_in_diffusion_mode_scales_the_schedule(client, pipe):
+    """0 and 1 were refused in diffusion mode. Now 1 is the checkpoint's schedule, t scales both of its ends, and 0
+    is the coldest the sampler allows; the HTTP layer only passes the value on (Pipeline.settings decides)."""
+    default = pipe.settings()
+    half, zero = pipe.settings(temperature=0.5), pipe.settings(temperature=0)
+    assert (half.t_min, half.t_max) == (default.t_min * 0.5, default.t_max * 0.5)
+    assert (zero.t_min, zero.t_max) == (0.0, printpress.sampling.MIN_TEMPERATURE)
+    assert dataclasses.replace(pipe.settings(temperature=1), temperature=default.temperature) == default
+    for temperature in (1, 0.5, 0):
+        out = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=32, seed=7, temperature=temperature,
+                                        extra_body={"steps": STEPS})
+        assert out.choices[0].text == expected(pipe, "ROMEO.\n", seed=7, temperature=temperature).text
+    assert expected(pipe, "ROMEO.\n", seed=7, temperature=1).text == expected(pipe, "ROMEO.\n", seed=7).text
+
+
+def test_n_gives_one_choice_per_seed(client, pipe):
+    out = client.completions.create(model=MODEL, prompt=["ROMEO.\n", "JULIET.\n"], n=2, max_tokens=32, seed=10,
+                                    extra_body={"steps": STEPS})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [expected(pipe, p, seed=10 + i).text
+                                            for p in ("ROMEO.\n", "JULIET.\n") for i in range(2)]
+    assert [stats["seed"] for stats in out.model_extra["printpress"]] == [10, 11, 10, 11]
+    assert out.usage.prompt_tokens == len(pipe.encode_text("ROMEO.\n")) + len(pipe.encode_text("JULIET.\n"))
+    messages = [{"role": "user", "content": "Speak."}]
+    want = [expected(pipe, "USER: Speak.\n\nASSISTANT:", seed=4 + i).text for i in range(3)]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=32, seed=4,
+                                          extra_body={"steps": STEPS})
+    assert [c.message.content for c in chat.choices] == want and [c.index for c in chat.choices] == [0, 1, 2]
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=32, seed=4,
+                                                stream=True, extra_body={"steps": STEPS}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == want
+
+
+def test_ar_samples_by_default_so_the_seed_matters(client, pipe):
+    def ar(seed):
+        return client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, seed=seed,
+                                         extra_body={"mode": "ar"}).choices[0].text
+
+    assert ar(1) == ar(1) != ar(2)
+    assert ar(1) == pipe.generate("ROMEO.\n", mode="ar", seed=1, max_new_tokens=24, temperature=0.8, top_k=50).text
+
+
+def test_speculative_drafts_take_draft_steps(client, pipe):
+    out = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=16, seed=2, temperature=0,
+                                    extra_body={"mode": "speculative", "draft_steps": 2})
+    assert out.choices[0].text == pipe.generate("ROMEO.\n", mode="ar", temperature=0, max_new_tokens=16).text
+    stats = out.model_extra["printpress"][0]
+    assert stats["mode"] == "speculative" and stats["denoising_steps"] % 2 == 0 and stats["denoising_steps"] > 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,19 +398,41 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400, "at most 96 tokens", "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "'gpt-4' does not exist", "model"),
     ("/v1/completions", {"prompt": "word " * 200}, 400, "at most 64", "prompt"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0.9}, 400, "unknown field 'top_p'", "top_p"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "unknown field 'logprobs'", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0.9}, 400, "top_p: 0.9 cannot be honoured: printpress has no nucleus "
+     "sampling (top_k cuts the tail in modes ar and speculative); send 1 or leave it out", "top_p"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs: 2 cannot be honoured: printpress does not "
+     "return log-probabilities; send null or leave it out", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty: 0.5 cannot be honoured",
+     "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty: -1.0 cannot be honoured",
+     "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 3}}, 400, "logit_bias: {\"5\": 3.0} cannot be honoured",
+     "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of: 3 cannot be honoured", "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400,
+     "logprobs: true cannot be honoured", "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs: 2 cannot be honoured", "top_logprobs"),
     ("/v1/completions", {}, 400, "missing required field 'prompt'", "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "empty", None),
     ("/v1/completions", {"prompt": [[]]}, 400, "empty", "prompt"),
     ("/v1/completions", {"prompt": [5, 99999]}, 400, "outside the vocabulary", "prompt"),
     ("/v1/completions", {"prompt": ["a"] * 17}, 400, "at most 16", "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n: Input should be less than or equal to 16", "n"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 6}, 400, "3 prompt(s) x n=6 is 18 choices; at most 16", "n"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "seed"),
     ("/v1/completions", {"prompt": "x", "steps": 9}, 400, "at most 8 denoising steps", "steps"),
     ("/v1/completions", {"prompt": "x", "t_min": 0.9, "t_max": 0.5}, 400, "t_min (0.9) must not exceed t_max", None),
-    ("/v1/completions", {"prompt": "x", "temperature": 0.7}, 400, "temperature=0.7 does not apply to mode='diffusion'",
-     None),
+    ("/v1/completions", {"prompt": "x", "top_k": 5}, 400, "top_k=5 does not apply to mode='diffusion' (only modes "
+     "'ar' and 'speculative' use it)", None),
+    # Issue 14: the README's diffusion `steps` copied into a speculative request ran 16 draft steps at 3.9 tokens/s.
+    ("/v1/completions", {"prompt": "x", "mode": "speculative", "steps": 8}, 400, "steps=8 does not apply to "
+     "mode='speculative' (it sets the denoising steps of a diffusion canvas); the speculative drafts run draft_steps "
+     "steps (default 1, the fastest measured): set draft_steps, or leave steps out", "steps"),
+    ("/v1/completions", {"prompt": "x", "draft_steps": 2}, 400, "draft_steps=2 does not apply to mode='diffusion' "
+     "(only mode 'speculative' uses it)", None),
+    ("/v1/completions", {"prompt": "x", "mode": "speculative", "draft_steps": 9}, 400, "draft_steps is 9; this server "
+     "runs at most 8", "draft_steps"),
     ("/v1/completions", {"prompt": "x", "mode": "ar", "steps": 3}, 400, "steps (max_denoising_steps)=3 does not apply "
      "to mode='ar' (only modes 'diffusion' and 'speculative' use it)", None),
     ("/v1/completions", {"prompt": "x", "mode": "magic"}, 400, "mode", "mode"),
@@ -628,6 +721,23 @@ def test_printpress_serve_command_serves_and_never_logs_the_key(tmp_path):
     assert f"serving {MODEL} on http://127.0.0.1:{port} (API key required)" in text
     assert "POST /v1/completions" in text  # the access log is on, and still has no key in it
     assert secret not in text and secret[:-1] not in text
+
+
+def test_serve_on_a_taken_port_is_one_line_and_exit_2():
+    """The port is bound before the model loads, and "serving on" is printed only once it is bound."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "printpress", "serve", "--port", str(port)], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"printpress: error: cannot serve on 127.0.0.1:{port}: Address already in use; another "
+                           "process is using it: stop it, or pick another --port (0 picks a free one)\n")
 
 
 def _ready(url: str) -> bool:

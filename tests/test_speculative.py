@@ -307,8 +307,8 @@ def shipped():
 ])
 def test_greedy_speculative_equals_ar_on_the_shipped_model(shipped, text, new, steps, drafts):
     prompt = shipped.encode_text(text)
-    ar = shipped.generate(prompt, mode="ar", max_new_tokens=new)
-    s = shipped.settings(mode="speculative", max_new_tokens=new, max_denoising_steps=steps)
+    ar = shipped.generate(prompt, mode="ar", max_new_tokens=new, temperature=0)
+    s = shipped.settings(mode="speculative", max_new_tokens=new, draft_steps=steps, temperature=0)
     request = Request(prompt, s, 0)
     (result,) = collect(speculative(shipped.model, [request], shipped.decode, canvas_length=32,
                                     draft_length=drafts, step_events=False))[1]
@@ -318,8 +318,8 @@ def test_greedy_speculative_equals_ar_on_the_shipped_model(shipped, text, new, s
 
 def test_pipeline_generate_in_speculative_mode(shipped):
     assert "speculative" in MODES
-    ar = shipped.generate("ROMEO:", mode="ar", max_new_tokens=30)
-    spec = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, max_denoising_steps=1, seed=3)
+    ar = shipped.generate("ROMEO:", mode="ar", max_new_tokens=30, temperature=0)
+    spec = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, draft_steps=1, seed=3, temperature=0)
     assert spec.token_ids == ar.token_ids and spec.text == ar.text and spec.mode == "speculative"
     assert spec.stats.verifications >= 1 and spec.stats.accepted_per_verification >= 1
     sampled = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, max_denoising_steps=1, seed=3,
@@ -334,10 +334,10 @@ def test_cli_generates_in_speculative_mode(capsys):
 
     from printpress.cli import main
 
-    common = ["generate", "--max-new-tokens", "12", "--json", "ROMEO:"]
+    common = ["generate", "--max-new-tokens", "12", "--temperature", "0", "--json", "ROMEO:"]
     assert main([*common, "--mode", "ar"]) == 0
     ar = json.loads(capsys.readouterr().out)
-    assert main([*common, "--mode", "speculative", "--steps", "1"]) == 0
+    assert main([*common, "--mode", "speculative", "--draft-steps", "1"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == ar["token_ids"] and spec["text"] == ar["text"]
     assert spec["stats"]["forward_passes"] == 1 + spec["stats"]["denoising_steps"] + spec["stats"]["verifications"]

@@ -111,3 +111,72 @@ def test_page_shows_api_errors_and_stop_cancels(server, browser):
     page.wait_for_function("document.getElementById('status').textContent === 'stopped'")
     assert page.is_enabled("#generate")
     page.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 14: AR sampling fields, fields per mode, speculative mode, the model name without a key, no 404s
+# ------------------------------------------------------------------------------------------------
+
+FIELDS = ("steps", "draft_steps", "entropy_bound", "t_min", "t_max", "temperature", "top_k")
+ENABLED = {"diffusion": {"steps", "entropy_bound", "t_min", "t_max"},
+           "ar": {"temperature", "top_k"},
+           "speculative": {"draft_steps", "entropy_bound", "t_min", "t_max", "temperature", "top_k"}}
+
+
+def test_page_enables_only_the_fields_of_the_chosen_mode(server, browser):
+    page, errors = open_page(browser, server)
+    for mode, enabled in ENABLED.items():
+        page.select_option("select[name=mode]", mode)
+        state = {name: page.is_enabled(f"input[name={name}]") for name in FIELDS}
+        assert {name for name, on in state.items() if on} == enabled, mode
+    assert errors == []
+    page.close()
+
+
+def test_page_samples_in_ar_mode_with_its_temperature_and_top_k(server, browser):
+    page, errors = open_page(browser, server)  # steps=8 stays typed in, disabled: it must not be sent (a 400)
+    page.select_option("select[name=mode]", "ar")
+    page.fill("input[name=temperature]", "0.7")
+    page.fill("input[name=top_k]", "20")
+    page.fill("input[name=max_tokens]", "24")
+    page.click("#generate")
+    page.wait_for_function("['done', 'error'].includes(document.getElementById('status').textContent)", timeout=60_000)
+    assert page.inner_text("#status") == "done", page.inner_text("#error")
+    api = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                     json={"prompt": "ROMEO:", "mode": "ar", "temperature": 0.7, "top_k": 20, "max_tokens": 24,
+                           "seed": 21}).json()
+    assert page.inner_text("#committed") == "ROMEO:" + api["choices"][0]["text"]
+    assert page.inner_text("[data-stat='mode']") == "ar"
+    assert errors == []
+    page.close()
+
+
+def test_page_runs_speculative_mode(server, browser):
+    page, errors = open_page(browser, server)
+    page.select_option("select[name=mode]", "speculative")
+    page.fill("input[name=temperature]", "0")
+    page.fill("input[name=draft_steps]", "2")
+    page.fill("input[name=max_tokens]", "16")
+    page.click("#generate")
+    page.wait_for_function("['done', 'error'].includes(document.getElementById('status').textContent)", timeout=60_000)
+    assert page.inner_text("#status") == "done", page.inner_text("#error")
+    greedy = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                        json={"prompt": "ROMEO:", "mode": "ar", "temperature": 0, "max_tokens": 16}).json()
+    assert page.inner_text("#committed") == "ROMEO:" + greedy["choices"][0]["text"]  # AR's output, exactly
+    assert page.inner_text("[data-stat='mode']") == "speculative"
+    assert errors == []
+    page.close()
+
+
+def test_page_names_the_model_before_any_request_and_asks_for_no_favicon(server, browser):
+    page = browser.new_page()
+    requested, failed = [], []
+    page.on("request", lambda request: requested.append(request.url))
+    page.on("response", lambda response: response.status >= 400 and failed.append(response.url))
+    page.goto(server.url + "/")  # no key typed, nothing generated
+    page.wait_for_function("document.getElementById('model-name').textContent !== ''")
+    assert page.inner_text("#model-name") == MODEL
+    assert page.input_value("#prompt") == "ROMEO.\n"  # the corpus's own way of starting a speech
+    page.wait_for_load_state("networkidle")
+    assert failed == [] and not any(url.endswith("/favicon.ico") for url in requested), (failed, requested)
+    page.close()

@@ -206,6 +206,8 @@ class PrintpressLM(TemplateLM):
         mode = self.pipe.settings(**settings).mode
         if mode == "ar" and gen_kwargs.get("do_sample") and gen_kwargs.get("temperature"):
             settings["temperature"] = float(gen_kwargs["temperature"])
+        elif mode == "ar" and "temperature" not in self.sampler:
+            settings["temperature"] = 0.0  # lm-eval's generate_until is greedy unless the task samples
         ids = self.tok_encode(context)
         budget = new_token_budget(self.pipe.settings(**settings), self.pipe.canvas_length)
         room = self.max_length - budget - 1

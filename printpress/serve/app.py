@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from printpress.errors import PrintpressError
 from printpress.events import CommitEvent, DoneEvent, GenerationResult, StepEvent
 from printpress.request import Request as EngineRequest
+from printpress.sampling import refuse_canvas_steps
 from printpress.serve import protocol as p
 from printpress.serve.chat import ChatFormatter
 from printpress.serve.output import ChoiceText
@@ -307,6 +308,7 @@ class Job:
     text: ChoiceText
     prompt_ids: list[int]
     seed: int
+    counts_prompt: bool = True  # the first choice of its prompt: usage counts a prompt once, however many choices
     started: float = field(default_factory=time.perf_counter)
     result: GenerationResult | None = None
 
@@ -315,9 +317,8 @@ class Job:
         return self.result is not None or self.text.hit_stop
 
     def usage(self) -> p.Usage:
-        completion = self.text.completion_tokens
-        return p.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=completion,
-                       total_tokens=len(self.prompt_ids) + completion)
+        prompt, completion = len(self.prompt_ids) if self.counts_prompt else 0, self.text.completion_tokens
+        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def stats(self) -> p.Stats | None:
         """printpress's figures; None when a stop sequence ended the choice before the engine did."""
@@ -355,15 +356,22 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def settings_for(st: ServerState, body: p.GenerationFields, max_tokens: int):
-    """The request's sampler settings: the checkpoint's defaults with the body's fields applied, validated."""
-    if body.steps is not None and body.steps > st.max_steps:
-        raise ApiError(400, f"steps is {body.steps}; this server runs at most {st.max_steps} denoising steps per canvas",
-                       param="steps")
+    """The request's sampler settings: the checkpoint's defaults with the body's fields applied, validated (the
+    engine's rules: `Pipeline.settings`, and `steps` refused in speculative mode, which has `draft_steps`)."""
+    for param in ("steps", "draft_steps"):
+        asked = getattr(body, param)
+        if asked is not None and asked > st.max_steps:
+            raise ApiError(400, f"{param} is {asked}; this server runs at most {st.max_steps} denoising steps per "
+                                "canvas", param=param)
+    try:
+        refuse_canvas_steps(body.mode, body.steps)
+    except PrintpressError as exc:
+        raise ApiError(400, str(exc), param="steps") from None
     return st.pipeline.settings(
-        mode=body.mode, max_new_tokens=max_tokens, max_denoising_steps=body.steps, entropy_bound=body.entropy_bound,
-        t_min=body.t_min, t_max=body.t_max, stability_threshold=body.stability_threshold,
-        confidence_threshold=body.confidence_threshold, sample_accepted_only=body.sample_accepted_only,
-        temperature=body.temperature, top_k=body.top_k,
+        mode=body.mode, max_new_tokens=max_tokens, max_denoising_steps=body.steps, draft_steps=body.draft_steps,
+        entropy_bound=body.entropy_bound, t_min=body.t_min, t_max=body.t_max,
+        stability_threshold=body.stability_threshold, confidence_threshold=body.confidence_threshold,
+        sample_accepted_only=body.sample_accepted_only, temperature=body.temperature, top_k=body.top_k,
     )
 
 
@@ -393,9 +401,14 @@ def check_prompt(st: ServerState, ids: list[int]) -> None:
 
 def submit_jobs(st: ServerState, prompts: Sequence[list[int]], body: p.GenerationFields, max_tokens: int,
                 stream_steps: bool) -> list[Job]:
-    """Submit one request per prompt; all or none (a refusal cancels those already submitted)."""
+    """Submit one request per choice (`n` per prompt, choice i with seed + i, indexed prompt by prompt as OpenAI
+    does); all or none (a refusal cancels those already submitted)."""
     if body.stream_steps and not body.stream:
         raise ApiError(400, "stream_steps needs stream=true", param="stream_steps")
+    n = body.n or 1
+    if len(prompts) * n > p.MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompt(s) x n={n} is {len(prompts) * n} choices; at most "
+                            f"{p.MAX_CHOICES} per request", param="n")
     for ids in prompts:
         check_prompt(st, ids)
     settings = settings_for(st, body, max_tokens)
@@ -403,10 +416,13 @@ def submit_jobs(st: ServerState, prompts: Sequence[list[int]], body: p.Generatio
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     jobs: list[Job] = []
     try:
-        for index, ids in enumerate(prompts):
-            ticket = st.scheduler.submit(EngineRequest(list(ids), settings, seed), step_events=stream_steps)
-            text = ChoiceText(st.decode, max_tokens, settings.eos_token_ids, stops)
-            jobs.append(Job(index, ticket, text, list(ids), seed))
+        for prompt_index, ids in enumerate(prompts):
+            for choice in range(n):
+                choice_seed = (seed + choice) % 2**64
+                ticket = st.scheduler.submit(EngineRequest(list(ids), settings, choice_seed), step_events=stream_steps)
+                text = ChoiceText(st.decode, max_tokens, settings.eos_token_ids, stops)
+                jobs.append(Job(prompt_index * n + choice, ticket, text, list(ids), choice_seed,
+                                counts_prompt=choice == 0))
     except BaseException:
         cancel_all(jobs)
         raise
@@ -682,12 +698,11 @@ def api_router() -> APIRouter:
         if body.stream:
             return event_stream(_chat_stream(st, request, jobs, body, rid, created), jobs)
         await collect(request, jobs)
-        job = jobs[0]
         return p.ChatCompletion(
             id=rid, created=created, model=st.model_name,
-            choices=[p.ChatChoice(index=0, message=p.ChatMessageOut(content=job.text.text),
-                                  finish_reason=job.text.finish_reason)],
-            usage=job.usage(), printpress=[job.stats()],
+            choices=[p.ChatChoice(index=j.index, message=p.ChatMessageOut(content=j.text.text),
+                                  finish_reason=j.text.finish_reason) for j in jobs],
+            usage=_sum_usage(jobs), printpress=[j.stats() for j in jobs],
         )
 
     return router
@@ -736,7 +751,8 @@ def _chat_stream(st, request, jobs, body: p.ChatCompletionRequest, rid, created)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     async def body_iter():
-        yield sse(chunk(jobs[0], "", None, role="assistant"))
+        for job in jobs:
+            yield sse(chunk(job, "", None, role="assistant"))
         async for item in stream_body(st, request, jobs, rid, body.stream_steps, chunk,
                                       usage if include_usage else None):
             yield item

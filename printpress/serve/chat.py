@@ -11,7 +11,8 @@ plain text and have none, so they get the plain template below, which reads like
     ASSISTANT:                   (the generation prompt: the model speaks next)
 
 With a `name` on a message the speaker label is that name (in capitals), so a Shakespeare model can be
-prompted with ROMEO / JULIET turns. The stop sequence "\n\nUSER:" is a sensible `stop` for this template.
+prompted with ROMEO / JULIET turns. The stop sequence "\n\nUSER:" (`PLAIN_STOP`) is a sensible `stop` for this
+template; `printpress chat` uses it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from printpress.serve.protocol import ChatMessage
 
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 PLAIN_ASSISTANT = "ASSISTANT"
+PLAIN_STOP = "\n\nUSER:"  # where the plain template's next user turn would start
 
 
 def message_text(message: ChatMessage) -> str:
@@ -69,6 +71,12 @@ def read_chat_template(folder: str | Path) -> tuple[str | None, dict[str, str]]:
     return (template if isinstance(template, str) else None), specials
 
 
+def chat_formatter(folder: str | Path | None) -> ChatFormatter:
+    """The formatter for a model folder: its own template, or the plain one (also for None: a hub id)."""
+    template, specials = read_chat_template(folder) if folder is not None else (None, {})
+    return ChatFormatter(template, specials)
+
+
 class ChatFormatter:
     """Turns a list of messages into prompt text, with the model's template or the plain one."""
 
@@ -80,6 +88,12 @@ class ChatFormatter:
     @property
     def kind(self) -> str:
         return "model" if self._compiled is not None else "plain"
+
+    @property
+    def stops(self) -> list[str]:
+        """Stop sequences that end the assistant's turn: the plain template's next user turn; a model's own
+        template ends turns with its EOS."""
+        return [PLAIN_STOP] if self._compiled is None else []
 
     def __call__(self, messages: list[ChatMessage]) -> str:
         if self._compiled is None:

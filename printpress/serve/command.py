@@ -9,10 +9,11 @@ printed or logged. Without a key the server answers only requests addressed (Hos
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import os
-from pathlib import Path
+import socket
 
 from printpress.errors import PrintpressError
 
@@ -64,46 +65,66 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     import printpress
+    from printpress.pipeline import check_device, model_folder
     from printpress.serve.app import create_app
-    from printpress.serve.chat import ChatFormatter, read_chat_template
+    from printpress.serve.chat import chat_formatter
     from printpress.serve.edits import router as edits_router
     from printpress.serve.scheduler import Limits, Scheduler
 
-    pipeline = printpress.load(args.model, dtype=args.dtype, device=args.device)
-    folder = _model_folder(args.model)
-    template, specials = read_chat_template(folder) if folder else (None, {})
-    config = pipeline.config.text
-    max_prompt = args.max_prompt_tokens or max(1, config.max_position_embeddings - pipeline.canvas_length)
-    limits = Limits(max_rows=args.max_rows, max_queued=args.max_queued, max_prompt_tokens=max_prompt,
-                    max_new_tokens=args.max_new_tokens, request_timeout_s=args.timeout)
-    scheduler = Scheduler(pipeline, limits)
-    name = args.served_model_name or (folder.name if folder else str(args.model))
-    app = create_app(pipeline, scheduler, model_name=name, max_new_tokens=args.max_new_tokens,
-                     max_prompt_tokens=max_prompt, max_steps=args.max_steps, api_key=api_key, chat=ChatFormatter(template, specials),
-                     max_body_bytes=args.max_body_bytes, extra_routers=[edits_router()],
-                     allowed_hosts=_allowed_hosts(args))
-    if not _is_loopback(args.host) and api_key is None:
-        logger.warning("serving on %s without an API key: anyone who can reach it can use it, addressing it by a "
-                       "name given with --allowed-hosts", args.host)
-    print(f"printpress: serving {name} on http://{_url_host(args.host)}:{args.port} "
-          f"({'API key required' if api_key else 'no API key'}); the page is at /, the API under /v1",
-          flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    check_device(args.device)
+    sock = bind_socket(args.host, args.port)  # a port that is taken is one line, before the model loads
+    try:
+        pipeline = printpress.load(args.model, dtype=args.dtype, device=args.device)
+        folder = model_folder(args.model)
+        config = pipeline.config.text
+        max_prompt = args.max_prompt_tokens or max(1, config.max_position_embeddings - pipeline.canvas_length)
+        limits = Limits(max_rows=args.max_rows, max_queued=args.max_queued, max_prompt_tokens=max_prompt,
+                        max_new_tokens=args.max_new_tokens, request_timeout_s=args.timeout)
+        scheduler = Scheduler(pipeline, limits)
+        name = args.served_model_name or (folder.name if folder else str(args.model))
+        app = create_app(pipeline, scheduler, model_name=name, max_new_tokens=args.max_new_tokens,
+                         max_prompt_tokens=max_prompt, max_steps=args.max_steps, api_key=api_key,
+                         chat=chat_formatter(folder), max_body_bytes=args.max_body_bytes,
+                         extra_routers=[edits_router()], allowed_hosts=_allowed_hosts(args))
+        if not _is_loopback(args.host) and api_key is None:
+            logger.warning("serving on %s without an API key: anyone who can reach it can use it, addressing it by "
+                           "a name given with --allowed-hosts", args.host)
+        # The socket is bound and listening: connections wait in its backlog until uvicorn accepts them.
+        port = sock.getsockname()[1]
+        print(f"printpress: serving {name} on http://{_url_host(args.host)}:{port} "
+              f"({'API key required' if api_key else 'no API key'}); the page is at /, the API under /v1",
+              flush=True)
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one), or one PrintpressError saying why not."""
+    where = f"{_url_host(host)}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise PrintpressError(f"cannot serve on {where}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no wait after a restart
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = ("; another process is using it: stop it, or pick another --port (0 picks a free one)"
+                if exc.errno == errno.EADDRINUSE else "")
+        raise PrintpressError(f"cannot serve on {where}: {exc.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _allowed_hosts(args: argparse.Namespace) -> list[str]:
     """The names a key-less server answers besides loopback's: the address it binds and --allowed-hosts."""
     return [args.host, *(name.strip() for name in args.allowed_hosts.split(",") if name.strip())]
-
-
-def _model_folder(model: str | None) -> Path | None:
-    if model is None:
-        from printpress.pipeline import default_model_path
-
-        return default_model_path()
-    path = Path(model)
-    return path if path.is_dir() else None
 
 
 def _is_loopback(host: str) -> bool:

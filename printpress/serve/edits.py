@@ -130,7 +130,8 @@ def build_stream(st: ServerState, body: p.EditRequest):
         raise ApiError(400, f"the text around the span has {context} tokens; this server accepts at most "
                             f"{st.max_prompt_tokens}", param=param, code="prompt_too_long")
     settings = {
-        "max_denoising_steps": body.steps, "entropy_bound": body.entropy_bound, "t_min": body.t_min,
+        "temperature": body.temperature, "max_denoising_steps": body.steps, "entropy_bound": body.entropy_bound,
+        "t_min": body.t_min,
         "t_max": body.t_max, "stability_threshold": body.stability_threshold,
         "confidence_threshold": body.confidence_threshold, "sample_accepted_only": body.sample_accepted_only,
     }

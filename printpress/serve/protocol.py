@@ -1,9 +1,11 @@
 """The wire format: pydantic models of the OpenAI-compatible requests and responses, and printpress's extensions.
 
 Requests follow OpenAI's `/v1/completions` and `/v1/chat/completions` schemas for the fields printpress can
-honour, and forbid every other field, so a typo or an unsupported option ("top_p", "logprobs") is a 400 that
-names the field instead of being silently ignored. The diffusion settings are extra top-level fields
-(`steps`, `entropy_bound`, `t_min`, `t_max`, ...), which the openai client sends with `extra_body={...}`.
+honour, and forbid every other field, so a typo is a 400 that names the field instead of being silently ignored.
+Fields that stock clients send on every request but printpress cannot honour (`top_p`, the penalties,
+`logprobs`, ...) are accepted at the one value that asks for nothing (`NEUTRAL`: top_p 1, penalties 0, ...) and
+refused, naming the field, at any other. The diffusion settings are extra top-level fields (`steps`,
+`entropy_bound`, `t_min`, `t_max`, ...), which the openai client sends with `extra_body={...}`.
 
 Types are strict (pydantic's strict mode): "5" or 5.0 is not an integer, 1 is not a boolean, `true` is not a
 token id, so a client's mistake is a 400 naming the field rather than a guess. Every string, however deep,
@@ -16,6 +18,7 @@ schedule) are made by the app, which answers with the same error shape.
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from typing import Literal
 
@@ -24,6 +27,36 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 4
 MAX_PROMPTS = 16  # prompts in one /v1/completions request (each takes its own scheduler slot)
+MAX_CHOICES = 16  # choices in one request: prompts x n (each choice takes its own scheduler slot)
+# Temperatures between 0 and the sampler's smallest (printpress.sampling.MIN_TEMPERATURE) are refused by the engine
+# with its own message; the OpenAPI document says so, so that generated clients and fuzzers do not send them.
+NOT_TINY = {"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-4}}
+
+# OpenAI fields printpress cannot honour, with the value that asks for nothing (accepted: clients send it on every
+# request) and why any other value is refused.
+NEUTRAL = {
+    "top_p": (1, "printpress has no nucleus sampling (top_k cuts the tail in modes ar and speculative)"),
+    "presence_penalty": (0, "printpress applies no penalties"),
+    "frequency_penalty": (0, "printpress applies no penalties"),
+    "logit_bias": ({}, "printpress does not bias logits"),
+    "best_of": (1, "printpress does not rank candidates; n gives several choices"),
+    "logprobs": (None, "printpress does not return log-probabilities"),  # chat: false is neutral too (below)
+    "top_logprobs": (0, "printpress does not return log-probabilities"),
+}
+
+
+def _only(*values) -> dict:
+    """The OpenAPI document lists the values accepted (so generated clients and fuzzers send those)."""
+    return {"enum": [*values, None]}
+
+
+def _neutral(field: str, value):
+    """`value` if it asks for nothing (None or the field's neutral value), else a ValueError naming what to send."""
+    neutral, why = NEUTRAL[field]
+    if value is None or value == neutral or (field == "logprobs" and value is False):
+        return value
+    shown = "null" if neutral is None else json.dumps(neutral)
+    raise ValueError(f"{json.dumps(value)} cannot be honoured: {why}; send {shown} or leave it out")
 
 
 class _Strict(BaseModel):
@@ -65,29 +98,52 @@ class GenerationFields(_Strict):
     stop: str | list[str] | None = Field(
         None, description=f"Up to {MAX_STOP_SEQUENCES} strings; the text ends before the first one generated."
     )
-    n: Literal[1] = Field(1, description="Only one choice per prompt is generated.")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices per prompt; choice i uses seed + i.")
     user: str | None = Field(None, max_length=256, description="Accepted for compatibility; not used or logged.")
-    temperature: float | None = Field(None, ge=0, le=10, description="mode='ar' only: sampling temperature (0 = greedy).")
+    temperature: float | None = Field(
+        None, ge=0, le=10, json_schema_extra=NOT_TINY,
+        description="mode ar / speculative: the sampling temperature (0 = greedy; default the checkpoint's, 0.8 "
+        "for the shipped models). mode diffusion: a multiplier of the t_max -> t_min schedule (1 = the checkpoint's "
+        "schedule, 0 = the coldest the sampler allows).")
+    # Sent by stock clients; only their neutral values are accepted (NEUTRAL).
+    top_p: float | None = Field(None, ge=0, le=1, description="Only 1 (no nucleus sampling).",
+                                json_schema_extra=_only(1))
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 (no penalties).",
+                                           json_schema_extra=_only(0))
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 (no penalties).",
+                                            json_schema_extra=_only(0))
+    logit_bias: dict[str, float] | None = Field(None, description="Only {} (no bias).", json_schema_extra=_only({}))
     # printpress's diffusion settings (default: the checkpoint's generation_config.json).
     mode: Literal["diffusion", "ar", "speculative"] | None = Field(
         None, description="diffusion (default), ar (the encoder as a causal LM) or speculative (diffusion drafts, "
         "causal verification: AR's output).")
-    steps: int | None = Field(None, ge=1, le=4096, description="Maximum denoising steps per canvas.")
+    steps: int | None = Field(None, ge=1, le=4096, description="Maximum denoising steps per diffusion canvas "
+                              "(refused in mode speculative: see draft_steps).")
+    draft_steps: int | None = Field(None, ge=1, le=4096, description="mode speculative: denoising steps per draft "
+                                    "(default 1).")
     entropy_bound: float | None = Field(None, gt=0, le=1e6, description="Entropy bound for accepting positions per step.")
-    t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.")
-    t_max: float | None = Field(None, gt=0, le=100, description="Temperature at the first denoising step.")
+    t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.",
+                                json_schema_extra=NOT_TINY)
+    t_max: float | None = Field(None, gt=0, le=100, description="Temperature at the first denoising step.",
+                                json_schema_extra=NOT_TINY)
     stability_threshold: int | None = Field(None, ge=0, le=4096, description="Stable steps needed to stop a canvas early.")
     confidence_threshold: float | None = Field(None, gt=0, le=1e6, description="Mean entropy needed to stop early.")
     sample_accepted_only: bool | None = Field(
         None, description="Faster sampler with the same distribution, not the reference's random stream."
     )
-    top_k: int | None = Field(None, ge=1, description="mode='ar' only: sample among the k most likely tokens.")
+    top_k: int | None = Field(None, ge=1, description="mode ar / speculative: sample among the k most likely tokens "
+                              "(default the checkpoint's, 50 for the shipped models).")
     # printpress's extension: the step stream.
     stream_steps: bool = Field(
         False,
         description="With stream=true, also send every denoising step's canvas as `event: printpress.step` "
         "and every committed canvas as `event: printpress.commit` (see docs/server.md).",
     )
+
+    @field_validator("top_p", "presence_penalty", "frequency_penalty", "logit_bias")
+    @classmethod
+    def _only_neutral(cls, value, info):
+        return _neutral(info.field_name, value)
 
 
 class CompletionRequest(GenerationFields):
@@ -96,6 +152,15 @@ class CompletionRequest(GenerationFields):
     )
     max_tokens: int | None = Field(None, ge=1, description="New tokens at most (default: the checkpoint's max_new_tokens).")
     echo: bool = Field(False, description="Put the prompt text before the completion.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Only null (no log-probabilities).",
+                                 json_schema_extra=_only())
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Only 1 (use n for several choices).",
+                                json_schema_extra=_only(1))
+
+    @field_validator("logprobs", "best_of")
+    @classmethod
+    def _only_neutral_here(cls, value, info):
+        return _neutral(info.field_name, value)
 
 
 class TextPart(_Strict):
@@ -130,6 +195,14 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(None, description="Only false or null (no log-probabilities).",
+                                  json_schema_extra=_only(False))
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Only 0 or null.", json_schema_extra=_only(0))
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _only_neutral_here(cls, value, info):
+        return _neutral(info.field_name, value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,10 +390,15 @@ class EditRequest(_Strict):
         "and the chosen middle as `event: printpress.commit` (see docs/server.md).",
     )
     # The diffusion settings of the completions endpoint (default: the checkpoint's generation_config.json).
+    temperature: float | None = Field(None, ge=0, le=10, json_schema_extra=NOT_TINY,
+                                      description="A multiplier of the t_max -> t_min schedule "
+                                      "(1 = the checkpoint's, 0 = the coldest the sampler allows).")
     steps: int | None = Field(None, ge=1, le=4096, description="Maximum denoising steps per candidate.")
     entropy_bound: float | None = Field(None, gt=0, le=1e6, description="Entropy bound for accepting positions per step.")
-    t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.")
-    t_max: float | None = Field(None, gt=0, le=100, description="Temperature at the first denoising step.")
+    t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.",
+                                json_schema_extra=NOT_TINY)
+    t_max: float | None = Field(None, gt=0, le=100, description="Temperature at the first denoising step.",
+                                json_schema_extra=NOT_TINY)
     stability_threshold: int | None = Field(None, ge=0, le=4096, description="Stable steps needed to stop early.")
     confidence_threshold: float | None = Field(None, gt=0, le=1e6, description="Mean entropy needed to stop early.")
     sample_accepted_only: bool | None = Field(
@@ -347,10 +425,12 @@ class EditCandidate(BaseModel):
     seed: int
     middle_ids: list[int]
     middle: str | None
-    join_nll: float
-    join_chars: int
+    middle_nll: float = Field(description="Summed NLL (nats) of the middle after the prefix, under the causal head.")
+    suffix_nll: float = Field(description="Summed NLL of the scored suffix tokens after prefix + middle.")
+    suffix_tokens: int = Field(description="Suffix tokens scored (the first canvas_length).")
     forward_passes: int
-    score: float = Field(description="NLL per character of middle + the start of the suffix, under the causal head.")
+    score: float = Field(description="suffix_nll (the same text for every candidate); without a suffix, the "
+                                     "middle's NLL per token.")
 
 
 class EditResponse(BaseModel):
@@ -365,7 +445,8 @@ class EditResponse(BaseModel):
     start: int = Field(description="Where the middle starts in `text`, in code points.")
     end: int = Field(description="Where it ends (exclusive), in code points.")
     middle_ids: list[int]
-    seed: int = Field(description="The seed of the chosen candidate (the request's seed + its index in a search).")
+    seed: int = Field(description="The request's seed (drawn when not given); candidate i of a length search used "
+                      "seed + i.")
     stats: EditStats
     candidates: list[EditCandidate] = Field(description="Every candidate of a length search (empty without one).")
 

@@ -163,18 +163,35 @@
 
   const $ = (id) => document.getElementById(id);
   const form = $("generate-form");
-  const NUMBER_FIELDS = { max_tokens: parseInt, steps: parseInt, seed: parseInt, entropy_bound: parseFloat,
-                          t_min: parseFloat, t_max: parseFloat };
+  const NUMBER_FIELDS = { max_tokens: parseInt, steps: parseInt, draft_steps: parseInt, seed: parseInt,
+                          entropy_bound: parseFloat, t_min: parseFloat, t_max: parseFloat, temperature: parseFloat,
+                          top_k: parseInt };
 
-  /** The request body the form describes (empty fields keep the model's defaults). */
-  function readSettings() {
-    const data = new FormData(form);
-    const body = { prompt: data.get("prompt"), mode: data.get("mode") };
-    for (const [name, parse] of Object.entries(NUMBER_FIELDS)) {
-      const raw = String(data.get(name) || "").trim();
-      if (raw !== "") body[name] = parse(raw);
+  /** The numbers typed into the named fields (empty fields are left out: they keep the model's defaults). */
+  function readFields(names, { enabledOnly = true } = {}) {
+    const body = {};
+    for (const name of names) {
+      const input = form.elements[name];
+      const raw = input ? String(input.value).trim() : "";
+      if (raw !== "" && !(enabledOnly && input.disabled)) body[name] = NUMBER_FIELDS[name](raw);
     }
     return body;
+  }
+
+  /** The request body the form describes: the fields of the chosen mode (the others are disabled). */
+  function readSettings() {
+    return { prompt: form.elements.prompt.value, mode: form.elements.mode.value,
+             ...readFields(Object.keys(NUMBER_FIELDS)) };
+  }
+
+  /** Enable the settings the chosen mode reads (`data-modes` on their label), disable the rest. */
+  function applyMode() {
+    const mode = form.elements.mode.value;
+    for (const label of form.querySelectorAll("[data-modes]")) {
+      const active = label.dataset.modes.split(" ").includes(mode);
+      label.classList.toggle("inactive", !active);
+      for (const input of label.querySelectorAll("input, select")) input.disabled = !active;
+    }
   }
 
   const pageOptions = () => {
@@ -276,7 +293,6 @@
     $("steps-received").textContent = "0";
     $("status").textContent = "generating";
     view.reset(body.prompt);
-    if (!$("model-name").textContent) showModel(); // the first try may have lacked the API key
     const { consumer, drained } = paced([view, statusConsumer(), ...extraConsumers], options.delay,
                                           controller.signal);
     try {
@@ -315,19 +331,22 @@
     return button;
   }
 
+  /** The served model's name, from /health (open without the API key, so it shows before any request). */
   async function showModel() {
     try {
-      const response = await fetch("/v1/models", { headers: authHeaders(pageOptions().apiKey) });
-      if (response.ok) $("model-name").textContent = (await response.json()).data[0].id;
+      const response = await fetch("/health");
+      if (response.ok) $("model-name").textContent = (await response.json()).model;
     } catch (_) {
       /* the page still works without the name */
     }
   }
 
   form.addEventListener("submit", run);
+  form.elements.mode.addEventListener("change", applyMode);
   $("stop").addEventListener("click", () => controller && controller.abort());
+  applyMode();
   showModel();
 
-  window.printpress = { streamEvents, streamCompletion, authHeaders, CanvasView, readSettings, addAction,
-                        extraConsumers, view, paced, setRunning, pageOptions, call };
+  window.printpress = { streamEvents, streamCompletion, authHeaders, CanvasView, readSettings, readFields, addAction,
+                        extraConsumers, view, paced, setRunning, pageOptions, call, applyMode };
 })();

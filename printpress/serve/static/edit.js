@@ -36,14 +36,12 @@
     return null;
   }
 
-  /** The request body: the span in code points, and the page's diffusion settings. */
+  /** The request body: the span in code points, and the page's diffusion settings (an edit is diffusion
+   *  whatever the mode box says, so they are read even while the mode disables them). */
   function editBody(t) {
-    const settings = pp.readSettings();
     const body = { text: t.text, span: [codePoints(t.text.slice(0, t.start)), codePoints(t.text.slice(0, t.end))],
-                   stream: true, stream_steps: true };
-    for (const name of ["steps", "seed", "entropy_bound", "t_min", "t_max"]) {
-      if (settings[name] !== undefined) body[name] = settings[name];
-    }
+                   stream: true, stream_steps: true,
+                   ...pp.readFields(["steps", "seed", "entropy_bound", "t_min", "t_max"], { enabledOnly: false }) };
     const length = String(new FormData($("generate-form")).get("edit_length") || "").trim();
     if (length !== "") body.length = parseInt(length, 10);
     return body;
