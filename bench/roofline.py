@@ -46,6 +46,7 @@ import torch
 import printpress
 from printpress import canvas as canvas_step
 from printpress.config import TextConfig
+from printpress.eval.report import cpu_name
 from printpress.fast import compile_ar_step
 from printpress.model import DiffusionGemma
 from printpress.sampling import SamplerSettings, StabilityTracker
@@ -82,16 +83,6 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def gemm_rate(dtype: torch.dtype, sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
@@ -418,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} python bench/roofline.py "
                    + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu": cpu_model(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "machine": {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                     "caches_bytes": caches, "native_bf16": bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}),
                     "torch": torch.__version__, "python": platform.python_version()},
         "load_average": [load_start, os.getloadavg()[0]],

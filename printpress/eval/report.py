@@ -35,7 +35,7 @@ def machine() -> dict[str, Any]:
     import printpress
 
     facts: dict[str, Any] = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_gb": _memory_gb(),
@@ -130,7 +130,8 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", "⏎")
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
