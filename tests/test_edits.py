@@ -27,7 +27,7 @@ from test_server import (
     wait_until,
 )
 from test_web import ARTIFACTS, browser, open_page  # noqa: F401 - browser is a fixture
-from test_web import pytestmark as needs_chromium
+from test_web import needs_chromium
 
 import printpress
 import printpress.engine
@@ -369,6 +369,7 @@ SELECT = """([start, end]) => {
 }"""
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_page_rewrites_a_selected_span_in_place(server, browser):  # noqa: F811 - the fixture
     page, errors = open_page(browser, server)
@@ -409,6 +410,7 @@ def test_page_rewrites_a_selected_span_in_place(server, browser):  # noqa: F811 
     page.close()
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_page_rewrites_typed_text_with_characters_outside_the_bmp(server, browser):  # noqa: F811
     page = browser.new_page()

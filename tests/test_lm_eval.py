@@ -60,6 +60,7 @@ def _cut(text: str, stops) -> str:
     return text[: min((i for i in (text.find(s) for s in stops) if i != -1), default=len(text))]
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_runs_local_tasks_and_returns_the_models_numbers(checkpoint, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),

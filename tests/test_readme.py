@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the README's commands and a server: minutes, not seconds
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")
 BIN = Path(sys.executable).parent  # the virtualenv's bin/, where the `printpress` script is

@@ -99,6 +99,7 @@ def test_trained_checkpoint_loads_in_transformers_with_the_same_logits(corpus, t
         assert (ours.denoise(canvas, cache) - out.logits).abs().max() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_two_process_torchrun_matches_one_process(corpus, tmp_path, fsdp):
     config = tmp_path / "run.toml"

@@ -22,8 +22,9 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists() and shutil.which("chromium") is None,
-                                reason="Debian's chromium is not installed (the test setup installs it)")
+needs_chromium = pytest.mark.skipif(not CHROMIUM.exists() and shutil.which("chromium") is None,
+                                    reason="Debian's chromium is not installed (the test setup installs it)")
+pytestmark = [pytest.mark.browser, needs_chromium]
 
 
 @pytest.fixture(scope="module")
