@@ -109,6 +109,22 @@ def test_evaluate_refuses_before_generating_when_the_completions_cannot_be_isola
         humaneval.evaluate(Untouchable(), limit=1, progress=False)
 
 
+def test_the_cli_refuses_without_isolation_and_names_its_opt_out(monkeypatch, tmp_path, capsys):
+    from printpress.eval import sandbox
+
+    monkeypatch.setattr(sandbox, "_probe", lambda: ("", "unshare: Operation not permitted"))
+    monkeypatch.delenv("PRINTPRESS_UNSAFE_NO_ISOLATION", raising=False)
+    args = ["eval", "--task", "humaneval", "--limit", "1", "--results", str(tmp_path), "--no-progress",
+            "--max-new-tokens", "8"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "refusing to run untrusted code" in err and "--unsafe-no-isolation" in err and "\n" not in err
+    assert cli.main([*args, "--unsafe-no-isolation", "--json"]) == 0
+    report = json.loads(next(tmp_path.rglob("*.json")).read_text())
+    assert report["settings"]["unsafe_no_isolation"] is True
+    assert "--unsafe-no-isolation" in report["command"]
+
+
 def test_completions_are_cut_at_the_first_stop_sequence():
     body = "    return x + 1\n"
     assert humaneval.truncate(body + "\ndef other():\n    pass\n") == body
