@@ -176,3 +176,14 @@ def test_documents_longer_than_the_model_are_scored_in_windows(checkpoint, likel
         # Each token predicted once: the windows' scores add up to more than the first window alone.
         first, _ = lm.score([lm.prefix_token_id], lm.tok_encode(text, add_special_tokens=False)[: lm.max_length])
         assert total < first
+
+
+def test_generate_until_is_greedy_in_ar_mode_unless_the_task_samples(checkpoint):
+    pipe = Pipeline.from_pretrained(checkpoint)
+    lm = PrintpressLM(pipeline=pipe, mode="ar", max_gen_toks=12, seed=3)
+    context = "Shall I compare thee"
+    greedy = pipe.generate(lm.tok_encode(context), mode="ar", temperature=0.0, max_new_tokens=12, seed=3).text
+    assert lm.generate(context, {"until": []}) == greedy  # a task that does not sample: greedy, whatever the seed
+    hot = {"until": [], "do_sample": True, "temperature": 5.0}
+    sampled = lm.generate(context, dict(hot))
+    assert sampled != greedy and lm.generate(context, dict(hot)) == sampled  # the task's temperature, seeded
