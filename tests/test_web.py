@@ -61,6 +61,13 @@ def open_page(browser, server):
     return page, errors
 
 
+def generate_and_wait(page) -> None:
+    """Press Generate and wait for the run to end, which must be without an error."""
+    page.click("#generate")
+    page.wait_for_function("['done', 'error'].includes(document.getElementById('status').textContent)", timeout=60_000)
+    assert page.inner_text("#status") == "done", page.inner_text("#error")
+
+
 def test_page_draws_the_canvas_forming_and_shows_the_final_text(server, browser):
     page, errors = open_page(browser, server)
     page.fill("input[name=delay]", "40")  # slow the drawing so that intermediate canvases can be seen
@@ -140,9 +147,7 @@ def test_page_samples_in_ar_mode_with_its_temperature_and_top_k(server, browser)
     page.fill("input[name=temperature]", "0.7")
     page.fill("input[name=top_k]", "20")
     page.fill("input[name=max_tokens]", "24")
-    page.click("#generate")
-    page.wait_for_function("['done', 'error'].includes(document.getElementById('status').textContent)", timeout=60_000)
-    assert page.inner_text("#status") == "done", page.inner_text("#error")
+    generate_and_wait(page)
     api = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
                      json={"prompt": "ROMEO:", "mode": "ar", "temperature": 0.7, "top_k": 20, "max_tokens": 24,
                            "seed": 21}).json()
@@ -158,9 +163,7 @@ def test_page_runs_speculative_mode(server, browser):
     page.fill("input[name=temperature]", "0")
     page.fill("input[name=draft_steps]", "2")
     page.fill("input[name=max_tokens]", "16")
-    page.click("#generate")
-    page.wait_for_function("['done', 'error'].includes(document.getElementById('status').textContent)", timeout=60_000)
-    assert page.inner_text("#status") == "done", page.inner_text("#error")
+    generate_and_wait(page)
     greedy = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
                         json={"prompt": "ROMEO:", "mode": "ar", "temperature": 0, "max_tokens": 16}).json()
     assert page.inner_text("#committed") == "ROMEO:" + greedy["choices"][0]["text"]  # AR's output, exactly

@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ __all__ = [
     "MixedBatchSampler",
     "token_dtype",
     "write_token_file",
+    "write_token_documents",
     "open_token_file",
     "prepare_tokens",
     "prepare_data",
@@ -134,37 +135,53 @@ def write_token_file(
     docs: Sequence[Document], tok: Tokenizer, path: str | os.PathLike, *, corpus: str = ""
 ) -> TokenFile:
     """Tokenise `docs` (each as ``<bos> text <eos>``) into `path` and its sidecar; return it opened."""
-    path = Path(path)
     if not docs:
         raise DataError(f"no documents to write to {path}")
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    dtype = token_dtype(vocab_size)
+
+    def tokenised() -> Iterator[tuple[str, Sequence[int]]]:
+        for start in range(0, len(docs), _ENCODE_CHUNK):
+            chunk = docs[start : start + _ENCODE_CHUNK]
+            yield from zip((d.name for d in chunk), encode_batch(tok, [d.text for d in chunk], bos=True, eos=True))
+
+    written = write_token_documents(tokenised(), tok, path, corpus=corpus, corpus_digest=corpus_sha256(docs))
+    logger.info("wrote %s: %d documents, %d tokens (%s)", path, written.num_documents, len(written), written.meta.dtype)
+    return written
+
+
+def write_token_documents(
+    documents: Iterable[tuple[str, Sequence[int]]], tok: Tokenizer, path: str | os.PathLike, *, corpus: str,
+    corpus_digest: str, layout: str = LAYOUT,
+) -> TokenFile:
+    """Write already tokenised (name, ids) documents to `path` and its sidecar; return it opened.
+
+    The ``.bin`` is written under a temporary name and renamed, and the old sidecar removed first, so an
+    interrupted write never leaves metadata describing other bytes."""
+    path = Path(path)
+    dtype = token_dtype(tok.get_vocab_size(with_added_tokens=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     meta_path(path).unlink(missing_ok=True)  # old metadata must never describe new bytes
     tmp = path.with_name(path.name + ".tmp")
-    digest, documents, n = hashlib.sha256(), [], 0
+    digest, index, n = hashlib.sha256(), [], 0
     with open(tmp, "wb") as fh:
-        for start in range(0, len(docs), _ENCODE_CHUNK):
-            chunk = docs[start : start + _ENCODE_CHUNK]
-            for doc, ids in zip(chunk, encode_batch(tok, [d.text for d in chunk], bos=True, eos=True)):
-                data = np.asarray(ids, dtype=dtype).tobytes()
-                fh.write(data)
-                digest.update(data)
-                documents.append([doc.name, n, len(ids)])
-                n += len(ids)
+        for name, ids in documents:
+            data = np.asarray(ids, dtype=dtype).tobytes()
+            fh.write(data)
+            digest.update(data)
+            index.append([name, n, len(ids)])
+            n += len(ids)
     os.replace(tmp, path)
     meta = TokenFileMeta(
         dtype=dtype.name,
         num_tokens=n,
-        vocab_size=vocab_size,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
         tokenizer_sha256=tokenizer_sha256(tok),
         corpus=corpus,
-        corpus_sha256=corpus_sha256(docs),
+        corpus_sha256=corpus_digest,
         bin_sha256=digest.hexdigest(),
-        documents=documents,
+        documents=index,
+        layout=layout,
     )
     meta.write(meta_path(path))
-    logger.info("wrote %s: %d documents, %d tokens (%s)", path, len(documents), n, dtype.name)
     return _memmap(path, meta)
 
 

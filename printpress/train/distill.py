@@ -86,26 +86,15 @@ def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, prog
 
 
 def write_rows(rows: np.ndarray, path: Path, tokenizer, teacher: str, settings: DistillSettings):
-    """Write the rows as a printpress token file (one 'document' per row, so the trainer can check lengths)."""
-    from printpress.train.data import TokenFileMeta, meta_path, open_token_file, token_dtype
-    from printpress.tokenizer import tokenizer_sha256
+    """Write the rows as a printpress token file, one "document" per row (so the trainer can check lengths), with
+    the teacher and its settings recorded as the corpus."""
+    from printpress.train.data import write_token_documents
 
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    data = rows.astype(token_dtype(vocab)).tobytes()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta_path(path).unlink(missing_ok=True)  # old metadata must never describe new bytes
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-    width = rows.shape[1]
     described = json.dumps({"teacher": teacher, **asdict(settings)}, sort_keys=True)
-    TokenFileMeta(
-        dtype=token_dtype(vocab).name, num_tokens=rows.size, vocab_size=vocab,
-        tokenizer_sha256=tokenizer_sha256(tokenizer), corpus=f"distill {described}",
-        corpus_sha256=hashlib.sha256(described.encode()).hexdigest(), bin_sha256=hashlib.sha256(data).hexdigest(),
-        documents=[[f"row {i}", i * width, width] for i in range(len(rows))], layout="prefix continuation",
-    ).write(meta_path(path))
-    return open_token_file(path, tokenizer=tokenizer)
+    return write_token_documents(((f"row {i}", row) for i, row in enumerate(rows)), tokenizer, path,
+                                 corpus=f"distill {described}",
+                                 corpus_digest=hashlib.sha256(described.encode()).hexdigest(),
+                                 layout="prefix continuation")
 
 
 def distill(teacher: str, sources: list[str], out: Path, settings: DistillSettings, val_fraction: float = 0.05,
