@@ -11,6 +11,7 @@ which DDP (or FSDP2) wraps when the loop runs under torchrun.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -29,7 +30,7 @@ from printpress.checkpoint import available_memory_bytes, load_model, recover_fo
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.errors import PrintpressError
 from printpress.model import DiffusionGemma
-from printpress.train.objectives import DiffusionSettings, TrainStep, add_uniform_noise
+from printpress.train.objectives import DiffusionSettings, TeacherDraws, TrainStep, add_uniform_noise
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class TrainSettings:
     ar_weight: float = 1.0
     certainty_weight: float = 0.0  # certainty forcing (objectives.certainty_loss); 0 = off
     certainty_temperature: float = 0.5
+    # Few-step self-distillation (objectives.step_distillation_loss); 0 = off. The teacher is a frozen copy of the
+    # model, set to the model's weights every `step_distill_refresh` steps (one SDTT round).
+    step_distill_weight: float = 0.0
+    step_distill_temperature: float = 0.6
+    step_distill_refresh: int = 100
     fsdp: bool = False
 
     def validate(self, canvas_length: int) -> None:
@@ -86,6 +92,13 @@ class TrainSettings:
         need(self.certainty_weight >= 0, f"certainty_weight must be >= 0 (got {self.certainty_weight})")
         need(self.certainty_temperature > 0, f"certainty_temperature must be > 0 (got {self.certainty_temperature})")
         need(self.certainty_weight == 0 or self.objective != "ar", "certainty_weight needs a diffusion or joint objective")
+        need(self.step_distill_weight >= 0, f"step_distill_weight must be >= 0 (got {self.step_distill_weight})")
+        need(self.step_distill_temperature > 0,
+             f"step_distill_temperature must be > 0 (got {self.step_distill_temperature})")
+        need(int(self.step_distill_refresh) > 0, f"step_distill_refresh must be positive (got {self.step_distill_refresh})")
+        if self.step_distill_weight > 0:
+            need(self.objective != "ar", "step_distill_weight needs a diffusion or joint objective")
+            need(not self.fsdp, "step_distill_weight does not run under fsdp (the teacher is a full copy per rank)")
 
 
 @dataclass
@@ -216,16 +229,25 @@ def check_memory(text: TextConfig, settings: TrainSettings, world: int) -> None:
 
 
 def row_noise(tokens: torch.Tensor, first_row: int, step: int, settings: TrainSettings, block: int,
-              vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Noise per row from a generator keyed by (seed, step, global row): the same on any number of ranks."""
-    noisy, levels, use = [], [], []
+              vocab_size: int, teacher_draws: bool = False):
+    """Noise per row from a generator keyed by (seed, step, global row): the same on any number of ranks.
+
+    Returns (noisy, t, self-conditioning flags), plus, with `teacher_draws`, the per-token draws of the few-step
+    teacher's sampler step (uniforms, re-noise tokens), taken after the others so the noise stream is unchanged.
+    """
+    noisy, levels, use, uniform, renoise = [], [], [], [], []
+    length = tokens.shape[1]
     for offset in range(tokens.shape[0]):
         g = torch.Generator().manual_seed(hash_seed(settings.seed, step, first_row + offset))
         row, t = add_uniform_noise(tokens[offset : offset + 1], block, vocab_size, g, settings.t_low)
         noisy.append(row)
         levels.append(t)
         use.append(torch.rand(1, generator=g) < settings.self_conditioning)
-    return torch.cat(noisy), torch.cat(levels), torch.cat(use)
+        if teacher_draws:
+            uniform.append(torch.rand(1, length, generator=g))
+            renoise.append(torch.randint(0, vocab_size, (1, length), generator=g))
+    noise = (torch.cat(noisy), torch.cat(levels), torch.cat(use))
+    return (*noise, torch.cat(uniform), torch.cat(renoise)) if teacher_draws else noise
 
 
 def hash_seed(*parts: int) -> int:
@@ -328,7 +350,14 @@ class Trainer:
                                            self_conditioning=settings.self_conditioning,
                                            weighting=settings.weighting, ar_weight=settings.ar_weight,
                                            certainty_weight=settings.certainty_weight,
-                                           certainty_temperature=settings.certainty_temperature)
+                                           certainty_temperature=settings.certainty_temperature,
+                                           step_distill_weight=settings.step_distill_weight,
+                                           step_distill_temperature=settings.step_distill_temperature)
+        self.teacher = None
+        if settings.step_distill_weight > 0:  # a frozen copy, outside the optimizer and the DDP wrapper
+            self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
+            if state is not None and "teacher" in state:
+                self.teacher.load_state_dict(state["teacher"])
         self.step_module = TrainStep(model, settings.objective, self.diffusion)
         self.wrapped = wrap_distributed(self.step_module, settings, self.env)
         decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -409,18 +438,23 @@ class Trainer:
 
     # -- steps ---------------------------------------------------------------------------------------------
     def compute_loss(self, tokens: torch.Tensor, step: int, first_row: int) -> dict[str, torch.Tensor]:
-        noise = None
+        noise, teacher = None, None
         if self.settings.objective != "ar":
             noise = row_noise(tokens, first_row, step, self.settings, self.config.canvas_length,
-                              self.config.text.vocab_size)
+                              self.config.text.vocab_size, teacher_draws=self.teacher is not None)
+            if self.teacher is not None:
+                teacher = TeacherDraws(self.teacher, noise[3], noise[4])
+                noise = noise[:3]
         ar_rows = None
         if hasattr(self.sampler, "is_real"):  # the AR loss stays on real text, never on a teacher's continuations
             ar_rows = torch.tensor([self.sampler.is_real(first_row + i) for i in range(tokens.shape[0])])
-        return self.wrapped(tokens, noise, None, ar_rows)
+        return self.wrapped(tokens, noise, None, ar_rows, teacher)
 
     def train_step(self) -> dict[str, float]:
         settings, env = self.settings, self.env
         self.model.train()
+        if self.teacher is not None and self.step % settings.step_distill_refresh == 0:  # a new round
+            self.teacher.load_state_dict(self.model.state_dict())
         lr = learning_rate(self.step, settings)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -493,6 +527,8 @@ class Trainer:
             state = {"run": self.run.to_dict(), "step": self.step, "optimizer": self.optimizer.state_dict(),
                      "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state(),
                      "train_seconds": self.elapsed}
+            if self.teacher is not None:  # mid-round, a resume needs the round's teacher, not the current weights
+                state["teacher"] = self.teacher.state_dict()
             extra = lambda tmp: torch.save(state, tmp / STATE_FILE)  # noqa: E731
         save_model(model_state, self.config, folder, self.generation, self.tokenizer, extra_files=extra)
         self.last_good = self.step

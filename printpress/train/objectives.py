@@ -45,6 +45,10 @@ class DiffusionSettings:
     # noised canvas positions the model already predicts right. 0 turns it off.
     certainty_weight: float = 0.0
     certainty_temperature: float = 0.5
+    # Few-step self-distillation (after SDTT, arXiv 2410.21035): weight of the reverse KL from the student's one
+    # step to a frozen teacher's two sampler steps (`step_distillation_loss`). 0 turns it off.
+    step_distill_weight: float = 0.0
+    step_distill_temperature: float = 0.6  # the teacher's sampling temperature for the tokens it keeps
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -140,6 +144,65 @@ def certainty_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tenso
     return (entropy * chosen).sum() / chosen.sum().clamp(min=1)
 
 
+@dataclass
+class TeacherDraws:
+    """What few-step self-distillation needs beyond the batch: the frozen teacher and, per token, the random
+    numbers of its first sampler step (drawn per row by the caller, so any number of ranks draws the same)."""
+
+    teacher: DiffusionGemma
+    uniform: torch.Tensor  # (B, L) in [0, 1): inverse-CDF draws for the kept positions' samples
+    renoise: torch.Tensor  # (B, L) uniform token ids for the re-noised positions
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per position from `probs` (..., V), given a uniform draw per position (...)."""
+    cdf = probs.cumsum(dim=-1)
+    # right=True: the first token whose cumulative mass exceeds the draw, so a zero-mass token is never chosen.
+    index = torch.searchsorted(cdf, (uniform * cdf[..., -1]).unsqueeze(-1).contiguous(), right=True)
+    return index.squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+@torch.no_grad()
+def two_step_targets(clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, draws: TeacherDraws,
+                     settings: DiffusionSettings) -> torch.Tensor:
+    """The teacher's log-probabilities (B, L, V) after two steps of the sampler from `noisy`.
+
+    Step one predicts every canvas position, keeps the lowest-entropy C - round(tC/2) of each canvas (sampled at
+    `step_distill_temperature`) and re-noises the rest, which halves the canvas's noise level t; step two
+    predicts again from there, self-conditioned on step one. A position kept at step one takes step one's
+    prediction as its target, every other position step two's (SDTT's rule: a token's target is the prediction
+    at the step that committed it).
+    """
+    block = settings.block
+    batch, length = clean.shape
+    _, first = forward_block_diffusion(draws.teacher, clean, noisy, block)
+    first = first.float()
+    scaled = first / settings.step_distill_temperature
+    entropy = -(torch.softmax(scaled, dim=-1) * torch.log_softmax(scaled, dim=-1)).sum(-1)
+    rank = entropy.view(batch, -1, block).argsort(dim=-1).argsort(dim=-1)  # 0 = the most certain position
+    keep = block - torch.round(t * block / 2)  # (B, blocks)
+    kept = (rank < keep[..., None]).view(batch, length)
+    sampled = sample_inverse_cdf(torch.softmax(scaled, dim=-1), draws.uniform)
+    second_input = torch.where(kept, sampled, draws.renoise)
+    _, second = forward_block_diffusion(draws.teacher, clean, second_input, block, first)
+    return torch.where(kept[..., None], torch.log_softmax(first, dim=-1), torch.log_softmax(second.float(), dim=-1))
+
+
+def step_distillation_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor,
+                           draws: TeacherDraws, settings: DiffusionSettings) -> torch.Tensor:
+    """Mean reverse KL(student || teacher's two steps) over the noised canvas positions.
+
+    The student's one pass at noise level t learns what the teacher reaches in two (`two_step_targets`); with the
+    teacher refreshed to the student every round, each round halves the steps the sampler needs. Reverse KL is
+    SDTT's choice (the one divergence that kept quality as steps fell): mode-seeking, so it also sharpens.
+    """
+    target = two_step_targets(clean, noisy, t, draws, settings)
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    kl = (log_q.exp() * (log_q - target)).sum(dim=-1)
+    chosen = noisy != clean
+    return (kl * chosen).sum() / chosen.sum().clamp(min=1)
+
+
 def denoising_loss(logits: torch.Tensor, clean: torch.Tensor, t: torch.Tensor, settings: DiffusionSettings) -> torch.Tensor:
     """Cross-entropy of the clean token at every canvas position, weighted per block by the noise level."""
     per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1), reduction="none")
@@ -174,10 +237,12 @@ class TrainStep(nn.Module):
         noise: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         generator: torch.Generator | None = None,
         ar_rows: torch.Tensor | None = None,
+        teacher: TeacherDraws | None = None,
     ) -> dict[str, torch.Tensor]:
         """Losses for a batch. `noise` = (noisy tokens, per-block t, per-row self-conditioning flag); drawn
         from `generator` when not given (the training loop draws it per row, for rank-independence).
-        `ar_rows` (B,) bool keeps the AR loss to those rows (real text, not a teacher's continuations)."""
+        `ar_rows` (B,) bool keeps the AR loss to those rows (real text, not a teacher's continuations).
+        `teacher` adds few-step self-distillation (with `settings.step_distill_weight` > 0)."""
         model, settings = self.model, self.settings
         pad = model.config.pad_token_id
         if self.objective == "ar":
@@ -204,6 +269,10 @@ class TrainStep(nn.Module):
             certainty = certainty_loss(denoise_logits, tokens, noisy, settings.certainty_temperature)
             out["certainty"] = certainty.detach()
             loss = loss + settings.certainty_weight * certainty
+        if settings.step_distill_weight > 0 and teacher is not None:
+            distill = step_distillation_loss(denoise_logits, tokens, noisy, t, teacher, settings)
+            out["step_distill"] = distill.detach()
+            loss = loss + settings.step_distill_weight * distill
         if self.objective == "joint":
             ar = next_token_loss(ar_logits, tokens, pad, ar_rows)
             out["ar"] = ar.detach()
