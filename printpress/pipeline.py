@@ -143,6 +143,21 @@ class Pipeline:
         model.eval()
         return cls(model, config, generation_config, tokenizer)
 
+    def save_pretrained(self, folder: str | Path, dtype: str | torch.dtype | None = None,
+                        max_shard_size: int | str = "2GB") -> Path:
+        """Write the model, its config, generation defaults and tokenizer as a Hugging Face folder that
+        `from_pretrained` (and transformers' `DiffusionGemmaForBlockDiffusion`) loads back.
+
+        The write is atomic (a temporary sibling folder renamed into place), so a killed save leaves the previous
+        copy or nothing. `dtype` converts the weights on the way out (default: as loaded).
+        """
+        from printpress.checkpoint import save_model
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        return save_model(self.model, self.config, folder, self.generation_config, self.tokenizer,
+                          max_shard_size=max_shard_size, dtype=dtype)
+
     @property
     def canvas_length(self) -> int:
         return self.config.canvas_length

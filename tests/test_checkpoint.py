@@ -345,3 +345,19 @@ def test_a_folder_where_a_file_should_be_is_one_error(reference_checkpoints, tmp
     (folder / name).mkdir()
     with pytest.raises((ConfigError, CheckpointError), match=f"{name}: (cannot read it|not a file)"):
         load_model(folder)
+
+
+def test_pipeline_save_pretrained_round_trips_what_it_generates(tmp_path):
+    import printpress
+
+    pipe = printpress.load()  # the shipped default model: tokenizer and generation defaults included
+    folder = pipe.save_pretrained(tmp_path / "copy")
+    again = printpress.load(folder)
+    assert again.generation_config.to_dict() == pipe.generation_config.to_dict()
+    assert again.tokenizer.to_str() == pipe.tokenizer.to_str()
+    same_state(pipe.model, again.model)
+    for mode in ("diffusion", "ar"):
+        first = pipe.generate("ROMEO.\n", max_new_tokens=16, seed=3, mode=mode)
+        assert again.generate("ROMEO.\n", max_new_tokens=16, seed=3, mode=mode).token_ids == first.token_ids
+    half = pipe.save_pretrained(tmp_path / "half", dtype="bfloat16")
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
