@@ -16,37 +16,7 @@ from printpress.train.command import main as train_main
 from printpress.train.command import read_run_config
 from printpress.train.loop import RunConfig, Trainer, TrainingError
 
-TINY_MODEL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16, global_head_dim=16, num_global_key_value_heads=1,
-                  sliding_window=16, layer_types=["sliding_attention", "full_attention"], num_experts=2,
-                  top_k_experts=1, moe_intermediate_size=16, max_position_embeddings=256, canvas_length=8)
-
-VERSES = [
-    "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.",
-    "Rough winds do shake the darling buds of May, and summer's lease hath all too short a date.",
-    "Sometime too hot the eye of heaven shines, and often is his gold complexion dimm'd.",
-    "And every fair from fair sometime declines, by chance or nature's changing course untrimm'd.",
-]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("corpus")
-    for index in range(12):
-        (folder / f"doc{index:02d}.txt").write_text("\n".join(VERSES[index % 4:] + VERSES[: index % 4]) * 3)
-    return folder
-
-
-def run_config(corpus: Path, **train) -> RunConfig:
-    settings = dict(objective="joint", steps=6, batch_size=4, seq_len=32, lr=3e-3, min_lr=3e-4, warmup=2,
-                    eval_every=3, eval_batches=2, save_every=3, seed=7)
-    settings.update(train)
-    return RunConfig.from_dict({"model": dict(TINY_MODEL), "train": settings,
-                                "data": {"sources": [str(corpus)], "vocab_size": 300, "val_fraction": 0.2}})
-
-
-def losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+from helpers import free_port, losses, run_config
 
 
 def test_a_tiny_model_overfits_a_small_text(corpus, tmp_path):
@@ -118,14 +88,6 @@ def test_two_process_torchrun_matches_one_process(corpus, tmp_path, fsdp):
     two, _, _, _ = load_model(double / "model")
     for (name, x), y in zip(one.state_dict().items(), two.state_dict().values()):
         assert (x - y).abs().max() < 1e-5, name
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def toml_of(run: RunConfig) -> str:
@@ -284,3 +246,18 @@ def test_an_out_that_is_a_file_is_one_line_error(corpus, tmp_path, capsys):
     config.write_text(toml_of(run_config(corpus)))
     assert train_main(["--config", str(config), "--out", str(config)]) == 2
     assert f"--out {config} is a file, not a run folder" in capsys.readouterr().err
+
+
+def test_the_command_says_what_it_prepares_and_ends_with_the_losses(corpus, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(toml_of(run_config(corpus, steps=3, eval_every=3, save_every=3)))
+    assert train_main(["--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    stages = [line for line in captured.err.splitlines() if line.startswith("printpress train: ")]
+    assert stages[0] == "printpress train: training a tokenizer on the corpus"
+    assert stages[1].startswith(f"printpress train: preparing the data ({corpus}) in ")
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    line = captured.out.strip()
+    assert line.startswith("trained 3 steps (") and line.endswith(f"model saved to {tmp_path / 'run' / 'model'}")
+    assert f"last step loss {last['loss']:.3f}, ar {last['ar']:.3f}, diffusion {last['diffusion']:.3f}" in line
+    assert f"held-out at step 3 val_ar {last['val_ar']:.3f}, val_diffusion {last['val_diffusion']:.3f}" in line

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise TrainingError("--resume continues the run in --out and --overwrite starts it over: give one")
     trainer = Trainer(run_config, args.out, resume=args.resume, overrides=args.set if args.resume else (),
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, announce=lambda line: print(f"printpress train: {line}", file=sys.stderr))
     try:
         final = trainer.fit(progress=not args.no_progress)
     except BaseException:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     shutdown_distributed(wait=True)
     if trainer.env.main:
-        print(f"trained {trainer.step} steps; model saved to {final}")
+        print(f"{trainer.summary()}; model saved to {final}")
     return 0
 
 

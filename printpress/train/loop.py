@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,13 +260,15 @@ def hash_seed(*parts: int) -> int:
 
 class Trainer:
     def __init__(self, run: RunConfig, out: str | Path, resume: bool = False, overrides=(),
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, announce: Callable[[str], None] | None = None) -> None:
         """`overwrite` allows a fresh run in a folder that holds an earlier run (its checkpoint, model and
-        metrics are replaced); without it, and without `resume`, such a folder is refused."""
+        metrics are replaced); without it, and without `resume`, such a folder is refused. `announce` receives a
+        line per preparation stage (the CLI prints them, so a minute of tokenizing is not silence)."""
         self.run = run
         self.out = Path(out)
         self.overrides = list(overrides)
         self.env = init_distributed()
+        self.announce = announce if announce is not None and self.env.main else (lambda line: None)
         self.settings = run.train
         self.metrics_path = self.out / METRICS_FILE
         self.checkpoint_dir = self.out / "checkpoint"
@@ -304,6 +307,7 @@ class Trainer:
         if resume:
             if not (self.checkpoint_dir / STATE_FILE).exists():
                 raise TrainingError(f"--resume: no checkpoint to resume in {self.checkpoint_dir}")
+            self.announce(f"resuming from {self.checkpoint_dir}")
             model, config, generation, tokenizer = load_model(self.checkpoint_dir)
             state = torch.load(self.checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=True)
             saved = state["run"]
@@ -320,10 +324,12 @@ class Trainer:
             self.run = RunConfig.from_dict(saved)
             settings = self.settings = self.run.train
         elif self.run.init_from:
+            self.announce(f"loading {self.run.init_from} (init_from)")
             model, config, generation, tokenizer = load_model(self.run.init_from)
         else:
             model, config, generation, tokenizer = None, None, None, None
         if tokenizer is None:
+            self.announce("training a tokenizer on the corpus")
             tokenizer = self._main_first(self._train_tokenizer)
         self.tokenizer = tokenizer
         if model is None:
@@ -335,6 +341,8 @@ class Trainer:
         self.config, self.model = config, model
         self.generation = generation or GenerationConfig.from_dict(self.run.generation, config.text)
         data = self.run.data
+        sources = ", ".join(map(str, data.get("sources", ["shakespeare"])))
+        self.announce(f"preparing the data ({sources}) in {self.out / 'data'}")
         splits = self._main_first(lambda: prepare_data(
             data.get("sources", ["shakespeare"]), tokenizer, self.out / "data",
             val_fraction=data.get("val_fraction", 0.05), text_field=data.get("text_field", "text")))
@@ -367,6 +375,8 @@ class Trainer:
             lr=settings.lr, betas=settings.betas, foreach=True,
         )
         self.step = 0
+        self.last_record: dict[str, Any] | None = None  # the last step's metrics, and the last held-out losses
+        self.last_eval: dict[str, Any] | None = None
         self.elapsed = 0.0  # seconds spent in training steps, summed across resumes
         self.last_good: int | None = None
         if state is not None:
@@ -548,6 +558,17 @@ class Trainer:
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     # -- main loop -----------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        """One line on how the run ended: steps, time, the last step's losses and the last held-out losses."""
+        parts = [f"trained {self.step} steps ({self.elapsed / 60:.1f} min of training)"]
+        if self.last_record:
+            keys = [k for k in ("loss", "ar", "diffusion", "certainty", "step_distill") if k in self.last_record]
+            parts.append("last step " + ", ".join(f"{k} {self.last_record[k]:.3f}" for k in keys))
+        if self.last_eval:
+            parts.append(f"held-out at step {self.last_eval['step']} "
+                         + ", ".join(f"{k} {v:.3f}" for k, v in self.last_eval.items() if k != "step"))
+        return "; ".join(parts)
+
     def fit(self, progress: bool = True) -> Path:
         from tqdm import tqdm
 
@@ -566,9 +587,15 @@ class Trainer:
             record = {"step": self.step, **metrics, "tokens_per_s": tokens_per_step / elapsed,
                       "train_seconds": self.elapsed}
             if self.step % settings.eval_every == 0 or self.step == settings.steps:
-                record.update(self.evaluate())
+                bar.set_description_str("train (evaluating)")
+                held_out = self.evaluate()
+                bar.set_description_str("train")
+                record.update(held_out)
+                self.last_eval = {"step": self.step, **held_out}
             self.log(record)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            self.last_record = record
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            **{k: f"{v:.3f}" for k, v in (self.last_eval or {}).items() if k != "step"})
             bar.update(1)
             if self.step % settings.save_every == 0 or self.step == settings.steps:
                 self.save_checkpoint()
