@@ -17,8 +17,7 @@ from printpress.cli import build_parser, main
 from printpress.engine import CommitEvent, StepEvent
 from printpress.live_view import LiveView, _fit
 
-from conftest import make_reference
-from test_engine import save_checkpoint, word_tokenizer
+from helpers import make_reference, save_checkpoint, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

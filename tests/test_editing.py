@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_reference
-from test_engine import save_checkpoint, word_tokenizer
+from helpers import make_reference, save_checkpoint, word_tokenizer
 
 import printpress
 from printpress import editing

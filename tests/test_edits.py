@@ -1,10 +1,10 @@
 """POST /v1/edits and the page's "Rewrite": infill and span rewriting over HTTP, against the library.
 
-A real uvicorn server (tests/test_server.py's `running_server`, with the edits router mounted as
+A real uvicorn server (tests/helpers.py's `running_server`, with the edits router mounted as
 `printpress serve` mounts it) runs the shipped model with 4 denoising steps, so an edit takes a few tens of
 milliseconds. Every answer is compared with `printpress.editing.rewrite` / `infill` called directly with
 the same seed and settings, and the text outside the span must come back unchanged, character for
-character. The browser tests reuse tests/test_web.py's Chromium fixture.
+character. The browser tests use conftest.py's Chromium fixture.
 """
 
 from __future__ import annotations
@@ -16,18 +16,19 @@ import time
 
 import httpx
 import pytest
-from test_server import (
+from helpers import (
+    ARTIFACTS,
     AUTH,
     KEY,
     MODEL,
     STEPS,
-    load,
+    needs_chromium,
+    open_page,
     running_server,
+    server_load,
     sse_events,
     wait_until,
 )
-from test_web import ARTIFACTS, browser, open_page  # noqa: F401 - browser is a fixture
-from test_web import needs_chromium
 
 import printpress
 import printpress.engine
@@ -229,7 +230,7 @@ def test_bad_edits_are_a_clear_4xx(server, body, status, words, param):
     assert words in error["message"], error
     assert error["param"] == param
     assert "Traceback" not in response.text
-    assert load(server) == (0, 0)  # nothing was queued
+    assert server_load(server) == (0, 0)  # nothing was queued
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
@@ -267,12 +268,12 @@ def test_a_full_server_answers_429_and_cancelled_edit_streams_free_their_rows(on
         assert any(line.startswith("event: printpress.step") for line in lines)
         with httpx.stream(**long_stream) as waiting:
             assert waiting.status_code == 200
-            assert wait_until(lambda: load(server) == (1, 1)), load(server)
+            assert wait_until(lambda: server_load(server) == (1, 1)), server_load(server)
             busy = short_edit(server)
             assert busy.status_code == 429, busy.text
             assert busy.json()["error"]["code"] == "queue_full"
         started = time.monotonic()
-    assert wait_until(lambda: load(server) == (0, 0), timeout_s=5), load(server)
+    assert wait_until(lambda: server_load(server) == (0, 0), timeout_s=5), server_load(server)
     assert short_edit(server).status_code == 200
     assert time.monotonic() - started < 5
 
@@ -281,7 +282,7 @@ def test_an_abandoned_plain_edit_frees_its_row(one_slot_server):
     server = one_slot_server
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/edits", headers=AUTH, json=LONG_EDIT, timeout=1.0)
-    assert wait_until(lambda: load(server) == (0, 0), timeout_s=5), load(server)
+    assert wait_until(lambda: server_load(server) == (0, 0), timeout_s=5), server_load(server)
     assert short_edit(server).status_code == 200
 
 
@@ -290,7 +291,7 @@ def test_an_edit_over_the_time_limit_is_a_408(pipe):
         response = edit(server, LONG_EDIT)
         assert response.status_code == 408, response.text
         assert response.json()["error"]["code"] == "request_timeout"
-        assert wait_until(lambda: load(server) == (0, 0), timeout_s=5), load(server)
+        assert wait_until(lambda: server_load(server) == (0, 0), timeout_s=5), server_load(server)
 
 
 def test_edits_and_completions_at_once_each_get_what_they_get_alone(server, pipe):
@@ -371,7 +372,7 @@ SELECT = """([start, end]) => {
 
 @pytest.mark.browser
 @needs_chromium
-def test_page_rewrites_a_selected_span_in_place(server, browser):  # noqa: F811 - the fixture
+def test_page_rewrites_a_selected_span_in_place(server, browser):
     page, errors = open_page(browser, server)
     page.click("#generate")
     page.wait_for_function("document.getElementById('status').textContent === 'done'", timeout=60_000)
@@ -412,7 +413,7 @@ def test_page_rewrites_a_selected_span_in_place(server, browser):  # noqa: F811 
 
 @pytest.mark.browser
 @needs_chromium
-def test_page_rewrites_typed_text_with_characters_outside_the_bmp(server, browser):  # noqa: F811
+def test_page_rewrites_typed_text_with_characters_outside_the_bmp(server, browser):
     page = browser.new_page()
     page.goto(server.url + "/")
     page.fill("input[name=api_key]", KEY)

@@ -3,15 +3,9 @@ changing any request's tokens, streams its steps, and rejects bad input with one
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-    DiffusionGemmaGenerationConfig,
-    EntropyBoundSamplerConfig,
-)
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
 import printpress
 from printpress.engine import (
@@ -25,51 +19,6 @@ from printpress.engine import (
     run,
 )
 from printpress.errors import GenerationError, PrintpressError
-
-from conftest import make_reference
-
-# Generation defaults written into each test checkpoint's generation_config.json: small enough to be
-# quick, and with explicit EOS/pad ids (transformers saves null for both, and then never stops early).
-CHECKPOINT_DEFAULTS = dict(max_new_tokens=16, max_denoising_steps=5, eos_token_id=[1], pad_token_id=0)
-
-
-def save_checkpoint(ref, folder: Path, tokenizer: Tokenizer | None = None, **generation) -> Path:
-    values = dict(CHECKPOINT_DEFAULTS, **generation)
-    bound = values.pop("entropy_bound", None)
-    if bound is not None:
-        values["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=bound)
-    ref.generation_config = DiffusionGemmaGenerationConfig(**values)
-    ref.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
-
-
-def word_tokenizer(vocab_size: int) -> Tokenizer:
-    """A word-level tokenizer: <pad> <eos> <bos> then words w3, w4, ..."""
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "[UNK]": 3}
-    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<pad>", "<eos>", "<bos>"])
-    return tok
-
-
-@pytest.fixture(scope="module")
-def models_(tmp_path_factory):
-    """name -> (reference model, printpress pipeline) on the same weights."""
-    root = tmp_path_factory.mktemp("engine")
-    out = {}
-    for name, canvas in (("gqa", 8), ("mha", 4), ("default_pattern", 16)):
-        ref = make_reference(name, canvas_length=canvas)
-        out[name] = (ref, printpress.load(save_checkpoint(ref, root / name)))
-    # Large output embeddings give peaked distributions: many tokens accepted per step and the
-    # adaptive stop fires, which random weights of normal scale almost never do.
-    peaked = make_reference("gqa", seed=1)
-    with torch.no_grad():
-        peaked.model.decoder.embed_tokens.weight.mul_(30)
-    out["peaked"] = (peaked, printpress.load(save_checkpoint(peaked, root / "peaked", word_tokenizer(128))))
-    return out
 
 
 def reference_tokens(ref, prompt: list[int], seed: int, **settings) -> tuple[list[int], float]:

@@ -14,7 +14,7 @@ import torch
 import printpress
 from printpress.fast import compile_ar_step, remove_compiled_ar_step
 
-from conftest import make_reference
+from helpers import make_reference
 
 
 @pytest.fixture(scope="module")

@@ -186,7 +186,7 @@ def test_decoder_logits_bit_equal_to_the_reference_at_a_threaded_size(tmp_path):
     """At ~10M parameters the expert GEMMs are split across threads, where row order changes rounding:
     printpress groups tokens exactly as the reference does, so the logits match bit for bit (what keeps
     sampling token-exact on near-uniform random models, whose entropy ranking flips on any rounding)."""
-    from conftest import TINY_CONFIGS, make_reference
+    from helpers import TINY_CONFIGS, make_reference
 
     TINY_CONFIGS["threaded"] = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,

@@ -16,7 +16,7 @@ import torch
 
 import printpress
 
-from conftest import make_reference
+from helpers import make_reference
 
 pytestmark = pytest.mark.parity
 

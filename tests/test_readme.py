@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from helpers import free_port
 
 pytestmark = pytest.mark.slow  # runs the README's commands and a server: minutes, not seconds
 
@@ -77,12 +78,6 @@ def test_the_command_tour_runs_as_written():
         if done.returncode != 0 or not done.stdout.strip():
             failed.append((command, done.returncode, done.stderr[-500:]))
     assert failed == []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_serving_examples_run_against_printpress_serve(tmp_path):

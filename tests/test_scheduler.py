@@ -7,7 +7,6 @@ import dataclasses
 import threading
 
 import pytest
-from test_engine import models_  # noqa: F401  (the tiny checkpoints fixture)
 
 from printpress.engine import CommitEvent, DoneEvent, Request
 from printpress.errors import GenerationError
@@ -24,7 +23,7 @@ def _result(ticket):
     return done[-1].result
 
 
-def test_concurrent_requests_share_steps_and_match_each_alone(models_):  # noqa: F811
+def test_concurrent_requests_share_steps_and_match_each_alone(models_):
     _, pipe = models_["peaked"]
     settings = pipe.settings(**SETTINGS)
     alone = [pipe.generate(p, seed=40 + i, **SETTINGS) for i, p in enumerate(PROMPTS)]
@@ -37,7 +36,7 @@ def test_concurrent_requests_share_steps_and_match_each_alone(models_):  # noqa:
         assert mine.token_ids == reference.token_ids
 
 
-def test_ar_requests_are_interleaved_and_exact(models_):  # noqa: F811
+def test_ar_requests_are_interleaved_and_exact(models_):
     _, pipe = models_["gqa"]
     settings = pipe.settings(mode="ar", max_new_tokens=6, temperature=1.0)
     with Scheduler(pipe) as scheduler:
@@ -48,7 +47,7 @@ def test_ar_requests_are_interleaved_and_exact(models_):  # noqa: F811
                                                  temperature=1.0).token_ids
 
 
-def test_events_reach_asyncio_readers(models_):  # noqa: F811
+def test_events_reach_asyncio_readers(models_):
     _, pipe = models_["gqa"]
     settings = pipe.settings(max_new_tokens=16, max_denoising_steps=3)
 
@@ -62,7 +61,7 @@ def test_events_reach_asyncio_readers(models_):  # noqa: F811
     assert sum((e.token_ids for e in events if isinstance(e, CommitEvent)), []) == events[-1].result.token_ids
 
 
-def test_a_cancelled_request_frees_its_row_and_the_queue_is_bounded(models_):  # noqa: F811
+def test_a_cancelled_request_frees_its_row_and_the_queue_is_bounded(models_):
     _, pipe = models_["gqa"]
     long = pipe.settings(max_new_tokens=400, max_denoising_steps=50, stability_threshold=100)
     scheduler = Scheduler(pipe, Limits(max_rows=1, max_queued=1)).start()
@@ -83,7 +82,7 @@ def test_a_cancelled_request_frees_its_row_and_the_queue_is_bounded(models_):  #
         scheduler.close()
 
 
-def test_limits_and_timeouts_are_clear_errors(models_):  # noqa: F811
+def test_limits_and_timeouts_are_clear_errors(models_):
     _, pipe = models_["gqa"]
     scheduler = Scheduler(pipe, Limits(max_prompt_tokens=4, max_new_tokens=16, request_timeout_s=0.05)).start()
     try:
@@ -101,7 +100,7 @@ def test_limits_and_timeouts_are_clear_errors(models_):  # noqa: F811
 
 
 
-def test_edits_bring_their_own_stream_and_share_the_worker(models_):  # noqa: F811
+def test_edits_bring_their_own_stream_and_share_the_worker(models_):
     from printpress.editing import infill_stream
 
     _, pipe = models_["gqa"]
@@ -117,7 +116,7 @@ def test_edits_bring_their_own_stream_and_share_the_worker(models_):  # noqa: F8
     assert len(events) == len(alone)
 
 
-def test_a_request_that_fails_fails_alone(models_, monkeypatch):  # noqa: F811
+def test_a_request_that_fails_fails_alone(models_, monkeypatch):
     """Poison requests (a temperature that overflows the sampler to NaN, which validation now refuses: let
     through here) share steps with diffusion, AR and edit requests. Before, the shared step raised and every
     request in flight failed; now only the poison fails, and every other request gets its answer alone."""

@@ -12,69 +12,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import printpress
 import printpress.engine
 import printpress.sampling
-from printpress.serve.app import create_app
 from printpress.serve.chat import ChatFormatter, plain_prompt
 from printpress.serve.output import ChoiceText
 from printpress.serve.protocol import ChatMessage
-from printpress.serve.scheduler import Limits, Scheduler
 
-KEY = "sk-test-0123456789"
-MODEL = "shakespeare-joint"
-STEPS = 4  # denoising steps per canvas in these tests (the shipped default is 32)
-LIMITS = {"max_new_tokens": 96, "max_prompt_tokens": 64, "max_steps": 8}
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@dataclass
-class Server:
-    url: str
-    app: object
-    scheduler: Scheduler
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_server(pipe, api_key: str | None = KEY, max_rows: int = 4, max_queued: int = 8,
-                   timeout_s: float = 60.0, max_body_bytes: int = 64 * 1024, **limits) -> Iterator[Server]:
-    """A real uvicorn server on a free loopback port, in a thread of this process."""
-    limits = dict(LIMITS, **limits)
-    scheduler = Scheduler(pipe, Limits(max_rows=max_rows, max_queued=max_queued,
-                                       max_prompt_tokens=limits["max_prompt_tokens"],
-                                       max_new_tokens=limits["max_new_tokens"], request_timeout_s=timeout_s))
-    app = create_app(pipe, scheduler, model_name=MODEL, api_key=api_key, max_body_bytes=max_body_bytes, **limits)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield Server(f"http://127.0.0.1:{port}", app, scheduler)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+from helpers import (
+    AUTH,
+    KEY,
+    MODEL,
+    STEPS,
+    Server,
+    free_port,
+    running_server,
+    server_load,
+    sse_events,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +57,6 @@ def client(server):
 
 def expected(pipe, prompt: str, seed: int, max_new_tokens: int = 32, **settings):
     return pipe.generate(prompt, seed=seed, max_new_tokens=max_new_tokens, max_denoising_steps=STEPS, **settings)
-
-
-def sse_events(response: httpx.Response) -> list[tuple[str, str]]:
-    """(event name, data) for every server-sent event of a response."""
-    events, name, data = [], "message", []
-    for line in response.iter_lines():
-        if line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-        elif line == "" and data:
-            events.append((name, "\n".join(data)))
-            name, data = "message", []
-    return events
 
 
 # ------------------------------------------------------------------------------------------------
@@ -626,15 +574,6 @@ def test_a_server_with_a_key_answers_any_host(server):
 LONG = {"prompt": "ROMEO:", "max_tokens": 1024, "steps": 64, "seed": 0}  # ~2000 decoder passes: tens of seconds alone
 
 
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.fixture(scope="module")
 def one_slot_server(pipe):
     """One row and one place in the queue."""
@@ -647,11 +586,6 @@ def short_request(server) -> httpx.Response:
                       json={"prompt": "ROMEO:", "max_tokens": 32, "steps": 2, "seed": 0})
 
 
-def load(server) -> tuple[int, int]:
-    health = httpx.get(server.url + "/health").json()
-    return health["active"], health["queued"]
-
-
 def test_a_full_server_answers_429_and_cancelled_streams_free_their_slots(one_slot_server):
     server = one_slot_server
     long_stream = {"method": "POST", "url": server.url + "/v1/completions", "headers": AUTH, "timeout": 60,
@@ -661,14 +595,14 @@ def test_a_full_server_answers_429_and_cancelled_streams_free_their_slots(one_sl
         assert any(line.startswith("event: printpress.step") for line in lines)
         with httpx.stream(**long_stream) as waiting:
             assert waiting.status_code == 200
-            assert wait_until(lambda: load(server) == (1, 1)), load(server)
+            assert wait_until(lambda: server_load(server) == (1, 1)), server_load(server)
             busy = short_request(server)  # the row is taken and the queue is full
             assert busy.status_code == 429, busy.text
             assert busy.json()["error"]["code"] == "queue_full" and busy.headers["retry-after"] == "1"
         started = time.monotonic()
     # Both streams are closed: the long requests must give their row and queue place back at once, not after
     # the tens of seconds they would have taken.
-    assert wait_until(lambda: load(server) == (0, 0), timeout_s=5), load(server)
+    assert wait_until(lambda: server_load(server) == (0, 0), timeout_s=5), server_load(server)
     assert short_request(server).status_code == 200
     assert time.monotonic() - started < 5
 
@@ -677,7 +611,7 @@ def test_an_abandoned_plain_request_frees_its_slot(one_slot_server):
     server = one_slot_server
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", headers=AUTH, json=LONG, timeout=1.0)
-    assert wait_until(lambda: load(server) == (0, 0), timeout_s=5), load(server)
+    assert wait_until(lambda: server_load(server) == (0, 0), timeout_s=5), server_load(server)
     assert short_request(server).status_code == 200
 
 

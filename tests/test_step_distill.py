@@ -18,7 +18,7 @@ from printpress.train.objectives import (
     step_distillation_loss,
     two_step_targets,
 )
-from test_train import corpus, losses, run_config  # noqa: F401  (corpus is a fixture)
+from helpers import losses, run_config
 
 BLOCK = 8
 
@@ -85,7 +85,7 @@ def test_the_loss_trains_the_student_not_the_teacher(batch):
     assert all(p.grad is None for p in teacher.parameters())
 
 
-def test_a_run_killed_mid_round_resumes_with_that_rounds_teacher(corpus, tmp_path):  # noqa: F811
+def test_a_run_killed_mid_round_resumes_with_that_rounds_teacher(corpus, tmp_path):
     settings = dict(steps=6, step_distill_weight=1.0, step_distill_refresh=2, save_every=3)
     whole = tmp_path / "whole"
     Trainer(run_config(corpus, **settings), whole).fit(progress=False)
@@ -110,6 +110,6 @@ def test_a_run_killed_mid_round_resumes_with_that_rounds_teacher(corpus, tmp_pat
     (dict(step_distill_refresh=0), "step_distill_refresh must be positive"),
     (dict(step_distill_temperature=0.0), "step_distill_temperature must be > 0"),
 ])
-def test_bad_step_distillation_settings_are_refused_by_name(corpus, tmp_path, change, message):  # noqa: F811
+def test_bad_step_distillation_settings_are_refused_by_name(corpus, tmp_path, change, message):
     with pytest.raises(TrainingError, match=message):
         Trainer(run_config(corpus, **change), tmp_path)

@@ -8,22 +8,11 @@ screenshot is saved under test-artifacts/ (git-ignored) for a person to look at.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import httpx
 import pytest
 
-from test_server import AUTH, KEY, MODEL, running_server
+from helpers import ARTIFACTS, AUTH, KEY, MODEL, needs_chromium, open_page, running_server
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
-# As root on a machine with a closed network: no sandbox, and no background connections that would fail.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
-
-needs_chromium = pytest.mark.skipif(not CHROMIUM.exists() and shutil.which("chromium") is None,
-                                    reason="Debian's chromium is not installed (the test setup installs it)")
 pytestmark = [pytest.mark.browser, needs_chromium]
 
 
@@ -33,32 +22,6 @@ def server():
 
     with running_server(printpress.load()) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    from playwright.sync_api import sync_playwright
-
-    executable = str(CHROMIUM if CHROMIUM.exists() else shutil.which("chromium"))
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-def open_page(browser, server):
-    """The page, with the key and a short generation (ROMEO:, 64 tokens, 8 steps, seed 21) filled in; the list
-    collects the page's JavaScript errors."""
-    page = browser.new_page(viewport={"width": 1100, "height": 900})
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(server.url + "/")
-    page.fill("input[name=api_key]", KEY)
-    page.fill("#prompt", "ROMEO:")
-    page.fill("input[name=max_tokens]", "64")
-    page.fill("input[name=steps]", "8")
-    page.fill("input[name=seed]", "21")
-    return page, errors
 
 
 def generate_and_wait(page) -> None:
