@@ -25,6 +25,7 @@ from printpress.events import Decode, DoneEvent, GenerationResult, GenerationSta
 from printpress.sampling import SamplerSettings, StabilityTracker, canvases_for, uniform_tokens
 
 logger = logging.getLogger(__name__)
+REPLACEMENT = "\ufffd"  # what decoding puts for bytes that are not (yet) a whole character
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class RequestState:
     step_events: bool = True
     tokens: list[int] = field(default_factory=list)
     eos_at: int | None = None  # index of the first EOS in `tokens`
-    text: str = ""  # the completion's text so far (for text deltas)
+    text: str = ""  # the completion's text handed out so far in text deltas
     first_commit: float | None = None
     forward_passes: int = 0
     decoder_passes: int = 0
@@ -149,12 +150,21 @@ class RequestState:
             self.first_commit = time.perf_counter()
 
     def text_delta(self, decode: Decode | None) -> str:
-        """Text added since the last call (decoding the whole completion keeps multi-token characters whole)."""
+        """Text added since the last call, so that a request's deltas add up to its final text.
+
+        The whole completion is decoded each time (a byte-level token can hold part of a character, which only
+        the tokens around it decode), and a character still unfinished at its end, which decodes as U+FFFD, is
+        held back until a later token completes it; once the request has finished nothing is held back.
+        """
         if decode is None:
             return ""
         full = decode(self.completion())
-        delta = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
+        ready = full if self.finished else full.rstrip(REPLACEMENT)
+        if not ready.startswith(self.text):
+            # Decoding more tokens changed earlier text (no byte-level tokenizer does): keep what was sent.
+            ready = self.text + ready[len(self.text):]
+        delta = ready[len(self.text):]
+        self.text = ready
         return delta
 
     def stats(self, mode: str) -> GenerationStats:

@@ -3,8 +3,11 @@ changing any request's tokens, streams its steps, and rejects bad input with one
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
 import printpress
@@ -19,6 +22,10 @@ from printpress.engine import (
     run,
 )
 from printpress.errors import GenerationError, PrintpressError
+from printpress.request import RequestState
+from printpress.sampling import SamplerSettings
+
+from helpers import make_reference, save_checkpoint
 
 
 def reference_tokens(ref, prompt: list[int], seed: int, **settings) -> tuple[list[int], float]:
@@ -500,3 +507,61 @@ def test_speculative_mode_drafts_with_one_step_unless_told(models_):
     assert pipe.settings(mode="speculative").max_denoising_steps == 1
     assert pipe.settings(mode="speculative", max_denoising_steps=3).max_denoising_steps == 3
     assert pipe.settings().max_denoising_steps == pipe.generation_config.max_denoising_steps
+
+
+# ------------------------------------------------------------------------------------------------
+# Text deltas when a token holds part of a character
+# ------------------------------------------------------------------------------------------------
+
+
+def byte_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level tokenizer without merges: <pad> <eos> <bos> <unk>, then one token per byte: the continuation
+    bytes, the lead bytes of two-, three- and four-byte characters, then letters, so that random tokens often
+    split a character and often complete one."""
+    # The byte-level decoder's printable stand-ins for bytes (GPT-2's table): printable Latin-1 as itself, the
+    # other bytes as chr(256), chr(257), ... in byte order.
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    stand_in = {b: chr(b) for b in printable}
+    stand_in.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in stand_in)})
+    order = [*range(0x80, 0xC0), *range(0xC2, 0xF5), *range(0x61, 0x7B)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({stand_in[b]: 4 + i for i, b in enumerate(order[: vocab_size - 4])})
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<eos>", "<bos>"])
+    return tok
+
+
+def test_a_character_split_across_tokens_is_held_back_until_it_is_whole():
+    """Token ids are bytes here: "a", the three bytes of "€", then the first byte of "é" and the request ends."""
+    settings = SamplerSettings(max_new_tokens=5, eos_token_ids=())
+    state = RequestState.start(0, Request([2], settings, seed=0), torch.device("cpu"), budget=5)
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    deltas = []
+    for byte in b"a\xe2\x82\xac\xc3":
+        state.commit([byte])
+        deltas.append(state.text_delta(decode))
+    assert deltas == ["a", "", "", "€", "\ufffd"]  # the unfinished "é" is flushed as U+FFFD when the request ends
+    assert "".join(deltas) == decode(state.completion())
+
+
+@pytest.fixture(scope="module")
+def byte_pipe(tmp_path_factory):
+    ref = make_reference("gqa", canvas_length=4)  # short canvases: many commits
+    return printpress.load(save_checkpoint(ref, tmp_path_factory.mktemp("bytes") / "gqa", byte_tokenizer(128)))
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion", "speculative"])
+def test_streamed_text_adds_up_to_the_final_text_when_tokens_split_characters(byte_pipe, mode):
+    splits = 0
+    for seed in range(4):
+        events = list(byte_pipe.stream([2, 70, 71, 72], mode=mode, seed=seed, max_new_tokens=32, step_events=False))
+        commits = [e for e in events if isinstance(e, CommitEvent)]
+        (done,) = [e for e in events if isinstance(e, DoneEvent)]
+        assert "".join(c.text for c in commits) == done.result.text, (mode, seed)
+        # The case this is about happened: some commit ended inside a character that a later one completed.
+        ids, full = done.result.completion_ids, done.result.text
+        ends = itertools.accumulate(len(c.token_ids) for c in commits)
+        splits += any(not full.startswith(byte_pipe.decode(ids[:end])) for end in ends)
+    assert splits > 0
