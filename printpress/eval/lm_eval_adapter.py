@@ -19,7 +19,7 @@ What each request type does:
   reads context + continuation; the answer is the sum of the continuation tokens' log-softmax, and is_greedy
   says whether each was the argmax.
 - `likelihood="diffusion"`: a Monte Carlo estimate, the quantity the diffusion objective trains
-  (printpress/train/objectives.py): the continuation is cut into canvases placed after the context as
+  (printpress/objectives.py): the continuation is cut into canvases placed after the context as
   generation places them; each canvas is corrupted with uniform-state noise at a level t ~ U(t_low, 1)
   (stratified over the `mc_samples` draws), denoised in one decoder pass over the clean context in the cache,
   and scored by the log-probability of every clean continuation token (canvas positions past the
@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the eval
 from tqdm.auto import tqdm
 
 from printpress.errors import PrintpressError
-from printpress.train.objectives import add_uniform_noise
+from printpress.objectives import add_uniform_noise
 
 logger = logging.getLogger(__name__)
 

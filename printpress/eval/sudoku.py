@@ -136,7 +136,7 @@ def noise_probe(pipe, *, n: int = 32, givens: int = 34, levels=(0.0, 0.25, 0.5, 
     import torch
     import torch.nn.functional as F
 
-    from printpress.train.objectives import add_uniform_noise, forward_block_diffusion
+    from printpress.objectives import add_uniform_noise, forward_block_diffusion
 
     examples = [sudoku.example(f"{TEST_SEED}-g{givens}", i, (givens, givens)) for i in range(n)]
     clean = torch.tensor([sudoku.sequence_ids(ex) for ex in examples])

@@ -31,7 +31,7 @@ from printpress.checkpoint import available_memory_bytes, load_model, recover_fo
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.errors import PrintpressError
 from printpress.model import DiffusionGemma
-from printpress.train.objectives import DiffusionSettings, TeacherDraws, TrainStep, add_uniform_noise
+from printpress.objectives import DiffusionSettings, TeacherDraws, TrainStep, evaluate_losses, row_noise
 
 logger = logging.getLogger(__name__)
 
@@ -229,35 +229,6 @@ def check_memory(text: TextConfig, settings: TrainSettings, world: int) -> None:
 # -- the run ---------------------------------------------------------------------------------------------
 
 
-def row_noise(tokens: torch.Tensor, first_row: int, step: int, settings: TrainSettings, block: int,
-              vocab_size: int, teacher_draws: bool = False):
-    """Noise per row from a generator keyed by (seed, step, global row): the same on any number of ranks.
-
-    Returns (noisy, t, self-conditioning flags), plus, with `teacher_draws`, the per-token draws of the few-step
-    teacher's sampler step (uniforms, re-noise tokens), taken after the others so the noise stream is unchanged.
-    """
-    noisy, levels, use, uniform, renoise = [], [], [], [], []
-    length = tokens.shape[1]
-    for offset in range(tokens.shape[0]):
-        g = torch.Generator().manual_seed(hash_seed(settings.seed, step, first_row + offset))
-        row, t = add_uniform_noise(tokens[offset : offset + 1], block, vocab_size, g, settings.t_low)
-        noisy.append(row)
-        levels.append(t)
-        use.append(torch.rand(1, generator=g) < settings.self_conditioning)
-        if teacher_draws:
-            uniform.append(torch.rand(1, length, generator=g))
-            renoise.append(torch.randint(0, vocab_size, (1, length), generator=g))
-    noise = (torch.cat(noisy), torch.cat(levels), torch.cat(use))
-    return (*noise, torch.cat(uniform), torch.cat(renoise)) if teacher_draws else noise
-
-
-def hash_seed(*parts: int) -> int:
-    value = 0x9E3779B97F4A7C15
-    for part in parts:
-        value = (value * 6364136223846793005 + int(part) + 1442695040888963407) % (1 << 63)
-    return value
-
-
 class Trainer:
     def __init__(self, run: RunConfig, out: str | Path, resume: bool = False, overrides=(),
                  overwrite: bool = False, announce: Callable[[str], None] | None = None) -> None:
@@ -450,8 +421,8 @@ class Trainer:
     def compute_loss(self, tokens: torch.Tensor, step: int, first_row: int) -> dict[str, torch.Tensor]:
         noise, teacher = None, None
         if self.settings.objective != "ar":
-            noise = row_noise(tokens, first_row, step, self.settings, self.config.canvas_length,
-                              self.config.text.vocab_size, teacher_draws=self.teacher is not None)
+            noise = row_noise(tokens, first_row, step, self.settings.seed, self.diffusion, self.config.text.vocab_size,
+                              teacher_draws=self.teacher is not None)
             if self.teacher is not None:
                 teacher = TeacherDraws(self.teacher, noise[3], noise[4])
                 noise = noise[:3]
@@ -503,20 +474,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out losses with fixed noise: the diffusion loss (ELBO-style bound) and the AR NLL per token."""
+        """Held-out losses with fixed noise (`evaluate_losses`): the diffusion loss (ELBO-style bound) and the AR
+        NLL per token, averaged over the ranks."""
         self.model.eval()
-        sums: dict[str, float] = {}
-        for index, tokens in enumerate(self.eval_windows):
-            noise = None
-            if self.settings.objective != "ar":
-                noise = row_noise(tokens, index * 10_000 + self.env.rank * 1000, -1, self.settings,
-                                  self.config.canvas_length, self.config.text.vocab_size)
-            # Through the (possibly DDP/FSDP-wrapped) training module, so sharded weights are gathered.
-            out = self.wrapped(tokens, noise)
-            for key in ("ar", "diffusion"):
-                if key in out:
-                    sums[key] = sums.get(key, 0.0) + float(out[key]) / len(self.eval_windows)
-        return {f"val_{k}": v for k, v in self._all_reduce_mean(sums).items()}
+        # Through the (possibly DDP/FSDP-wrapped) training module, so sharded weights are gathered.
+        losses = evaluate_losses(self.wrapped, self.eval_windows, self.settings.objective, self.diffusion,
+                                 self.config.text.vocab_size, self.settings.seed, self.env.rank)
+        return self._all_reduce_mean(losses)
 
     # -- persistence ---------------------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path | None = None, with_state: bool = True) -> None:

@@ -1,0 +1,342 @@
+"""The objectives on the shared backbone: diffusion, autoregressive (AR) and joint. Training minimises them
+(printpress/train/loop.py), evaluation measures them (`evaluate_losses`, the held-out losses the training loop
+logs and `printpress bench` reports; the lm-eval adapter's and the Sudoku probe's noise), so they live here,
+below both.
+
+Block diffusion in one forward (after BD3-LM): the sequence is cut into canvases of `block` tokens. The
+model runs on `[clean sequence ; noisy sequence]` (2L tokens) with one attention mask:
+
+- a clean token attends causally to clean tokens (the encoder; its outputs are the AR logits);
+- a noisy token of block b attends to the clean tokens before block b (what the KV cache holds at
+  inference) and bidirectionally to the noisy tokens of its own block (the canvas).
+
+Sliding-window layers see exactly what inference sees: clean tokens within the window behind a clean
+query, and the last `sliding_window - 1` clean tokens before a canvas (the cache's ring), plus the whole
+canvas. Clean tokens use the encoder's layer scalars, noisy ones the decoder's, and only the noisy half
+goes through self-conditioning, so every block's logits equal `encode(prefix)` then `denoise(noisy block)`
+(a test checks this exactly).
+
+Noise is uniform-state, as in DiffusionGemma: each canvas token is replaced, with probability t, by a
+token drawn uniformly from the vocabulary (which may be the token itself); t ~ U(t_low, 1) per block.
+Training draws it per row (`row_noise`) from a generator keyed by (seed, step, global row), so that any
+number of ranks draws the same; held-out evaluation uses the same draws at a fixed key, so its figures never
+move with the step. Loss weighting: see docs/decisions/0002-diffusion-loss.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from printpress.model import DiffusionGemma, Masks
+
+Objective = Literal["diffusion", "ar", "joint"]
+Weighting = Literal["uniform", "inverse_t"]
+
+
+@dataclass
+class DiffusionSettings:
+    block: int  # canvas length used in training (the model's canvas_length)
+    t_low: float = 0.0  # noise levels are drawn from U(t_low, 1)
+    self_conditioning: float = 0.5  # fraction of examples trained with a first no-grad pass fed back
+    weighting: Weighting = "uniform"
+    ar_weight: float = 1.0  # weight of the AR term in the joint objective
+    # Certainty forcing (dParallel, arXiv 2509.26488): weight of the entropy of softmax(logits / temperature) at the
+    # noised canvas positions the model already predicts right. 0 turns it off.
+    certainty_weight: float = 0.0
+    certainty_temperature: float = 0.5
+    # Few-step self-distillation (after SDTT, arXiv 2410.21035): weight of the reverse KL from the student's one
+    # step to a frozen teacher's two sampler steps (`step_distillation_loss`). 0 turns it off.
+    step_distill_weight: float = 0.0
+    step_distill_temperature: float = 0.6  # the teacher's sampling temperature for the tokens it keeps
+
+
+def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
+    """Boolean (1, 1, 2L, 2L) masks for `[clean ; noisy]`, per layer kind (see the module docstring)."""
+    pos = torch.arange(length, device=device)
+    q, k = pos[:, None], pos[None, :]
+    block_start = (pos // block * block)[:, None]
+    clean_clean = k <= q
+    noisy_clean = k < block_start
+    noisy_noisy = (k // block) == (q // block)
+    nothing = torch.zeros(length, length, dtype=torch.bool, device=device)
+
+    def assemble(cc: torch.Tensor, nc: torch.Tensor) -> torch.Tensor:
+        top = torch.cat([cc, nothing], dim=1)
+        bottom = torch.cat([nc, noisy_noisy], dim=1)
+        return torch.cat([top, bottom], dim=0)[None, None]
+
+    return Masks(
+        full=assemble(clean_clean, noisy_clean),
+        sliding=assemble(clean_clean & (q - k < sliding_window), noisy_clean & (k >= block_start - (sliding_window - 1))),
+    )
+
+
+def causal_masks(length: int, sliding_window: int, device=None) -> Masks:
+    pos = torch.arange(length, device=device)
+    q, k = pos[:, None], pos[None, :]
+    causal = k <= q
+    return Masks(full=causal[None, None], sliding=(causal & (q - k < sliding_window))[None, None])
+
+
+def add_uniform_noise(
+    tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None, t_low: float = 0.0,
+    t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace each token with a uniform random one with probability t (one t per block). Returns (noisy, t)."""
+    batch, length = tokens.shape
+    blocks = length // block
+    if t is None:
+        t = t_low + (1 - t_low) * torch.rand(batch, blocks, generator=generator, device=tokens.device)
+    per_token = t.repeat_interleave(block, dim=1)
+    replace = torch.rand(batch, length, generator=generator, device=tokens.device) < per_token
+    random_tokens = torch.randint(0, vocab_size, (batch, length), generator=generator, device=tokens.device)
+    return torch.where(replace, random_tokens, tokens), t
+
+
+def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settings: DiffusionSettings,
+              vocab_size: int, teacher_draws: bool = False):
+    """Noise per row from a generator keyed by (seed, step, global row): the same on any number of ranks.
+
+    Returns (noisy, t, self-conditioning flags), plus, with `teacher_draws`, the per-token draws of the few-step
+    teacher's sampler step (uniforms, re-noise tokens), taken after the others so the noise stream is unchanged.
+    """
+    noisy, levels, use, uniform, renoise = [], [], [], [], []
+    length = tokens.shape[1]
+    for offset in range(tokens.shape[0]):
+        g = torch.Generator().manual_seed(hash_seed(seed, step, first_row + offset))
+        row, t = add_uniform_noise(tokens[offset : offset + 1], settings.block, vocab_size, g, settings.t_low)
+        noisy.append(row)
+        levels.append(t)
+        use.append(torch.rand(1, generator=g) < settings.self_conditioning)
+        if teacher_draws:
+            uniform.append(torch.rand(1, length, generator=g))
+            renoise.append(torch.randint(0, vocab_size, (1, length), generator=g))
+    noise = (torch.cat(noisy), torch.cat(levels), torch.cat(use))
+    return (*noise, torch.cat(uniform), torch.cat(renoise)) if teacher_draws else noise
+
+
+def hash_seed(*parts: int) -> int:
+    value = 0x9E3779B97F4A7C15
+    for part in parts:
+        value = (value * 6364136223846793005 + int(part) + 1442695040888963407) % (1 << 63)
+    return value
+
+
+def forward_ar(model: DiffusionGemma, tokens: torch.Tensor) -> torch.Tensor:
+    """Encoder (causal) logits for every position of `tokens`."""
+    length = tokens.shape[1]
+    masks = causal_masks(length, model.config.sliding_window, tokens.device)
+    hidden = model.run_layers(model.embed(tokens), torch.arange(length, device=tokens.device), masks, None, True)
+    return model.logits(hidden)
+
+
+def forward_block_diffusion(
+    model: DiffusionGemma, clean: torch.Tensor, noisy: torch.Tensor, block: int,
+    self_conditioning_logits: torch.Tensor | None = None, self_conditioning_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over `[clean ; noisy]`: (AR logits of the clean half, denoising logits of the noisy half)."""
+    batch, length = clean.shape
+    if length % block:
+        raise ValueError(f"sequence length {length} is not a multiple of the canvas length {block}")
+    device = clean.device
+    canvas = model.embed_canvas(noisy, self_conditioning_logits, self_conditioning_mask)
+    x = torch.cat([model.embed(clean), canvas], dim=1)
+    positions = torch.arange(length, device=device).repeat(2)
+    is_encoder = torch.arange(2 * length, device=device) < length
+    masks = block_diffusion_masks(length, block, model.config.sliding_window, device)
+    logits = model.logits(model.run_layers(x, positions, masks, None, is_encoder))
+    return logits[:, :length], logits[:, length:]
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, pad_id: int | None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token NLL over the kept targets: not pads, and only in `rows` (a (B,) bool mask) when given."""
+    target = tokens[:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    keep = torch.ones_like(target, dtype=torch.bool) if pad_id is None else target != pad_id
+    if rows is not None:
+        keep = keep & rows[:, None]
+    return (loss * keep.reshape(-1)).sum() / keep.sum().clamp(min=1)
+
+
+def certainty_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean entropy of softmax(logits / temperature) over the noised positions whose argmax is already right.
+
+    Gated on correctness, so it only sharpens what the model gets right: those positions fall under the
+    sampler's entropy bound and are accepted together, instead of one per step (dParallel's certainty forcing).
+    """
+    with torch.no_grad():
+        chosen = (noisy != clean) & (logits.argmax(dim=-1) == clean)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return (entropy * chosen).sum() / chosen.sum().clamp(min=1)
+
+
+@dataclass
+class TeacherDraws:
+    """What few-step self-distillation needs beyond the batch: the frozen teacher and, per token, the random
+    numbers of its first sampler step (drawn per row by the caller, so any number of ranks draws the same)."""
+
+    teacher: DiffusionGemma
+    uniform: torch.Tensor  # (B, L) in [0, 1): inverse-CDF draws for the kept positions' samples
+    renoise: torch.Tensor  # (B, L) uniform token ids for the re-noised positions
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per position from `probs` (..., V), given a uniform draw per position (...)."""
+    cdf = probs.cumsum(dim=-1)
+    # right=True: the first token whose cumulative mass exceeds the draw, so a zero-mass token is never chosen.
+    index = torch.searchsorted(cdf, (uniform * cdf[..., -1]).unsqueeze(-1).contiguous(), right=True)
+    return index.squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+@torch.no_grad()
+def two_step_targets(clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, draws: TeacherDraws,
+                     settings: DiffusionSettings) -> torch.Tensor:
+    """The teacher's log-probabilities (B, L, V) after two steps of the sampler from `noisy`.
+
+    Step one predicts every canvas position, keeps the lowest-entropy C - round(tC/2) of each canvas (sampled at
+    `step_distill_temperature`) and re-noises the rest, which halves the canvas's noise level t; step two
+    predicts again from there, self-conditioned on step one. A position kept at step one takes step one's
+    prediction as its target, every other position step two's (SDTT's rule: a token's target is the prediction
+    at the step that committed it).
+    """
+    block = settings.block
+    batch, length = clean.shape
+    _, first = forward_block_diffusion(draws.teacher, clean, noisy, block)
+    first = first.float()
+    scaled = first / settings.step_distill_temperature
+    entropy = -(torch.softmax(scaled, dim=-1) * torch.log_softmax(scaled, dim=-1)).sum(-1)
+    rank = entropy.view(batch, -1, block).argsort(dim=-1).argsort(dim=-1)  # 0 = the most certain position
+    keep = block - torch.round(t * block / 2)  # (B, blocks)
+    kept = (rank < keep[..., None]).view(batch, length)
+    sampled = sample_inverse_cdf(torch.softmax(scaled, dim=-1), draws.uniform)
+    second_input = torch.where(kept, sampled, draws.renoise)
+    _, second = forward_block_diffusion(draws.teacher, clean, second_input, block, first)
+    return torch.where(kept[..., None], torch.log_softmax(first, dim=-1), torch.log_softmax(second.float(), dim=-1))
+
+
+def step_distillation_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor,
+                           draws: TeacherDraws, settings: DiffusionSettings) -> torch.Tensor:
+    """Mean reverse KL(student || teacher's two steps) over the noised canvas positions.
+
+    The student's one pass at noise level t learns what the teacher reaches in two (`two_step_targets`); with the
+    teacher refreshed to the student every round, each round halves the steps the sampler needs. Reverse KL is
+    SDTT's choice (the one divergence that kept quality as steps fell): mode-seeking, so it also sharpens.
+    """
+    target = two_step_targets(clean, noisy, t, draws, settings)
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    kl = (log_q.exp() * (log_q - target)).sum(dim=-1)
+    chosen = noisy != clean
+    return (kl * chosen).sum() / chosen.sum().clamp(min=1)
+
+
+def denoising_loss(logits: torch.Tensor, clean: torch.Tensor, t: torch.Tensor, settings: DiffusionSettings) -> torch.Tensor:
+    """Cross-entropy of the clean token at every canvas position, weighted per block by the noise level."""
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1), reduction="none")
+    per_token = per_token.view(clean.shape)
+    if settings.weighting == "inverse_t":
+        # ELBO-style 1/t weights, divided by their mean under t ~ U(t_low, 1) so the loss keeps the scale of
+        # a cross-entropy; a plain mean over tokens, so data-parallel ranks average to the global loss.
+        weights = (1.0 / t).repeat_interleave(settings.block, dim=1)
+        return (per_token * weights).mean() / expected_inverse_t(settings.t_low)
+    return per_token.mean()
+
+
+def expected_inverse_t(t_low: float) -> float:
+    """E[1/t] for t ~ U(t_low, 1)."""
+    if not 0 < t_low < 1:
+        raise ValueError(f"inverse_t weighting needs 0 < t_low < 1 (got {t_low})")
+    return math.log(1 / t_low) / (1 - t_low)
+
+
+class TrainStep(nn.Module):
+    """The whole training computation as one module, so DDP/FSDP can wrap it without the model knowing."""
+
+    def __init__(self, model: DiffusionGemma, objective: Objective, settings: DiffusionSettings) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+        self.settings = settings
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        noise: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        generator: torch.Generator | None = None,
+        ar_rows: torch.Tensor | None = None,
+        teacher: TeacherDraws | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Losses for a batch. `noise` = (noisy tokens, per-block t, per-row self-conditioning flag); drawn
+        from `generator` when not given (the training loop draws it per row, for rank-independence).
+        `ar_rows` (B,) bool keeps the AR loss to those rows (real text, not a teacher's continuations).
+        `teacher` adds few-step self-distillation (with `settings.step_distill_weight` > 0)."""
+        model, settings = self.model, self.settings
+        pad = model.config.pad_token_id
+        if self.objective == "ar":
+            loss = next_token_loss(forward_ar(model, tokens), tokens, pad, ar_rows)
+            return {"loss": loss, "ar": loss.detach()}
+        if noise is None:
+            noisy, t = add_uniform_noise(tokens, settings.block, model.config.vocab_size, generator, settings.t_low)
+            use = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < settings.self_conditioning
+        else:
+            noisy, t, use = noise
+        self_cond = None
+        # Decided by the setting, not by this batch's draws: under data parallelism every rank must run the
+        # same passes (FSDP gathers each layer's weights in lockstep).
+        if settings.self_conditioning > 0:
+            # Self-conditioning as trained in Analog Bits: a first pass without it, fed back detached to the
+            # chosen rows; the others get a zero signal, exactly like the first denoising step at inference.
+            with torch.no_grad():
+                _, self_cond = forward_block_diffusion(model, tokens, noisy, settings.block)
+        ar_logits, denoise_logits = forward_block_diffusion(model, tokens, noisy, settings.block, self_cond, use)
+        diffusion = denoising_loss(denoise_logits, tokens, t, settings)
+        out = {"diffusion": diffusion.detach()}
+        loss = diffusion
+        if settings.certainty_weight > 0:
+            certainty = certainty_loss(denoise_logits, tokens, noisy, settings.certainty_temperature)
+            out["certainty"] = certainty.detach()
+            loss = loss + settings.certainty_weight * certainty
+        if settings.step_distill_weight > 0 and teacher is not None:
+            distill = step_distillation_loss(denoise_logits, tokens, noisy, t, teacher, settings)
+            out["step_distill"] = distill.detach()
+            loss = loss + settings.step_distill_weight * distill
+        if self.objective == "joint":
+            ar = next_token_loss(ar_logits, tokens, pad, ar_rows)
+            out["ar"] = ar.detach()
+            out["loss"] = loss + settings.ar_weight * ar
+        else:
+            out["loss"] = loss + 0.0 * ar_logits.sum()  # keeps every parameter in the graph for DDP
+        return out
+
+
+@torch.no_grad()
+def evaluate_losses(step: Callable[..., dict[str, torch.Tensor]], windows: Sequence[torch.Tensor], objective: Objective,
+                    settings: DiffusionSettings, vocab_size: int, seed: int = 0, rank: int = 0) -> dict[str, float]:
+    """Held-out losses on fixed windows with fixed noise: `val_ar`, the AR NLL per token, and `val_diffusion`,
+    the diffusion loss (the training objective under `settings`' weighting, an ELBO-style bound), each the mean
+    over `windows` of what `step` returns for a window (a `TrainStep`, or the DDP/FSDP module wrapping one, so
+    sharded weights are gathered).
+
+    The one held-out evaluation: the training loop's validation (`Trainer.evaluate`, which averages the ranks'
+    figures) and `printpress bench` on a saved model both call it. The noise of window i is `row_noise` at step
+    -1 from global row i * 10_000 + rank * 1000: the same draws at every evaluation of a run, so two
+    evaluations differ only by the weights.
+    """
+    sums: dict[str, float] = {}
+    for index, tokens in enumerate(windows):
+        noise = None
+        if objective != "ar":
+            noise = row_noise(tokens, index * 10_000 + rank * 1000, -1, seed, settings, vocab_size)
+        out = step(tokens, noise)
+        for key in ("ar", "diffusion"):
+            if key in out:
+                sums[f"val_{key}"] = sums.get(f"val_{key}", 0.0) + float(out[key]) / len(windows)
+    return sums
