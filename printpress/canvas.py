@@ -143,4 +143,5 @@ def step_event(row: CanvasRow, canvas_index: int, outcome: StepOutcome, j: int, 
         argmax=outcome.argmax[j].tolist(),
         accepted=outcome.accepted[j].tolist(),
         stopped=stopped,
+        entropy=outcome.entropy[j].tolist(),
     )

@@ -131,7 +131,7 @@ class DiffusionBatch:
         canvas = torch.cat([row.canvas for row in rows])
         feedback, mask = self._self_conditioning(rows)
         logits = denoise(self.model, canvas, self._cache(rows), feedback, mask)
-        return _sample_step(logits, canvas, rows, self.model.config.vocab_size, self.canvas_length, self.device)
+        return denoise_step(logits, rows, self.model.config.vocab_size)
 
     def _advance(self, row: RequestState, outcome: StepOutcome, fed_back: torch.Tensor, j: int,
                  finished: list[RequestState]) -> list[Event]:
@@ -194,22 +194,6 @@ class DiffusionBatch:
             return stacked, None
         mask = torch.tensor([p is not None for p in previous], device=self.device)
         return stacked, mask
-
-
-# The two steps below are module-level names on purpose: `printpress.eval.bench.instrumented` wraps them to
-# record the sampler's decisions (through printpress.engine, which passes the assignment on to this module).
-
-
-def _sample_step(
-    logits: torch.Tensor,
-    canvas: torch.Tensor,
-    rows: list[RequestState],
-    vocab: int,
-    canvas_length: int,
-    device: torch.device,
-) -> StepOutcome:
-    """The canvas step of one shared decoder pass over `canvas` (every position free)."""
-    return denoise_step(logits, rows, vocab)
 
 
 def _commit_canvas(row: RequestState, canvas_index: int, decode: Decode | None) -> Iterator[CommitEvent]:

@@ -36,6 +36,9 @@ class StepEvent:
     argmax: list[int]
     accepted: list[bool]  # accepted this step; every other position was re-noised
     stopped: bool  # the adaptive stop fired: this argmax is committed
+    # Per position, the entropy (nats) of the temperature-scaled prediction that the entropy bound compared;
+    # None from the loops that do not report it (editing, a speculative draft's final step).
+    entropy: list[float] | None = None
 
     @property
     def renoised(self) -> list[bool]:

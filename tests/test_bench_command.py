@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
@@ -14,26 +16,9 @@ from printpress import cli
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.corpora import Document, load_corpus, split_documents
 from printpress.engine import Pipeline
-from printpress.eval.bench import (
-    AR_TWIN,
-    OWN_AR,
-    YARDSTICK_SETTINGS,
-    BenchError,
-    Sample,
-    Trace,
-    apply_preset,
-    describe,
-    draw_prompts,
-    frontier,
-    headline,
-    heldout_prompts,
-    judge_samples,
-    matched_diversity,
-    parse_setting,
-    register,
-    seed_plan,
-    speed_at,
-)
+from printpress.eval.bench import YARDSTICK_SETTINGS, apply_preset, draw_prompts, heldout_prompts, register
+from printpress.eval.bench_sides import AR_TWIN, OWN_AR, BenchError, Sample, Trace, describe, parse_setting, seed_plan
+from printpress.eval.frontier import frontier, headline, judge_samples, matched_diversity, speed_at
 from printpress.eval.judge import nll_per_char
 from printpress.model import DiffusionGemma
 from printpress.tokenizer import train_tokenizer
@@ -80,21 +65,24 @@ def report(tiny, tmp_path_factory) -> dict:
     threads = torch.get_num_threads()
     mp = pytest.MonkeyPatch()
     mp.setenv("PRINTPRESS_CACHE", str(root / "cache"))
+    stdout, stderr = io.StringIO(), io.StringIO()
     try:
-        code = cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--prompts-file", str(prompts),
-                         "--max-new-tokens", "16", "--seed", "3", "--seeds", "2", "--steps", "4", "2",
-                         "--entropy-bounds", "0.1", "8", "--setting", "steps=4,t_max=0.4,t_min=0.1",
-                         "--setting", "mode=ar,temperature=0", "--setting", "mode=speculative,steps=1,temperature=0",
-                         "--heldout-data", str(corpus),
-                         "--heldout-seq-len", "16", "--heldout-batch-size", "2", "--heldout-batches", "1",
-                         "--forward-reps", "2", "--gguf-judge", "off", "--results", str(root / "results"),
-                         "--out", str(root / "pair.json"), "--no-progress"])
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--prompts-file", str(prompts),
+                             "--max-new-tokens", "16", "--seed", "3", "--seeds", "2", "--steps", "4", "2",
+                             "--entropy-bounds", "0.1", "8", "--setting", "steps=4,t_max=0.4,t_min=0.1",
+                             "--setting", "mode=ar,temperature=0",
+                             "--setting", "mode=speculative,steps=1,temperature=0",
+                             "--heldout-data", str(corpus),
+                             "--heldout-seq-len", "16", "--heldout-batch-size", "2", "--heldout-batches", "1",
+                             "--forward-reps", "2", "--gguf-judge", "off", "--results", str(root / "results"),
+                             "--out", str(root / "pair.json"), "--no-progress"])
     finally:
         mp.undo()
     assert code == 0
     assert torch.get_num_threads() == threads  # --threads 1 does not leak into the caller
     card = json.loads((root / "pair.json").read_text())
-    card["_root"] = root
+    card["_root"], card["_stdout"], card["_stderr"] = root, stdout.getvalue(), stderr.getvalue()
     return card
 
 
@@ -276,6 +264,34 @@ def test_heldout_losses_come_from_the_training_loop(report):
     assert held["diffusion"]["val_ar"] == pytest.approx(held["ar"]["val_ar"], rel=1e-6)
     assert held["ar"]["val_ar_nats_per_char"] == pytest.approx(held["ar"]["val_ar"] / held["ar"]["chars_per_token"])
     assert math.isfinite(held["diffusion"]["val_diffusion"]) and held["diffusion"]["windows"] == 2
+
+
+def test_heldout_losses_equal_the_training_loops_validation(report, tiny, tmp_path):
+    """One evaluation function serves both: a Trainer started from the same checkpoint on the same data logs the
+    bench's figures exactly (same windows, same fixed noise)."""
+    from printpress.train.loop import RunConfig, Trainer
+
+    run = RunConfig.from_dict({
+        "init_from": str(tiny), "data": {"sources": [str(report["_root"] / "corpus")], "val_fraction": 0.05},
+        "train": {"objective": "joint", "seq_len": 16, "batch_size": 2, "eval_batches": 1, "seed": 0},
+    })
+    losses = Trainer(run, tmp_path / "run").evaluate()
+    held = report["heldout"]["diffusion"]
+    assert losses == {"val_ar": held["val_ar"], "val_diffusion": held["val_diffusion"]}
+
+
+def test_the_terminal_shows_a_legend_one_headline_and_warns_of_too_few_samples(report):
+    out = report["_stdout"]
+    header = out.splitlines()[0].split()
+    assert header[:4] == ["side", "nll/char", "smollm", "tok/s"]
+    legend = " ".join(line.strip() for line in out.splitlines() if line.startswith(("legend:", "  ")))
+    for column in ("nll/char:", "xAR cpu:", "fwd all:", "div=:", "TTFC s:", "st/can:", "H acc:", "stops:"):
+        assert column in legend
+    assert out.count("headline") == 1 and "the AR twin" in out.splitlines()[-1]
+    # Two prompts x two seeds: one line on stderr, with the number and what to pass instead.
+    warning = [line for line in report["_stderr"].splitlines() if "warning" in line]
+    assert len(warning) == 1
+    assert "only 4 sample(s) per side (2 prompt(s) x 2 seed(s))" in warning[0] and "--seeds 4" in warning[0]
 
 
 def test_card_plot_and_headline(report):

@@ -1,0 +1,241 @@
+"""The sides of `printpress bench` and decoding them: which model with which settings, and every side on every
+prompt and seed, measured.
+
+A side decodes through `Pipeline.generate` on a pipeline whose model is a `MeteredModel`: the model itself,
+with each network pass (`encode`, `denoise`) counted and timed on the way through. What the diffusion sampler
+decided at each step comes from the engine's own `StepEvent`s. Nothing of the engine is replaced to measure it,
+so every side decodes exactly the tokens `printpress generate` would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from printpress.errors import PrintpressError
+from printpress.events import Event, StepEvent
+
+# AR sampling as in the model cards: what the twins' published samples and judged NLLs used.
+AR_SAMPLING = {"temperature": 0.8, "top_k": 50}
+
+# --setting keys: name -> (Pipeline.generate keyword, type)
+SETTING_KEYS = {
+    "mode": ("mode", str),
+    "steps": ("max_denoising_steps", int),
+    "entropy_bound": ("entropy_bound", float),
+    "t_min": ("t_min", float),
+    "t_max": ("t_max", float),
+    "stability_threshold": ("stability_threshold", int),
+    "confidence_threshold": ("confidence_threshold", float),
+    "sample_accepted_only": ("sample_accepted_only", lambda v: _boolean(v)),
+    "temperature": ("temperature", float),
+    "top_k": ("top_k", int),
+}
+
+
+# The two AR sides every run has: the reference for speed (and a judge), and AR decoding on the diffusion
+# model's own weights, the reference for diversity (issue 11 compares diffusion with AR on the same weights).
+AR_TWIN, OWN_AR = "AR twin", "diffusion model, AR decoding"
+
+
+class BenchError(PrintpressError):
+    """A benchmark that cannot run as asked (bad setting, missing judge, no held-out data)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sides
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Side:
+    """One way of decoding: which model (`diffusion` or `ar`), and the generate() overrides."""
+
+    label: str
+    model: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """ar | diffusion | speculative: how it decodes."""
+        return self.overrides.get("mode", "diffusion")
+
+
+def default_sides(steps: list[int], bounds: list[float], extra: list[dict[str, Any]]) -> list[Side]:
+    sides = [Side(AR_TWIN, "ar", {"mode": "ar", **AR_SAMPLING}), Side(OWN_AR, "diffusion", {"mode": "ar", **AR_SAMPLING})]
+    for n in steps:
+        for bound in bounds:
+            sides.append(Side(f"diffusion, {n} steps, bound {bound:g}", "diffusion",
+                              {"max_denoising_steps": n, "entropy_bound": bound}))
+    for overrides in extra:
+        sides.append(Side(describe(overrides), "diffusion", overrides))
+    labels = [s.label for s in sides]
+    duplicates = sorted({x for x in labels if labels.count(x) > 1})
+    if duplicates:
+        raise BenchError(f"the same setting is asked for twice: {', '.join(duplicates)}")
+    return sides
+
+
+def parse_setting(text: str) -> dict[str, Any]:
+    """`steps=8,entropy_bound=4,t_max=0.4` -> generate() overrides (mode=speculative gets AR sampling)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in SETTING_KEYS:
+            raise BenchError(f"--setting {text!r}: expected key=value pairs with keys among "
+                             f"{', '.join(SETTING_KEYS)}, got {item!r}")
+        name, kind = SETTING_KEYS[key.strip()]
+        try:
+            out[name] = kind(value.strip())
+        except ValueError:
+            raise BenchError(f"--setting {text!r}: {key.strip()} cannot be {value.strip()!r}") from None
+    if not out:
+        raise BenchError("--setting needs at least one key=value pair")
+    if out.get("mode") in ("ar", "speculative"):
+        out = {**AR_SAMPLING, **out}
+    return out
+
+
+def describe(overrides: dict[str, Any]) -> str:
+    """A short label: `diffusion, 16 steps, bound 1, t 0.4->0.1, accepted-only`."""
+    o = dict(overrides)
+    mode = o.pop("mode", "diffusion")
+    if mode != "diffusion":
+        for key, value in AR_SAMPLING.items():
+            if o.get(key) == value:
+                o.pop(key)
+    parts = []
+    if "max_denoising_steps" in o:
+        parts.append(f"{o.pop('max_denoising_steps')} steps")
+    if "entropy_bound" in o:
+        parts.append(f"bound {o.pop('entropy_bound'):g}")
+    if "t_max" in o or "t_min" in o:
+        parts.append(f"t {o.pop('t_max', 'default')}->{o.pop('t_min', 'default')}")
+    if o.pop("sample_accepted_only", False):
+        parts.append("accepted-only")
+    names = {v[0]: k for k, v in SETTING_KEYS.items()}
+    parts += [f"{names.get(k, k).replace('_threshold', '')} {v:g}" if isinstance(v, float) else f"{names.get(k, k)} {v}"
+              for k, v in o.items()]
+    return ", ".join([mode, *parts])
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding every side on every prompt, interleaved and measured
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """What one generate call did inside: the network passes of its model and their time (`MeteredModel`), and
+    for diffusion the sampler's steps as the engine reported them (its `StepEvent`s, in order)."""
+
+    decoder_calls: int = 0
+    decoder_s: float = 0.0
+    encoder_calls: int = 0
+    encoder_s: float = 0.0
+    steps: list[StepEvent] = field(default_factory=list)
+
+    def record(self, event: Event) -> None:
+        """`Pipeline.generate`'s `on_event`: keeps the step events (the result comes back from `generate`)."""
+        if isinstance(event, StepEvent):
+            self.steps.append(event)
+
+
+class MeteredModel:
+    """A model whose network passes are counted and timed into `trace`: `encode` (the prefill, AR steps, the pass
+    that caches a committed canvas, speculative verifications) and `denoise` (decoder passes). Every other
+    attribute is the model's own, so a `Pipeline` built on it decodes exactly as on the model.
+
+    Recording is two counters and a clock read per pass, next to nothing beside a forward.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.trace = Trace()
+
+    def __getattr__(self, name: str) -> Any:  # called only for what the wrapper itself does not define
+        return getattr(self.model, name)
+
+    def encode(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.model.encode(*args, **kwargs)
+        self.trace.encoder_calls += 1
+        self.trace.encoder_s += time.perf_counter() - start
+        return out
+
+    def denoise(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.model.denoise(*args, **kwargs)
+        self.trace.decoder_calls += 1
+        self.trace.decoder_s += time.perf_counter() - start
+        return out
+
+
+@dataclass
+class Sample:
+    side: str
+    prompt: str
+    seed: int
+    text: str
+    new_tokens: int
+    forward_passes: int
+    seconds: float
+    cpu_seconds: float
+    first_commit_s: float | None
+    trace: Trace
+    extra: dict[str, Any]
+
+
+def seed_plan(prompts: Sequence[str], seeds: int = 1, first_seed: int = 0) -> list[tuple[str, int]]:
+    """(prompt, seed) for every sample: K rounds over the P prompts, prompt i of round r with seed
+    first_seed + r*P + i, so every sample has its own seed and round r is what `--seed first_seed + r*P` gives."""
+    if seeds < 1:
+        raise BenchError(f"--seeds must be a positive number of seeds per prompt, got {seeds}")
+    return [(prompt, first_seed + r * len(prompts) + i) for r in range(seeds) for i, prompt in enumerate(prompts)]
+
+
+def decode_all(pipes: dict[str, Any], sides: list[Side], plan: list[tuple[str, int]], max_new_tokens: int,
+               progress: bool) -> dict[str, list[Sample]]:
+    """Every side on every (prompt, seed) of `plan`, sample-major, side order rotated per sample."""
+    from tqdm import tqdm
+
+    from printpress.engine import Pipeline
+
+    samples: dict[str, list[Sample]] = {s.label: [] for s in sides}
+    # Warm-up (allocator, first-call costs) on a short budget, untimed.
+    for side in sides:
+        pipes[side.model].generate(plan[0][0], seed=0, max_new_tokens=min(max_new_tokens, 8), **side.overrides)
+    metered = {name: Pipeline(MeteredModel(pipe.model), pipe.config, pipe.generation_config, pipe.tokenizer)
+               for name, pipe in pipes.items()}
+    bar = tqdm(total=len(sides) * len(plan), desc="decode", disable=not progress, dynamic_ncols=True)
+    for index, (prompt, seed) in enumerate(plan):
+        order = sides[index % len(sides):] + sides[: index % len(sides)]
+        for side in order:
+            bar.set_postfix_str(side.label)
+            pipe = metered[side.model]
+            trace = pipe.model.trace = Trace()
+            # Step events only where the figures read them (`confidence`): building them costs a little per step.
+            on_event = trace.record if side.kind == "diffusion" else None
+            start, cpu_start = time.perf_counter(), time.process_time()
+            result = pipe.generate(prompt, seed=seed, max_new_tokens=max_new_tokens, on_event=on_event,
+                                   **side.overrides)
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+            stats = result.stats
+            extra = {k: getattr(stats, k) for k in ("verifications", "drafted_tokens", "accepted_drafts",
+                                                    "accepted_per_verification") if hasattr(stats, k)}
+            samples[side.label].append(Sample(side.label, prompt, seed, result.text or "", stats.new_tokens,
+                                              stats.forward_passes, seconds, cpu_seconds,
+                                              stats.time_to_first_commit_s, trace, extra))
+            bar.update(1)
+    bar.close()
+    return samples
