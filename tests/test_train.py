@@ -115,8 +115,9 @@ def test_missing_corpus_is_one_clear_error(tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text('[data]\nsources = ["/nonexistent/corpus"]\n[train]\nsteps = 1\n')
     assert train_main(["--config", str(config), "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("printpress train: error:") and "/nonexistent/corpus" in err and "\n" not in err
+    *stages, error = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("printpress train: error:") and "/nonexistent/corpus" in error
+    assert stages == ["printpress train: training a tokenizer on the corpus"]  # progress before it, no traceback
 
 
 def test_a_run_that_cannot_fit_in_memory_is_refused_before_starting(corpus, tmp_path):
