@@ -17,6 +17,7 @@ import sys
 
 from printpress.cli_flags import add_sampler_arguments, sampler_overrides
 from printpress.errors import GenerationError
+from printpress.settings import EDITING
 
 
 def register_edit(subparsers: argparse._SubParsersAction) -> None:
@@ -42,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--show-steps", action="store_true", help="draw the span on stderr as it denoises")
     p.add_argument("--stats", action="store_true", help="print one line of statistics on stderr")
-    # The length decides the new tokens, and editing is diffusion only (--temperature scales its schedule).
-    add_sampler_arguments(p, skip=("mode", "max_new_tokens", "draft_steps", "top_k", "eos_token_ids"))
+    # The settings of the diffusion sampler: the length decides the new tokens (--temperature scales the schedule).
+    add_sampler_arguments(p, settings=EDITING)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,6 @@ editing.py), which know nothing of it: it turns prompts (text or ids) and keywor
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -22,7 +21,13 @@ from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
 from printpress.request import Request, check_prompts
-from printpress.sampling import SPECULATIVE_DRAFT_STEPS, SamplerSettings, check_setting, refuse_unread
+from printpress.settings import (
+    SETTINGS,
+    SPECULATIVE_DRAFT_STEPS,
+    SamplerSettings,
+    check_setting,
+    refuse_unread,
+)
 from printpress.speculative import speculative
 
 
@@ -163,44 +168,29 @@ class Pipeline:
         return self.config.canvas_length
 
     def default_settings(self) -> SamplerSettings:
-        """The checkpoint's generation_config.json as sampler settings."""
+        """The checkpoint's generation_config.json as sampler settings (each setting's `checkpoint` field)."""
         g = self.generation_config
-        eos = g.eos_token_id
-        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-        return SamplerSettings(
-            max_new_tokens=g.max_new_tokens,
-            max_denoising_steps=g.max_denoising_steps,
-            entropy_bound=g.entropy_bound,
-            t_min=g.t_min,
-            t_max=g.t_max,
-            stability_threshold=g.stability_threshold,
-            confidence_threshold=g.confidence_threshold,
-            eos_token_ids=eos_ids,
-            pad_token_id=g.pad_token_id,
-            temperature=g.temperature,
-            top_k=g.top_k,
-        )
+        return SamplerSettings(pad_token_id=g.pad_token_id,
+                               **{s.name: getattr(g, s.checkpoint) for s in SETTINGS if s.checkpoint})
 
     def settings(self, **overrides) -> SamplerSettings:
         """Checkpoint defaults with the given overrides (any `SamplerSettings` field but the pad id, and
         `draft_steps`; None keeps the default), validated. A setting the mode does not use is refused
-        (`sampling.refuse_unread`).
+        (`settings.refuse_unread`).
 
         Two settings read differently by mode: `draft_steps` (speculative only) is the drafts' denoising steps,
         stored in `max_denoising_steps` (which the draft loop reads; default `SPECULATIVE_DRAFT_STEPS`, not the
         checkpoint's canvas steps); `temperature` in diffusion mode multiplies the t_max -> t_min schedule
         (`SamplerSettings.scale_schedule`), in AR and speculative mode it is the causal head's temperature.
         """
-        unknown = sorted(set(overrides) - SETTING_NAMES - {"draft_steps"})
+        unknown = sorted(set(overrides) - {s.name for s in SETTINGS})
         if unknown:
             raise GenerationError(f"unknown generation setting(s): {', '.join(unknown)}")
         defaults = self.default_settings()
         mode = overrides.get("mode") or defaults.mode
         overrides = dict(overrides)
         draft_steps = overrides.pop("draft_steps", None)
-        if draft_steps is not None and mode != "speculative":
-            raise GenerationError(f"draft_steps={draft_steps!r} does not apply to mode={mode!r} (only mode "
-                                  "'speculative' uses it); leave it out")
+        refuse_unread(mode, {"draft_steps": draft_steps}, defaults)  # before the checks of the settings it replaces
         if mode == "speculative":
             if draft_steps is not None and overrides.get("max_denoising_steps") is not None:
                 raise GenerationError("give draft_steps or max_denoising_steps (the same setting in mode "
@@ -315,8 +305,8 @@ class Pipeline:
         return [Request(ids, settings, s) for ids, s in zip(prompts, seeds)], single
 
 
-# What a caller may set per request: every sampler field except the pad id, which is the checkpoint's.
-SETTING_NAMES = {f.name for f in dataclasses.fields(SamplerSettings)} - {"pad_token_id"}
+# What a caller may set per request and find in the settings: every stored setting (the pad id is the checkpoint's).
+SETTING_NAMES = {s.name for s in SETTINGS if s.stored}
 
 
 def _is_token(value: object) -> bool:

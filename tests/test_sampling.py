@@ -235,3 +235,92 @@ def test_the_edges_of_the_finite_ranges_work():
     SamplerSettings(mode="ar", temperature=MIN_TEMPERATURE).validate()
     check_setting("eos_token_ids", [1, 2])  # no rule: passes
 
+
+
+# -- the one definition of the settings (printpress.settings.SETTINGS) ---------------------------------------
+
+
+def test_the_settings_record_has_a_field_per_stored_setting_with_its_default():
+    import dataclasses
+
+    from printpress.config import GenerationConfig
+    from printpress.settings import SETTINGS
+
+    fields = {f.name: f.default for f in dataclasses.fields(SamplerSettings)}
+    assert set(fields) == {s.name for s in SETTINGS if s.stored} | {"pad_token_id"}
+    reference = GenerationConfig()
+    for s in SETTINGS:
+        if s.stored and s.checkpoint and s.name not in ("temperature", "top_k", "eos_token_ids"):
+            assert fields[s.name] == getattr(reference, s.checkpoint), s.name
+    # A bare record decodes greedily; a Pipeline's AR default is the checkpoint's (0.8, top-k 50).
+    assert (fields["mode"], fields["temperature"], fields["top_k"], fields["eos_token_ids"]) == ("diffusion", 0.0,
+                                                                                                 None, ())
+    assert SamplerSettings(eos_token_ids=7).eos_token_ids == (7,) and SamplerSettings(eos_token_ids=None).eos_token_ids == ()
+
+
+def test_flags_and_http_fields_are_derived_from_the_settings():
+    """Every setting is a flag of `printpress generate` and, unless it has its own field there (max_new_tokens is
+    `max_tokens`) or none (eos), a field of the completion requests; editing takes the diffusion sampler's, both on
+    the command line and over HTTP."""
+    import argparse
+
+    from printpress.cli_flags import add_sampler_arguments
+    from printpress.serve import protocol
+    from printpress.settings import EDITING, SETTINGS
+
+    def flags(**kwargs) -> set[str]:
+        parser = argparse.ArgumentParser()
+        add_sampler_arguments(parser, **kwargs)
+        return {option for action in parser._actions for option in action.option_strings} - {"-h", "--help",
+                                                                                            "--dtype", "--device"}
+
+    assert flags() == {s.flag for s in SETTINGS}
+    assert flags(settings=EDITING) == {"--steps", "--entropy-bound", "--t-min", "--t-max", "--stability-threshold",
+                                       "--confidence-threshold", "--temperature", "--sample-accepted-only"}
+    wire = {s.wire for s in SETTINGS if s.http is not None}
+    assert wire == {s.wire for s in SETTINGS} - {"max_new_tokens", "eos"}
+    for request in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
+        assert wire <= set(request.model_fields)
+    edit_fields = set(protocol.EditRequest.model_fields)
+    assert {s.wire for s in EDITING} <= edit_fields and not (wire - {s.wire for s in EDITING}) & edit_fields
+    body = protocol.CompletionRequest(prompt="x", steps=4, mode="ar", top_k=3, sample_accepted_only=False)
+    assert body.sampler_overrides() == {"max_denoising_steps": 4, "mode": "ar", "top_k": 3,
+                                        "sample_accepted_only": False}
+
+
+def test_key_value_settings_parse_into_engine_keywords():
+    import re
+
+    from printpress.settings import parse_assignments
+
+    assert parse_assignments("mode=speculative, steps=1,temperature=0") == {"mode": "speculative",
+                                                                           "max_denoising_steps": 1,
+                                                                           "temperature": 0.0}
+    assert parse_assignments("sample_accepted_only=yes,eos=1 2,t_max=0.4") == {"sample_accepted_only": True,
+                                                                               "eos_token_ids": (1, 2), "t_max": 0.4}
+    for text, message in [("beam=3", "expected key=value pairs with keys among mode, max_new_tokens, steps"),
+                          ("steps", "expected key=value pairs"), ("steps=many", "steps cannot be 'many'"),
+                          ("steps=0", "steps (max_denoising_steps) must be a positive integer"), (",", "at least one")]:
+        with pytest.raises(GenerationError, match=re.escape(message)):
+            parse_assignments(text)
+
+
+def test_a_setting_refused_by_mode_names_the_modes_that_read_it():
+    """The refusal comes from each setting's `modes`: one message shape for every setting and mode."""
+    from printpress.settings import MODES, SETTINGS, refuse_unread
+
+    defaults = SamplerSettings()
+    for s in SETTINGS:
+        for mode in MODES:
+            value = 3  # not a default of any setting that passes at its default
+            if mode in s.modes:
+                refuse_unread(mode, {s.name: value}, defaults)
+                continue
+            with pytest.raises(GenerationError) as info:
+                refuse_unread(mode, {s.name: value}, defaults)
+            readers = " and ".join(repr(m) for m in MODES if m in s.modes)
+            assert str(info.value).startswith(f"{s.label}=3 does not apply to mode={mode!r} (only mode")
+            assert readers in str(info.value)
+        if s.default_passes and s.stored:
+            for mode in MODES:
+                refuse_unread(mode, {s.name: getattr(defaults, s.name)}, defaults)  # asks for nothing: passes

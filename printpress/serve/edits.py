@@ -27,21 +27,11 @@ from printpress import editing
 from printpress.errors import PrintpressError
 from printpress.events import CommitEvent, DoneEvent
 from printpress.serve import protocol as p
-from printpress.serve.app import (
-    ERROR_RESPONSES,
-    ApiError,
-    JobStream,
-    ServerState,
-    StateDep,
-    _from_library,
-    _new_id,
-    check_model,
-    check_text_size,
-    guarded,
-    require_key,
-    sse,
-    sse_body,
-)
+from printpress.serve.access import require_key
+from printpress.serve.errors import ERROR_RESPONSES, ApiError, from_library
+from printpress.serve.jobs import guarded
+from printpress.serve.state import ServerState, StateDep, check_model, check_steps, check_text_size, new_id
+from printpress.serve.streaming import JobStream, sse, sse_body
 
 SSE_EXAMPLE = {"text/event-stream": {"schema": {"type": "string"},
                                      "example": 'event: printpress.step\ndata: {"object": "printpress.step", ...}\n\n'
@@ -70,7 +60,7 @@ def router() -> APIRouter:
         check_model(st, body.model)
         stream = await run_in_threadpool(build_stream, st, body)
         job = EditJob(st.scheduler.submit_stream(stream))
-        rid, created = _new_id("edit"), int(time.time())
+        rid, created = new_id("edit"), int(time.time())
         if body.stream:
             return JobStream(_edit_events(st, request, job, rid, created, body.stream_steps), [job])
         await _collect(request, job)
@@ -109,9 +99,7 @@ def build_stream(st: ServerState, body: p.EditRequest):
         if n > canvas:
             raise ApiError(400, f"length {n} exceeds the canvas of {canvas} tokens; a middle is generated in one "
                                 "canvas", param="length")
-    if body.steps is not None and body.steps > st.max_steps:
-        raise ApiError(400, f"steps is {body.steps}; this server runs at most {st.max_steps} denoising steps per canvas",
-                       param="steps")
+    check_steps(st, body)
     if rewriting:
         start, end = body.span
         try:
@@ -129,16 +117,9 @@ def build_stream(st: ServerState, body: p.EditRequest):
     if context > st.max_prompt_tokens:
         raise ApiError(400, f"the text around the span has {context} tokens; this server accepts at most "
                             f"{st.max_prompt_tokens}", param=param, code="prompt_too_long")
-    settings = {
-        "temperature": body.temperature, "max_denoising_steps": body.steps, "entropy_bound": body.entropy_bound,
-        "t_min": body.t_min,
-        "t_max": body.t_max, "stability_threshold": body.stability_threshold,
-        "confidence_threshold": body.confidence_threshold, "sample_accepted_only": body.sample_accepted_only,
-    }
-    settings = {name: value for name, value in settings.items() if value is not None}
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     common = {"length": body.length, "seed": seed, "suffix_window": body.suffix_window, "step_events": True,
-              **settings}
+              **body.sampler_overrides()}
     if rewriting:
         return editing.rewrite_stream(st.pipeline, body.text, start, end, **common)
     return editing.infill_stream(st.pipeline, prefix, suffix, **common)
@@ -180,7 +161,7 @@ async def _collect(request: Request, job: EditJob) -> None:
         async for _, event in guarded(request, [job], _events(job)):
             pass
     except Exception as exc:  # noqa: BLE001 - mapped to the right status (500 only for bugs)
-        raise _from_library(exc) from None
+        raise from_library(exc) from None
 
 
 async def _events(job: EditJob) -> AsyncIterator[tuple[EditJob, object]]:

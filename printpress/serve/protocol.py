@@ -4,8 +4,10 @@ Requests follow OpenAI's `/v1/completions` and `/v1/chat/completions` schemas fo
 honour, and forbid every other field, so a typo is a 400 that names the field instead of being silently ignored.
 Fields that stock clients send on every request but printpress cannot honour (`top_p`, the penalties,
 `logprobs`, ...) are accepted at the one value that asks for nothing (`NEUTRAL`: top_p 1, penalties 0, ...) and
-refused, naming the field, at any other. The diffusion settings are extra top-level fields (`steps`,
-`entropy_bound`, `t_min`, `t_max`, ...), which the openai client sends with `extra_body={...}`.
+refused, naming the field, at any other. The sampler settings are extra top-level fields (`steps`,
+`entropy_bound`, `t_min`, `t_max`, ...), which the openai client sends with `extra_body={...}`: one field per entry
+of `printpress.settings.SETTINGS` (its wire name, bounds and description), shared by the completion and edit
+requests (`SamplingRequest`), each of which turns itself into engine settings (`sampler_overrides`).
 
 Types are strict (pydantic's strict mode): "5" or 5.0 is not an integer, 1 is not a boolean, `true` is not a
 token id, so a client's mistake is a 400 naming the field rather than a guess. Every string, however deep,
@@ -20,17 +22,17 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from printpress.settings import EDITING, SETTINGS, Setting, from_wire
 
 MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 4
 MAX_PROMPTS = 16  # prompts in one /v1/completions request (each takes its own scheduler slot)
 MAX_CHOICES = 16  # choices in one request: prompts x n (each choice takes its own scheduler slot)
-# Temperatures between 0 and the sampler's smallest (printpress.sampling.MIN_TEMPERATURE) are refused by the engine
-# with its own message; the OpenAPI document says so, so that generated clients and fuzzers do not send them.
-NOT_TINY = {"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-4}}
 
 # OpenAI fields printpress cannot honour, with the value that asks for nothing (accepted: clients send it on every
 # request) and why any other value is refused.
@@ -88,23 +90,47 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send one more chunk, with empty choices, carrying usage.")
 
 
-class GenerationFields(_Strict):
-    """Fields shared by both endpoints: OpenAI's, then printpress's diffusion settings and extensions."""
+class SamplingRequest(_Strict):
+    """What every generating request shares (completions, chat, edits): the model, the seed, and the sampler
+    settings the route takes (one field per setting, `with_settings`), which the request turns into engine
+    settings itself (`sampler_overrides`)."""
 
     model: str | None = Field(None, description="The served model's id (GET /v1/models). Optional: one model is served.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same settings, same input: same output.")
+
+    def sampler_overrides(self) -> dict[str, object]:
+        """The sampler settings given, as `Pipeline.settings` keywords (a setting left out keeps the checkpoint's)."""
+        fields = type(self).model_fields
+        return from_wire({s.wire: getattr(self, s.wire) for s in SETTINGS if s.http is not None and s.wire in fields})
+
+
+def with_settings(name: str, base: type[SamplingRequest], settings: Iterable[Setting]) -> type[SamplingRequest]:
+    """`base` with an optional field per HTTP setting of `settings`: its wire name, bounds and description (None, the
+    default, keeps the checkpoint's value)."""
+    fields = {}
+    for s in settings:
+        if s.http is not None:
+            kind = Literal[s.choices] if s.choices else s.kind
+            fields[s.wire] = (kind | None, Field(None, description=s.description, **s.http))
+    return create_model(name, __base__=base, __module__=__name__, **fields)
+
+
+# The diffusion sampler's settings, which every route takes (editing is diffusion only), then the rest.
+EditSampling = with_settings("EditSampling", SamplingRequest, EDITING)
+Sampling = with_settings("Sampling", EditSampling, (s for s in SETTINGS if not s.editing))
+
+
+class GenerationFields(Sampling):
+    """Fields shared by both OpenAI endpoints: the sampler settings (`Sampling`), OpenAI's, and printpress's
+    extensions."""
+
     stream: bool = Field(False, description="Answer with server-sent events in OpenAI's chunk format.")
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same settings, same prompt: same text.")
     stop: str | list[str] | None = Field(
         None, description=f"Up to {MAX_STOP_SEQUENCES} strings; the text ends before the first one generated."
     )
     n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices per prompt; choice i uses seed + i.")
     user: str | None = Field(None, max_length=256, description="Accepted for compatibility; not used or logged.")
-    temperature: float | None = Field(
-        None, ge=0, le=10, json_schema_extra=NOT_TINY,
-        description="mode ar / speculative: the sampling temperature (0 = greedy; default the checkpoint's, 0.8 "
-        "for the shipped models). mode diffusion: a multiplier of the t_max -> t_min schedule (1 = the checkpoint's "
-        "schedule, 0 = the coldest the sampler allows).")
     # Sent by stock clients; only their neutral values are accepted (NEUTRAL).
     top_p: float | None = Field(None, ge=0, le=1, description="Only 1 (no nucleus sampling).",
                                 json_schema_extra=_only(1))
@@ -113,26 +139,6 @@ class GenerationFields(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 (no penalties).",
                                             json_schema_extra=_only(0))
     logit_bias: dict[str, float] | None = Field(None, description="Only {} (no bias).", json_schema_extra=_only({}))
-    # printpress's diffusion settings (default: the checkpoint's generation_config.json).
-    mode: Literal["diffusion", "ar", "speculative"] | None = Field(
-        None, description="diffusion (default), ar (the encoder as a causal LM) or speculative (diffusion drafts, "
-        "causal verification: AR's output).")
-    steps: int | None = Field(None, ge=1, le=4096, description="Maximum denoising steps per diffusion canvas "
-                              "(refused in mode speculative: see draft_steps).")
-    draft_steps: int | None = Field(None, ge=1, le=4096, description="mode speculative: denoising steps per draft "
-                                    "(default 1).")
-    entropy_bound: float | None = Field(None, gt=0, le=1e6, description="Entropy bound for accepting positions per step.")
-    t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.",
-                                json_schema_extra=NOT_TINY)
-    t_max: float | None = Field(None, gt=0, le=100, description="Temperature at the first denoising step.",
-                                json_schema_extra=NOT_TINY)
-    stability_threshold: int | None = Field(None, ge=0, le=4096, description="Stable steps needed to stop a canvas early.")
-    confidence_threshold: float | None = Field(None, gt=0, le=1e6, description="Mean entropy needed to stop early.")
-    sample_accepted_only: bool | None = Field(
-        None, description="Faster sampler with the same distribution, not the reference's random stream."
-    )
-    top_k: int | None = Field(None, ge=1, description="mode ar / speculative: sample among the k most likely tokens "
-                              "(default the checkpoint's, 50 for the shipped models).")
     # printpress's extension: the step stream.
     stream_steps: bool = Field(
         False,
@@ -365,10 +371,9 @@ class ErrorResponse(BaseModel):
 MAX_EDIT_LENGTHS = 8  # candidate lengths in one edit's length search (each is a whole denoising run)
 
 
-class EditRequest(_Strict):
+class EditRequest(EditSampling):
     """Either `text` + `span` (rewrite `text[span[0]:span[1]]`) or `prefix` and/or `suffix` (infill between)."""
 
-    model: str | None = Field(None, description="The served model's id (GET /v1/models). Optional: one model is served.")
     text: str | None = Field(None, description="Rewrite: the whole text; `span` names the part to regenerate.")
     span: list[int] | None = Field(
         None, min_length=2, max_length=2,
@@ -383,26 +388,10 @@ class EditRequest(_Strict):
     suffix_window: int | None = Field(
         None, ge=0, le=4096, description="Suffix tokens clamped into the canvas (default: what fills the trained canvas)."
     )
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same settings, same input: same edit.")
     stream: bool = Field(False, description="Answer with server-sent events (the result as the last data event).")
     stream_steps: bool = Field(
         False, description="With stream=true, also send every denoising step of the span as `event: printpress.step` "
         "and the chosen middle as `event: printpress.commit` (see docs/server.md).",
-    )
-    # The diffusion settings of the completions endpoint (default: the checkpoint's generation_config.json).
-    temperature: float | None = Field(None, ge=0, le=10, json_schema_extra=NOT_TINY,
-                                      description="A multiplier of the t_max -> t_min schedule "
-                                      "(1 = the checkpoint's, 0 = the coldest the sampler allows).")
-    steps: int | None = Field(None, ge=1, le=4096, description="Maximum denoising steps per candidate.")
-    entropy_bound: float | None = Field(None, gt=0, le=1e6, description="Entropy bound for accepting positions per step.")
-    t_min: float | None = Field(None, ge=0, le=100, description="Temperature at the last denoising step.",
-                                json_schema_extra=NOT_TINY)
-    t_max: float | None = Field(None, gt=0, le=100, description="Temperature at the first denoising step.",
-                                json_schema_extra=NOT_TINY)
-    stability_threshold: int | None = Field(None, ge=0, le=4096, description="Stable steps needed to stop early.")
-    confidence_threshold: float | None = Field(None, gt=0, le=1e6, description="Mean entropy needed to stop early.")
-    sample_accepted_only: bool | None = Field(
-        None, description="Faster sampler with the same distribution, not the reference's random stream."
     )
 
 
