@@ -240,6 +240,7 @@ def test_the_yardstick_preset_parses_and_explicit_options_win():
         None, 1, 96, [64, 32, 16, 8, 4], [])
 
 
+@pytest.mark.slow  # a whole benchmark run through the command line
 def test_the_yardstick_runs_end_to_end_on_held_out_prompts(tiny, tmp_path):
     corpus = _corpus(tmp_path / "corpus")
     out = tmp_path / "yardstick.json"

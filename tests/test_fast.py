@@ -47,6 +47,7 @@ def padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.masked_fill(~mask, 0), mask
 
 
+@pytest.mark.slow  # compiles the step
 def test_the_step_is_one_graph_and_computes_the_exact_paths_logits(model):
     batch, mask = padded_prompts(model.config.vocab_size)
     exact, exact_cache = run_steps(model, batch, mask, steps=12)  # 9 + 12 positions: the 5-slot ring wraps

@@ -332,6 +332,7 @@ def smollm2() -> GGUFJudge:
     return GGUFJudge.load()
 
 
+@pytest.mark.slow  # loads the 135M-parameter judge
 def test_smollm2_config_and_tokenizer(smollm2):
     c = smollm2.config
     assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim) == (30, 576, 9, 3, 64, 1536)
@@ -348,6 +349,7 @@ def test_smollm2_config_and_tokenizer(smollm2):
     assert len(smollm2.encode("2024")) == 4  # SmolLM2 ("smollm" pre-tokenizer) splits every digit
 
 
+@pytest.mark.slow  # loads the 135M-parameter judge
 def test_smollm2_prefers_fluent_english_to_its_shuffled_characters(smollm2):
     chars = list(FLUENT)
     random.Random(0).shuffle(chars)

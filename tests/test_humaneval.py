@@ -45,6 +45,7 @@ def test_the_164_problems_are_read_from_the_installed_package(problems):
         humaneval.load_problems(limit=0)
 
 
+@pytest.mark.slow  # 164 sandboxed programs
 def test_every_canonical_solution_passes(problems):
     results = humaneval.check_completions(problems, [[p["canonical_solution"]] for p in problems], workers=2)
     failed = [(p["task_id"], r[0].detail) for p, r in zip(problems, results) if not r[0].passed]

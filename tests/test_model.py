@@ -181,6 +181,7 @@ def test_parameter_count_formula_matches_the_module(pairs):
         assert config.text.num_parameters() == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow  # a model large enough for threads
 @torch.no_grad()
 def test_decoder_logits_bit_equal_to_the_reference_at_a_threaded_size(tmp_path):
     """At ~10M parameters the expert GEMMs are split across threads, where row order changes rounding:

@@ -485,6 +485,7 @@ def test_a_long_prompt_is_refused_before_it_is_tokenised(server, pipe, monkeypat
     assert calls == []
 
 
+@pytest.mark.slow  # a 128-token, 32-step stream on the shipped model
 def test_a_request_that_fails_fails_alone_over_http(pipe, monkeypatch):
     """A poison request (a temperature validation now refuses, let through here) while another request streams:
     the poison gets a 500 saying what failed, the stream goes on and gets its answer alone. Before, the shared step
@@ -627,6 +628,7 @@ def test_a_request_over_the_time_limit_is_a_408(pipe):
         assert json.loads(events[-1][1])["error"]["type"] == "timeout_error"
 
 
+@pytest.mark.slow  # a `printpress serve` subprocess
 def test_printpress_serve_command_serves_and_never_logs_the_key(tmp_path):
     """The real command in its own process: loopback by default, the key from the environment, never logged."""
     import os
@@ -657,6 +659,7 @@ def test_printpress_serve_command_serves_and_never_logs_the_key(tmp_path):
     assert secret not in text and secret[:-1] not in text
 
 
+@pytest.mark.slow  # a `printpress serve` subprocess
 def test_serve_on_a_taken_port_is_one_line_and_exit_2():
     """The port is bound before the model loads, and "serving on" is printed only once it is bound."""
     import os
@@ -753,6 +756,7 @@ def cheap_server(pipe):
         yield s
 
 
+@pytest.mark.slow  # fuzzes the API
 def test_schemathesis_finds_no_server_error(cheap_server):
     import schemathesis
     from hypothesis import HealthCheck, given, settings

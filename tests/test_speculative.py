@@ -151,6 +151,7 @@ def test_greedy_accept_keeps_the_matching_prefix_then_the_ar_token():
     assert greedy_accept(torch.tensor([], dtype=torch.long), logits[:1]) == [2]
 
 
+@pytest.mark.slow  # a statistical sweep: 20,000 sampled acceptances
 def test_sampled_accept_follows_the_target_distribution():
     p = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.1, 0.2, 0.6]])
     q = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
@@ -251,6 +252,7 @@ def test_events_and_statistics_add_up():
         assert result.token_ids == ar_tokens(model, requests[index].prompt_ids, max_new_tokens=17)
 
 
+@pytest.mark.slow  # a statistical sweep: a thousand sampled runs
 def test_sampled_speculative_follows_the_ar_distribution():
     """Tokens 2 and 3 come from one verification of one draft; their joint law must be the AR model's."""
     model = tiny_model("ring3")
@@ -301,8 +303,8 @@ def shipped():
 
 
 @pytest.mark.parametrize("text,new,steps,drafts", [
-    ("ROMEO:\nWhat light", 80, 1, None),  # 80 new tokens: the 63-slot sliding ring wraps
-    ("To be, or not to be", 40, 2, 8),
+    pytest.param("ROMEO:\nWhat light", 80, 1, None, marks=pytest.mark.slow),  # 80 new tokens: the 63-slot ring wraps
+    pytest.param("To be, or not to be", 40, 2, 8, marks=pytest.mark.slow),
     ("KING HENRY.\n", 24, 1, 3),
 ])
 def test_greedy_speculative_equals_ar_on_the_shipped_model(shipped, text, new, steps, drafts):

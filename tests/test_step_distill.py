@@ -85,6 +85,7 @@ def test_the_loss_trains_the_student_not_the_teacher(batch):
     assert all(p.grad is None for p in teacher.parameters())
 
 
+@pytest.mark.slow  # trains a run whole, then killed and resumed
 def test_a_run_killed_mid_round_resumes_with_that_rounds_teacher(corpus, tmp_path):
     settings = dict(steps=6, step_distill_weight=1.0, step_distill_refresh=2, save_every=3)
     whole = tmp_path / "whole"

@@ -137,6 +137,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=32", "model.moe_interme
         "train.warmup=1"]
 
 
+@pytest.mark.slow  # trains, then evaluates
 @pytest.mark.parametrize("objective", ["diffusion", "ar"])
 def test_a_tiny_recipe_trains_and_evaluates_end_to_end(objective, tmp_path):
     from printpress.engine import Pipeline

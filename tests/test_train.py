@@ -19,6 +19,7 @@ from printpress.train.loop import RunConfig, Trainer, TrainingError
 from helpers import free_port, losses, run_config
 
 
+@pytest.mark.slow  # trains 80 steps
 def test_a_tiny_model_overfits_a_small_text(corpus, tmp_path):
     trainer = Trainer(run_config(corpus, steps=80, lr=1e-2, eval_every=40, save_every=80, batch_size=8), tmp_path)
     trainer.fit(progress=False)
