@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from printpress.config import GenerationConfig
@@ -256,18 +256,20 @@ def from_wire(values: dict[str, object]) -> dict[str, object]:
     return {BY_WIRE[key].name: value for key, value in values.items() if value is not None}
 
 
-def parse_assignments(text: str) -> dict[str, object]:
+def parse_assignments(text: str, keys: Iterable[str] | None = None) -> dict[str, object]:
     """`steps=8,entropy_bound=4,t_max=0.4` (the names people write, as in the HTTP API) -> `Pipeline.settings`
     keywords, each value parsed by its setting's type and checked on its own (`check_setting`).
 
-    The checks between settings (t_min <= t_max, a setting the mode does not read) are `Pipeline.settings`'s.
-    `steps` is `max_denoising_steps` in every mode here (with mode=speculative: the drafts' steps).
+    `keys` limits the wire names accepted (default: every setting's). The checks between settings (t_min <= t_max,
+    a setting the mode does not read) are `Pipeline.settings`'s. `steps` is `max_denoising_steps` in every mode
+    here (with mode=speculative: the drafts' steps).
     """
+    allowed = list(BY_WIRE) if keys is None else [key for key in BY_WIRE if key in set(keys)]
     values: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or key not in BY_WIRE:
-            raise GenerationError(f"{text!r}: expected key=value pairs with keys among {', '.join(BY_WIRE)}, "
+        if not sep or key not in allowed:
+            raise GenerationError(f"{text!r}: expected key=value pairs with keys among {', '.join(allowed)}, "
                                   f"got {item!r}")
         try:
             values[key] = BY_WIRE[key].parse(value)

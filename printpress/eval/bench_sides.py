@@ -14,25 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from printpress.errors import PrintpressError
+from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Event, StepEvent
+from printpress.settings import BY_NAME, BY_WIRE, parse_assignments
 
 # AR sampling as in the model cards: what the twins' published samples and judged NLLs used.
 AR_SAMPLING = {"temperature": 0.8, "top_k": 50}
 
-# --setting keys: name -> (Pipeline.generate keyword, type)
-SETTING_KEYS = {
-    "mode": ("mode", str),
-    "steps": ("max_denoising_steps", int),
-    "entropy_bound": ("entropy_bound", float),
-    "t_min": ("t_min", float),
-    "t_max": ("t_max", float),
-    "stability_threshold": ("stability_threshold", int),
-    "confidence_threshold": ("confidence_threshold", float),
-    "sample_accepted_only": ("sample_accepted_only", lambda v: _boolean(v)),
-    "temperature": ("temperature", float),
-    "top_k": ("top_k", int),
-}
+# --setting keys: the sampler settings' wire names (printpress.settings), as in the HTTP API, but for the token budget,
+# which the bench sets for every side itself (--max-new-tokens).
+SETTING_KEYS = tuple(key for key in BY_WIRE if key != "max_new_tokens")
 
 
 # The two AR sides every run has: the reference for speed (and a judge), and AR decoding on the diffusion
@@ -79,20 +70,12 @@ def default_sides(steps: list[int], bounds: list[float], extra: list[dict[str, A
 
 
 def parse_setting(text: str) -> dict[str, Any]:
-    """`steps=8,entropy_bound=4,t_max=0.4` -> generate() overrides (mode=speculative gets AR sampling)."""
-    out: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in SETTING_KEYS:
-            raise BenchError(f"--setting {text!r}: expected key=value pairs with keys among "
-                             f"{', '.join(SETTING_KEYS)}, got {item!r}")
-        name, kind = SETTING_KEYS[key.strip()]
-        try:
-            out[name] = kind(value.strip())
-        except ValueError:
-            raise BenchError(f"--setting {text!r}: {key.strip()} cannot be {value.strip()!r}") from None
-    if not out:
-        raise BenchError("--setting needs at least one key=value pair")
+    """`steps=8,entropy_bound=4,t_max=0.4` -> generate() overrides (`settings.parse_assignments`; mode=speculative
+    and mode=ar get AR sampling unless told)."""
+    try:
+        out = parse_assignments(text, SETTING_KEYS)
+    except GenerationError as exc:
+        raise BenchError(f"--setting {exc}") from None
     if out.get("mode") in ("ar", "speculative"):
         out = {**AR_SAMPLING, **out}
     return out
@@ -115,18 +98,15 @@ def describe(overrides: dict[str, Any]) -> str:
         parts.append(f"t {o.pop('t_max', 'default')}->{o.pop('t_min', 'default')}")
     if o.pop("sample_accepted_only", False):
         parts.append("accepted-only")
-    names = {v[0]: k for k, v in SETTING_KEYS.items()}
-    parts += [f"{names.get(k, k).replace('_threshold', '')} {v:g}" if isinstance(v, float) else f"{names.get(k, k)} {v}"
+    parts += [f"{_wire(k).replace('_threshold', '')} {v:g}" if isinstance(v, float) else f"{_wire(k)} {v}"
               for k, v in o.items()]
     return ", ".join([mode, *parts])
 
 
-def _boolean(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
+def _wire(name: str) -> str:
+    """The name people write for a generate() keyword (`max_denoising_steps` -> `steps`)."""
+    setting = BY_NAME.get(name)
+    return name if setting is None else setting.wire
 
 
 # --------------------------------------------------------------------------------------------
