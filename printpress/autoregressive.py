@@ -3,7 +3,8 @@
 Encode the prompt, take the last position's logits, pick a token (argmax at temperature 0, else a sample of
 softmax(logits / temperature), optionally limited to the top k), encode that token, repeat until EOS or
 `max_new_tokens`. A batch is left padded into one cache, each row's positions starting at its first real
-token; rows that finish are dropped from the cache (`KVCache.select`).
+token; rows that finish are dropped from the cache (`KVCache.select`). A request that asks for log-probabilities
+(`Request.logprobs`) gets, per token, log_softmax of the same raw logits and their top k (`token_logprob`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from printpress.events import CommitEvent, Decode, Event
 from printpress.request import Request, RequestState, model_device
-from printpress.sampling import sample_next_token
+from printpress.sampling import sample_next_token, token_logprob
 
 
 @torch.no_grad()
@@ -34,7 +35,11 @@ def autoregressive(model: torch.nn.Module, requests: Sequence[Request], decode: 
             token = sample_next_token(logits[position, -1], row.settings, row.generator)
             row.forward_passes += 1
             row.commit([token])
-            yield CommitEvent(row.index, len(row.tokens) - 1, [token], row.text_delta(decode), row.finished)
+            logprobs = None
+            if row.logprobs is not None:  # asked for (Request.logprobs): the default path computes nothing more
+                logprobs = [token_logprob(logits[position, -1], token, row.request.logprobs)]
+                row.logprobs.extend(logprobs)
+            yield CommitEvent(row.index, len(row.tokens) - 1, [token], row.text_delta(decode), row.finished, logprobs)
             if row.finished:
                 yield row.done("ar", decode)
             else:

@@ -25,6 +25,7 @@ from printpress.events import (
     GenerationResult,
     GenerationStats,
     StepEvent,
+    TokenLogprob,
 )
 from printpress.pipeline import (
     DEFAULT_MODEL,
@@ -35,10 +36,10 @@ from printpress.pipeline import (
     default_model_path,
     run,
 )
-from printpress.request import Request, check_prompts, new_token_budget
+from printpress.request import Request, check_logprobs, check_prompts, new_token_budget
 
 __all__ = [
     "DEFAULT_MODEL", "SETTING_NAMES", "SPECULATIVE_DRAFT_STEPS", "CommitEvent", "Decode", "DiffusionBatch",
     "DoneEvent", "Event", "GenerationResult", "GenerationStats", "Pipeline", "Prompt", "Request", "StepEvent",
-    "check_prompts", "default_model_path", "new_token_budget", "run",
+    "TokenLogprob", "check_logprobs", "check_prompts", "default_model_path", "new_token_budget", "run",
 ]

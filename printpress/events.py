@@ -54,6 +54,20 @@ class SpanStepEvent(StepEvent):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability, and the most likely tokens at its position (AR mode, when asked).
+
+    The log-probabilities are the model's own: log_softmax of the raw next-token logits, before the temperature
+    and top-k shape the distribution the token is drawn from (as OpenAI reports them). So a greedy token has the
+    largest `logprob` of its position, and a sampled one may fall outside `top`.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) of the k most likely tokens, most likely first
+
+
+@dataclass(frozen=True)
 class CommitEvent:
     """Tokens appended to a request's output: a whole canvas (diffusion) or one token (AR)."""
 
@@ -62,6 +76,7 @@ class CommitEvent:
     token_ids: list[int]
     text: str  # text newly added by these tokens ("" without a tokenizer)
     finished: bool
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, for a request that asked (AR)
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,7 +112,8 @@ class GenerationResult:
     `token_ids` holds every committed token. In diffusion mode that is whole canvases, with pad
     after the first EOS, exactly the new part of the reference's `sequences`. `completion_ids` and
     `text` are the completion: up to (not including) the first EOS and at most `max_new_tokens`
-    tokens; `text` is None without a tokenizer.
+    tokens; `text` is None without a tokenizer. `logprobs` (AR mode, when asked) has one `TokenLogprob`
+    per completion id.
     """
 
     token_ids: list[int]
@@ -107,6 +123,8 @@ class GenerationResult:
     stats: GenerationStats
     mode: str = "diffusion"
     seed: int = 0
+    # One per token of `completion_ids` when the request asked for log-probabilities (`logprobs=k`, AR mode).
+    logprobs: list[TokenLogprob] | None = None
 
 
 # --------------------------------------------------------------------------------------------

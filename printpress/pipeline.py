@@ -20,7 +20,7 @@ from printpress.autoregressive import autoregressive
 from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
-from printpress.request import Request, check_prompts
+from printpress.request import Request, check_logprobs, check_prompts
 from printpress.settings import (
     SETTINGS,
     SPECULATIVE_DRAFT_STEPS,
@@ -50,6 +50,7 @@ def run(
         raise GenerationError(f"one batch must use one mode, got {sorted(modes)}")
     for request in requests:
         request.settings.validate()
+        check_logprobs(request)
     check_prompts(model.config, canvas_length, requests)
     mode = requests[0].settings.mode
     if mode == "ar":
@@ -257,10 +258,12 @@ class Pipeline:
         *,
         seed: int | Sequence[int] | None = None,
         step_events: bool = True,
+        logprobs: int | None = None,
         **overrides,
     ) -> Iterator[Event]:
-        """Events for each denoising step, each commit and each finished request (see `run`)."""
-        requests, _ = self._requests(prompt, seed, overrides)
+        """Events for each denoising step, each commit and each finished request (see `run`); with `logprobs`
+        (AR mode), each `CommitEvent` carries its tokens' `TokenLogprob`s (see `generate`)."""
+        requests, _ = self._requests(prompt, seed, overrides, logprobs)
         return run(self.model, self.canvas_length, requests, self._decoder(), step_events=step_events)
 
     def generate(
@@ -269,6 +272,7 @@ class Pipeline:
         *,
         seed: int | Sequence[int] | None = None,
         on_event: Callable[[Event], None] | None = None,
+        logprobs: int | None = None,
         **overrides,
     ) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (returns a result) or a list of prompts (returns a list).
@@ -279,8 +283,12 @@ class Pipeline:
         "ar" or "speculative"), max_new_tokens, max_denoising_steps, entropy_bound, t_min, t_max,
         stability_threshold, confidence_threshold, eos_token_ids, sample_accepted_only, temperature,
         top_k and draft_steps; one the mode does not use is refused (`settings`).
+
+        `logprobs=k` (mode "ar" only; refused in the others) fills `result.logprobs`: per completion token, a
+        `TokenLogprob` with its log-probability and the k most likely tokens of its position (0: none), all from
+        log_softmax of the model's raw logits, before temperature and top-k (docs/generation.md, "Log-probabilities").
         """
-        requests, single = self._requests(prompt, seed, overrides)
+        requests, single = self._requests(prompt, seed, overrides, logprobs)
         results: list[GenerationResult | None] = [None] * len(requests)
         events = run(self.model, self.canvas_length, requests, self._decoder(), step_events=on_event is not None)
         for event in events:
@@ -298,11 +306,14 @@ class Pipeline:
         """Regenerate the characters text[start:end] in place (printpress.editing.rewrite)."""
         return editing.rewrite(self, text, start, end, **kwargs)
 
-    def _requests(self, prompt: Prompt, seed, overrides: dict) -> tuple[list[Request], bool]:
+    def _requests(self, prompt: Prompt, seed, overrides: dict,
+                  logprobs: int | None = None) -> tuple[list[Request], bool]:
         settings = self.settings(**overrides)
         prompts, single = self.prompt_ids(prompt)
         seeds = _seeds(seed, len(prompts))
-        return [Request(ids, settings, s) for ids, s in zip(prompts, seeds)], single
+        requests = [Request(ids, settings, s, logprobs) for ids, s in zip(prompts, seeds)]
+        check_logprobs(requests[0])  # before any work (run checks again)
+        return requests, single
 
 
 # What a caller may set per request and find in the settings: every stored setting (the pad id is the checkpoint's).

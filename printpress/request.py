@@ -21,7 +21,7 @@ import torch
 
 from printpress.cache import KVCache
 from printpress.errors import GenerationError
-from printpress.events import Decode, DoneEvent, GenerationResult, GenerationStats
+from printpress.events import Decode, DoneEvent, GenerationResult, GenerationStats, TokenLogprob
 from printpress.sampling import SamplerSettings, StabilityTracker, canvases_for, uniform_tokens
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,23 @@ class Request:
     prompt_ids: list[int]
     settings: SamplerSettings
     seed: int
+    # Log-probabilities of the generated tokens and of the `logprobs` most likely at each position (0: the token's
+    # own only); None asks for none. AR mode only (`check_logprobs`). Not a sampler setting: it changes no token.
+    logprobs: int | None = None
+
+
+def check_logprobs(request: Request) -> None:
+    """Refuse log-probabilities where the mode has no next-token distribution per generated token to report."""
+    k, mode = request.logprobs, request.settings.mode
+    if k is None:
+        return
+    if mode != "ar":
+        raise GenerationError(f"logprobs (each generated token's log-probability under the model's next-token "
+                              f"distribution) are returned in mode 'ar' only, not in mode={mode!r}; use mode='ar' or "
+                              "leave logprobs out")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise GenerationError(f"logprobs must be an integer >= 0 (the most likely tokens listed per position), "
+                              f"got {k!r}")
 
 
 def new_token_budget(settings: SamplerSettings, canvas_length: int) -> int:
@@ -93,6 +110,7 @@ class RequestState:
     forward_passes: int = 0
     decoder_passes: int = 0
     canvases: int = 0  # committed canvases
+    logprobs: list[TokenLogprob] | None = None  # one per committed token, when the request asked (AR)
     # While a canvas is denoised (diffusion, speculative drafts, editing):
     cache: KVCache | None = None
     canvas: torch.Tensor | None = None  # (1, C): the canvas the next decoder pass reads
@@ -107,8 +125,11 @@ class RequestState:
         """The state of a request that starts now (or at `started`), its generator seeded with its seed."""
         generator = torch.Generator(device=device)
         generator.manual_seed(request.seed)
-        return cls(index, request, generator, time.perf_counter() if started is None else started, budget,
-                   step_events)
+        state = cls(index, request, generator, time.perf_counter() if started is None else started, budget,
+                    step_events)
+        if request.logprobs is not None:
+            state.logprobs = []
+        return state
 
     @property
     def settings(self) -> SamplerSettings:
@@ -198,5 +219,6 @@ class RequestState:
             stats=stats,
             mode=mode,
             seed=self.request.seed,
+            logprobs=None if self.logprobs is None else self.logprobs[: len(completion)],
         )
         return DoneEvent(self.index, result)

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from printpress.events import TokenLogprob
+
 # The settings are defined in printpress.settings (torch-free, so the CLI reads them without torch); these names are
 # kept here for callers that import them with the sampler.
 from printpress.settings import (  # noqa: F401
@@ -136,3 +138,14 @@ def sample_next_token(logits: torch.Tensor, settings: SamplerSettings, generator
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
     return int(torch.multinomial(probs, num_samples=1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The log-probability of `token` under one row of next-token logits (V,), and the `top` most likely tokens'.
+
+    The model's own distribution, log_softmax of the raw logits: the temperature and top-k that shaped the draw do
+    not enter (OpenAI reports the same). Computed only for a request that asks (`Request.logprobs`).
+    """
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(log_probs, min(top, log_probs.shape[-1]))
+    return TokenLogprob(token, float(log_probs[token]), list(zip(ids.tolist(), values.tolist())))

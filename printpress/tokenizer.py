@@ -186,3 +186,40 @@ def encode_batch(
 def decode(tok: Tokenizer, ids: Iterable[int], *, skip_special: bool = True) -> str:
     """Text of token ids; <pad>/<eos>/<bos> (and other special tokens) dropped unless `skip_special` is false."""
     return tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+
+def token_bytes(tok: Tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for, also when they are not whole UTF-8 characters (which `decode` would turn
+    into U+FFFD): OpenAI's `bytes` of a token, whose concatenation over a text's tokens is the text's UTF-8.
+
+    A byte-level BPE (ours, GPT-2's) stores each byte as one printable character (`_BYTE_OF_SYMBOL`); a
+    SentencePiece-style vocabulary with byte fallback (Gemma's) writes a lone byte as `<0xNN>`; an added (special)
+    token stands for its own text; anything else is its decoded text.
+    """
+    piece = tok.id_to_token(int(token_id))
+    if piece is None:
+        return b""
+    added = tok.get_added_tokens_decoder().get(int(token_id))
+    if added is not None:
+        return added.content.encode("utf-8")
+    if isinstance(tok.decoder, decoders.ByteLevel) and all(ch in _BYTE_OF_SYMBOL for ch in piece):
+        return bytes(_BYTE_OF_SYMBOL[ch] for ch in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return tok.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
+
+def _byte_level_symbols() -> dict[str, int]:
+    """Byte-level BPE's table, symbol -> byte: printable Latin-1 bytes are their own character; the other 68 (controls,
+    space, NBSP, soft hyphen) are U+0100 onwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
+_BYTE_OF_SYMBOL = _byte_level_symbols()

@@ -99,6 +99,14 @@ def save_checkpoint(ref, folder: Path, tokenizer=None, **generation) -> Path:
     return folder
 
 
+def causal_log_probs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's next-token logits at every position of `ids`, from one causal pass over all of
+    them (T, V): row t is the distribution of token t + 1. What AR log-probabilities are checked against."""
+    with torch.no_grad():
+        logits = model.encode(torch.tensor([ids]), model.new_cache(1, len(ids)), logits="all")
+    return torch.log_softmax(logits[0].float(), dim=-1)
+
+
 def word_tokenizer(vocab_size: int):
     """A word-level tokenizer: <pad> <eos> <bos> then words w3, w4, ..."""
     from tokenizers import Tokenizer, models, pre_tokenizers

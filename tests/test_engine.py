@@ -25,7 +25,7 @@ from printpress.errors import GenerationError, PrintpressError
 from printpress.request import RequestState
 from printpress.sampling import SamplerSettings
 
-from helpers import make_reference, save_checkpoint
+from helpers import causal_log_probs, make_reference, save_checkpoint
 
 
 def reference_tokens(ref, prompt: list[int], seed: int, **settings) -> tuple[list[int], float]:
@@ -571,3 +571,51 @@ def test_streamed_text_adds_up_to_the_final_text_when_tokens_split_characters(by
         ends = itertools.accumulate(len(c.token_ids) for c in commits)
         splits += any(not full.startswith(byte_pipe.decode(ids[:end])) for end in ends)
     assert splits > 0
+
+
+# -- log-probabilities (AR mode) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.8, top_k=5), dict(temperature=0)])
+def test_ar_logprobs_are_the_models_log_softmax_of_each_token(models_, settings):
+    """Per completion token, log_softmax of the raw logits (not the temperature / top-k distribution it was drawn
+    from), recomputed in one causal pass over prompt + completion; the k most likely, sorted. Prompts of different
+    lengths share a left-padded batch, and asking changes no token."""
+    _, pipe = models_["gqa"]
+    results = pipe.generate(PROMPTS, mode="ar", seed=3, max_new_tokens=8, eos_token_ids=[], logprobs=4, **settings)
+    plain = pipe.generate(PROMPTS, mode="ar", seed=3, max_new_tokens=8, eos_token_ids=[], **settings)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain] and plain[0].logprobs is None
+    for result in results:
+        rows = causal_log_probs(pipe.model, result.prompt_ids + result.completion_ids)[len(result.prompt_ids) - 1:]
+        assert [e.token_id for e in result.logprobs] == result.completion_ids
+        for entry, row in zip(result.logprobs, rows, strict=False):
+            assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=1e-5)
+            values, ids = torch.topk(row, 4)
+            assert [t for t, _ in entry.top] == ids.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(values.tolist(), abs=1e-5)
+            assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+            if settings["temperature"] == 0:
+                assert entry.top[0] == (entry.token_id, entry.logprob)
+
+
+def test_ar_logprobs_cover_the_completion_and_are_opt_in(models_):
+    _, pipe = models_["gqa"]
+    greedy = pipe.generate(PROMPTS[0], mode="ar", temperature=0, max_new_tokens=9, eos_token_ids=[])
+    eos = greedy.token_ids[3]
+    stopped = pipe.generate(PROMPTS[0], mode="ar", temperature=0, max_new_tokens=9, eos_token_ids=[eos], logprobs=0)
+    assert [e.token_id for e in stopped.logprobs] == stopped.completion_ids  # the EOS has none: it is not text
+    assert all(e.top == [] for e in stopped.logprobs)
+    events = list(pipe.stream(PROMPTS[0], mode="ar", temperature=0, max_new_tokens=4, logprobs=2))
+    commits = [e for e in events if isinstance(e, CommitEvent)]
+    assert [e.logprobs[0].token_id for e in commits] == [e.token_ids[0] for e in commits]
+    wide = pipe.generate(PROMPTS[0], mode="ar", max_new_tokens=2, seed=0, logprobs=10**6)
+    assert len(wide.logprobs[0].top) == pipe.config.text.vocab_size  # capped at the vocabulary
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "speculative"])
+def test_logprobs_outside_ar_mode_are_refused_naming_the_mode(models_, mode):
+    _, pipe = models_["gqa"]
+    with pytest.raises(GenerationError, match=f"are returned in mode 'ar' only, not in mode='{mode}'"):
+        pipe.generate([2, 3], mode=mode, seed=0, max_new_tokens=4, logprobs=1)
+    with pytest.raises(GenerationError, match="logprobs must be an integer >= 0"):
+        pipe.generate([2, 3], mode="ar", seed=0, max_new_tokens=4, logprobs=-1)

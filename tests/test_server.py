@@ -17,11 +17,14 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 import printpress
 import printpress.engine
 import printpress.sampling
 from printpress.serve.chat import ChatFormatter, plain_prompt
+from printpress.events import TokenLogprob
+from printpress.serve.logprobs import ChoiceLogprobs
 from printpress.serve.output import ChoiceText
 from printpress.serve.protocol import ChatMessage
 
@@ -31,6 +34,7 @@ from helpers import (
     MODEL,
     STEPS,
     Server,
+    causal_log_probs,
     free_port,
     running_server,
     server_load,
@@ -257,6 +261,94 @@ def test_speculative_drafts_take_draft_steps(client, pipe):
 
 
 # ------------------------------------------------------------------------------------------------
+# Log-probabilities (mode ar)
+# ------------------------------------------------------------------------------------------------
+
+
+def piece(pipe, token: int) -> str:
+    """How the alternatives name a token: decoded alone, special tokens included."""
+    return pipe.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def test_completion_logprobs_are_the_models_own_in_openais_format(client, pipe):
+    """Legacy `logprobs: k`: each token's log_softmax of the model's raw logits (recomputed over prompt +
+    completion, not the temperature / top-k distribution it was drawn from), the k most likely plus the token
+    itself, tokens that join to the text at their offsets; streamed chunks add up to the same lists."""
+    out = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, seed=5, logprobs=3,
+                                    extra_body={"mode": "ar"})
+    choice = out.choices[0]
+    want = pipe.generate("ROMEO.\n", mode="ar", seed=5, max_new_tokens=24, logprobs=3)
+    assert choice.text == want.text
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(want.completion_ids)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    rows = causal_log_probs(pipe.model, want.prompt_ids + want.completion_ids)[len(want.prompt_ids) - 1:]
+    assert lp.token_logprobs == pytest.approx([float(rows[i, t]) for i, t in enumerate(want.completion_ids)], abs=1e-4)
+    for i, top in enumerate(lp.top_logprobs):
+        best = torch.topk(rows[i], 3)
+        assert list(top)[:3] == [piece(pipe, t) for t in best.indices.tolist()]
+        assert list(top.values()) == sorted(top.values(), reverse=True) and len(top) in (3, 4)
+        assert top[piece(pipe, want.completion_ids[i])] == lp.token_logprobs[i]
+    chunks = list(client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, seed=5, logprobs=3,
+                                            stream=True, extra_body={"mode": "ar"}))
+    streamed = [c.choices[0].logprobs for c in chunks]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    plain = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, seed=5, extra_body={"mode": "ar"})
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == choice.text
+
+
+def test_chat_logprobs_with_top_logprobs_through_the_openai_client(client, pipe):
+    messages = [{"role": "user", "content": "Speak."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, seed=2, logprobs=True,
+                                         top_logprobs=4, extra_body={"mode": "ar"})
+    want = pipe.generate("USER: Speak.\n\nASSISTANT:", mode="ar", seed=2, max_new_tokens=16, logprobs=4)
+    content = out.choices[0].logprobs.content
+    assert out.choices[0].message.content == want.text == "".join(e.token for e in content)
+    assert b"".join(bytes(e.bytes) for e in content).decode() == want.text
+    assert [e.logprob for e in content] == [w.logprob for w in want.logprobs]
+    for entry, engine in zip(content, want.logprobs, strict=True):
+        assert len(entry.top_logprobs) == 4
+        assert [t.logprob for t in entry.top_logprobs] == [lp for _, lp in engine.top]
+        assert [t.token for t in entry.top_logprobs] == [piece(pipe, t) for t, _ in engine.top]
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, seed=2, logprobs=True,
+                                                 top_logprobs=4, stream=True, extra_body={"mode": "ar"}))
+    assert chunks[0].choices[0].logprobs is None  # the role chunk
+    streamed = [e for c in chunks[1:] for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    bare = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, seed=2, logprobs=True,
+                                          extra_body={"mode": "ar"})
+    assert all(e.top_logprobs == [] for e in bare.choices[0].logprobs.content)
+
+
+def _taken(decode, tokens: list[int], **cuts) -> tuple[ChoiceText, list[list[tuple[str, int]]]]:
+    """Feed `tokens` one by one to a choice's text and log-probabilities; what each commit gave out."""
+    text, logprobs, taken = ChoiceText(decode, **cuts), ChoiceLogprobs(decode), []
+    for token in tokens:
+        logprobs.add([TokenLogprob(token, -1.0, [])])
+        text.add([token])
+        taken.append([(e.text, e.offset) for e in logprobs.take(text, final=text.done)])
+    return text, taken
+
+
+def test_logprobs_follow_the_text_through_split_characters_and_stop_sequences():
+    """A token holding part of a character adds "" and the one completing it the character; an entry goes out once
+    its text has (never ahead of it), and the entries' texts join to the choice's text."""
+    as_bytes = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    _, taken = _taken(as_bytes, list(b"a\xe2\x82\xacbc"), max_tokens=100, stop=["cd"])
+    assert taken[:4] == [[("a", 0)], [], [("", 1)], [("", 1), ("€", 1)]]
+    assert taken[4:] == [[("b", 2)], []]  # "c" waits with the text: it may start the stop sequence "cd"
+    _, final = _taken(as_bytes, list(b"a\xe2"), max_tokens=2)  # max_tokens cuts the character: as the text
+    assert sum(final, []) == [("a", 0), ("\ufffd", 1)]
+    words = {1: "to", 2: " be", 3: " orEND", 4: " not"}
+    text, taken = _taken(lambda ids: "".join(words[i] for i in ids), [1, 2, 3, 4], max_tokens=10, stop=["END"])
+    assert text.text == "to be or" and text.hit_stop
+    assert sum(taken, []) == [("to", 0), (" be", 2), (" orEND", 5)]  # the token that reached the stop sequence
+
+
+# ------------------------------------------------------------------------------------------------
 # The step stream
 # ------------------------------------------------------------------------------------------------
 
@@ -348,8 +440,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "word " * 200}, 400, "at most 64", "prompt"),
     ("/v1/completions", {"prompt": "x", "top_p": 0.9}, 400, "top_p: 0.9 cannot be honoured: printpress has no nucleus "
      "sampling (top_k cuts the tail in modes ar and speculative); send 1 or leave it out", "top_p"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs: 2 cannot be honoured: printpress does not "
-     "return log-probabilities; send null or leave it out", "logprobs"),
+    # Log-probabilities are AR's (issue 14); the other modes refuse them naming the mode.
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs (each generated token's log-probability under "
+     "the model's next-token distribution) are returned in mode 'ar' only, not in mode='diffusion'; use mode='ar' or "
+     "leave logprobs out", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0, "mode": "speculative"}, 400, "not in mode='speculative'",
+     "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6, "mode": "ar"}, 400, "less than or equal to 5", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1, "mode": "ar", "echo": True}, 400, "echo with logprobs asks for "
+     "the prompt's log-probabilities too", "echo"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty: 0.5 cannot be honoured",
      "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty: -1.0 cannot be honoured",
@@ -358,9 +457,11 @@ BAD_REQUESTS = [
      "logit_bias"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of: 3 cannot be honoured", "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400,
-     "logprobs: true cannot be honoured", "logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
-     "top_logprobs: 2 cannot be honoured", "top_logprobs"),
+     "are returned in mode 'ar' only, not in mode='diffusion'", "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "mode": "ar"}, 400,
+     "top_logprobs=2 needs logprobs=true", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21,
+                              "mode": "ar"}, 400, "less than or equal to 20", "top_logprobs"),
     ("/v1/completions", {}, 400, "missing required field 'prompt'", "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "empty", None),
     ("/v1/completions", {"prompt": [[]]}, 400, "empty", "prompt"),

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from printpress.corpora import DataError, Document
 from printpress.errors import CheckpointError, ConfigError
@@ -14,6 +14,7 @@ from printpress.tokenizer import (
     encode_batch,
     load_tokenizer,
     save_tokenizer,
+    token_bytes,
     tokenizer_sha256,
     train_tokenizer,
 )
@@ -142,3 +143,20 @@ def test_load_tokenizer_rejects_misplaced_special_tokens(tmp_path):
     wrong.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(CheckpointError, match="maps <pad> to id 2, expected 0"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_CASES.values(), ids=ROUND_TRIP_CASES.keys())
+def test_token_bytes_concatenate_to_the_texts_utf8(tok, text):
+    """OpenAI's `bytes` of a token: its own bytes, also for a token holding part of a character (whose decoded text
+    is U+FFFD), so a text's tokens' bytes concatenate to the text's UTF-8."""
+    ids = encode(tok, text, bos=False)
+    assert b"".join(token_bytes(tok, i) for i in ids) == text.encode("utf-8")
+    assert token_bytes(tok, EOS_ID) == b"<eos>"  # a special token stands for its own text
+
+
+def test_token_bytes_of_a_byte_fallback_vocabulary():
+    """Gemma's tokenizer.json writes a lone byte as `<0xNN>` (SentencePiece byte fallback) and a space as "▁"."""
+    vocab = {"<unk>": 0, "<0xE2>": 1, "<0x82>": 2, "<0xAC>": 3, "▁cost": 4, "s": 5}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    assert [token_bytes(tok, i) for i in (4, 5, 1, 2, 3)] == [b" cost", b"s", b"\xe2", b"\x82", b"\xac"]

@@ -18,8 +18,10 @@ from fastapi import Request
 from printpress.errors import PrintpressError
 from printpress.events import CommitEvent, DoneEvent, GenerationResult
 from printpress.request import Request as EngineRequest
+from printpress.request import check_logprobs
 from printpress.serve import protocol as p
 from printpress.serve.errors import ApiError, from_library
+from printpress.serve.logprobs import ChoiceLogprobs
 from printpress.serve.output import ChoiceText
 from printpress.serve.state import ServerState, check_prompt, check_steps
 from printpress.settings import refuse_canvas_steps
@@ -41,10 +43,17 @@ class Job:
     counts_prompt: bool = True  # the first choice of its prompt: usage counts a prompt once, however many choices
     started: float = field(default_factory=time.perf_counter)
     result: GenerationResult | None = None
+    logprobs: ChoiceLogprobs | None = None  # when the request asked for log-probabilities (mode ar)
 
     @property
     def finished(self) -> bool:
         return self.result is not None or self.text.hit_stop
+
+    def add(self, commit: CommitEvent) -> str:
+        """Take a commit's tokens (and their log-probabilities); return the text that can be sent now."""
+        if self.logprobs is not None:
+            self.logprobs.add(commit.logprobs)
+        return self.text.add(commit.token_ids)
 
     def usage(self) -> p.Usage:
         prompt, completion = len(self.prompt_ids) if self.counts_prompt else 0, self.text.completion_tokens
@@ -82,9 +91,10 @@ def settings_for(st: ServerState, body: p.GenerationFields, max_tokens: int):
 
 
 def submit_jobs(st: ServerState, prompts: Sequence[list[int]], body: p.GenerationFields, max_tokens: int,
-                stream_steps: bool) -> list[Job]:
+                stream_steps: bool, logprobs: int | None = None) -> list[Job]:
     """Submit one request per choice (`n` per prompt, choice i with seed + i, indexed prompt by prompt as OpenAI
-    does); all or none (a refusal cancels those already submitted)."""
+    does); all or none (a refusal cancels those already submitted). `logprobs`: the most likely tokens to list per
+    position, when the body asked for log-probabilities (refused, naming the mode, outside mode ar)."""
     if body.stream_steps and not body.stream:
         raise ApiError(400, "stream_steps needs stream=true", param="stream_steps")
     n = body.n or 1
@@ -94,6 +104,10 @@ def submit_jobs(st: ServerState, prompts: Sequence[list[int]], body: p.Generatio
     for ids in prompts:
         check_prompt(st, ids)
     settings = settings_for(st, body, max_tokens)
+    try:
+        check_logprobs(EngineRequest([], settings, 0, logprobs))
+    except PrintpressError as exc:
+        raise ApiError(400, str(exc), param="logprobs") from None
     stops = stop_list(body.stop)
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     jobs: list[Job] = []
@@ -101,10 +115,12 @@ def submit_jobs(st: ServerState, prompts: Sequence[list[int]], body: p.Generatio
         for prompt_index, ids in enumerate(prompts):
             for choice in range(n):
                 choice_seed = (seed + choice) % 2**64
-                ticket = st.scheduler.submit(EngineRequest(list(ids), settings, choice_seed), step_events=stream_steps)
+                ticket = st.scheduler.submit(EngineRequest(list(ids), settings, choice_seed, logprobs),
+                                             step_events=stream_steps)
                 text = ChoiceText(st.decode, max_tokens, settings.eos_token_ids, stops)
                 jobs.append(Job(prompt_index * n + choice, ticket, text, list(ids), choice_seed,
-                                counts_prompt=choice == 0))
+                                counts_prompt=choice == 0,
+                                logprobs=None if logprobs is None else ChoiceLogprobs(st.decode)))
     except BaseException:
         cancel_all(jobs)
         raise
@@ -195,7 +211,7 @@ async def collect(request: Request, jobs: list[Job]) -> None:
     try:
         async for job, event in guarded(request, jobs, job_events(jobs)):
             if isinstance(event, CommitEvent):
-                job.text.add(event.token_ids)
+                job.add(event)
         for job in jobs:
             job.text.finish()
     except Exception as exc:  # noqa: BLE001 - mapped to the right status (500 only for bugs)

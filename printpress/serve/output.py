@@ -72,12 +72,17 @@ class ChoiceText:
         return "stop" if self.hit_stop or self.eos_within_limit else "length"
 
     @property
+    def text_tokens(self) -> int:
+        """Leading kept ids the text stands for: all of them, or through the one that reaches a stop sequence."""
+        kept = self.kept_ids
+        return self._tokens_covering(kept, len(self.text)) if self.hit_stop else len(kept)
+
+    @property
     def completion_tokens(self) -> int:
         """Generated tokens the text stands for: the kept ids (through the stop sequence) and the EOS."""
-        kept = self.kept_ids
         if self.hit_stop:
-            return self._tokens_covering(kept, len(self.text))
-        return len(kept) + (1 if self.eos_within_limit else 0)
+            return self.text_tokens
+        return self.text_tokens + (1 if self.eos_within_limit else 0)
 
     # -- internals ----------------------------------------------------------------------------------------
     def _update(self) -> None:

@@ -3,8 +3,9 @@
 Requests follow OpenAI's `/v1/completions` and `/v1/chat/completions` schemas for the fields printpress can
 honour, and forbid every other field, so a typo is a 400 that names the field instead of being silently ignored.
 Fields that stock clients send on every request but printpress cannot honour (`top_p`, the penalties,
-`logprobs`, ...) are accepted at the one value that asks for nothing (`NEUTRAL`: top_p 1, penalties 0, ...) and
-refused, naming the field, at any other. The sampler settings are extra top-level fields (`steps`,
+`logit_bias`, `best_of`) are accepted at the one value that asks for nothing (`NEUTRAL`: top_p 1, penalties 0, ...)
+and refused, naming the field, at any other. `logprobs` (and chat's `top_logprobs`) are honoured in AR mode
+(`CompletionLogprobs`, `ChatLogprobs`) and refused, naming the mode, in the others. The sampler settings are extra top-level fields (`steps`,
 `entropy_bound`, `t_min`, `t_max`, ...), which the openai client sends with `extra_body={...}`: one field per entry
 of `printpress.settings.SETTINGS` (its wire name, bounds and description), shared by the completion and edit
 requests (`SamplingRequest`), each of which turns itself into engine settings (`sampler_overrides`).
@@ -33,6 +34,10 @@ MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 4
 MAX_PROMPTS = 16  # prompts in one /v1/completions request (each takes its own scheduler slot)
 MAX_CHOICES = 16  # choices in one request: prompts x n (each choice takes its own scheduler slot)
+MAX_LOGPROBS = 5  # completions' `logprobs`: most likely tokens listed per position (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20  # chat's `top_logprobs` (OpenAI's bound)
+LOGPROBS_HELP = ("Mode ar: return each generated token's log-probability, log_softmax of the model's raw logits "
+                 "(before temperature and top_k). Refused in modes diffusion and speculative.")
 
 # OpenAI fields printpress cannot honour, with the value that asks for nothing (accepted: clients send it on every
 # request) and why any other value is refused.
@@ -42,8 +47,6 @@ NEUTRAL = {
     "frequency_penalty": (0, "printpress applies no penalties"),
     "logit_bias": ({}, "printpress does not bias logits"),
     "best_of": (1, "printpress does not rank candidates; n gives several choices"),
-    "logprobs": (None, "printpress does not return log-probabilities"),  # chat: false is neutral too (below)
-    "top_logprobs": (0, "printpress does not return log-probabilities"),
 }
 
 
@@ -55,7 +58,7 @@ def _only(*values) -> dict:
 def _neutral(field: str, value):
     """`value` if it asks for nothing (None or the field's neutral value), else a ValueError naming what to send."""
     neutral, why = NEUTRAL[field]
-    if value is None or value == neutral or (field == "logprobs" and value is False):
+    if value is None or value == neutral:
         return value
     shown = "null" if neutral is None else json.dumps(neutral)
     raise ValueError(f"{json.dumps(value)} cannot be honoured: {why}; send {shown} or leave it out")
@@ -158,12 +161,12 @@ class CompletionRequest(GenerationFields):
     )
     max_tokens: int | None = Field(None, ge=1, description="New tokens at most (default: the checkpoint's max_new_tokens).")
     echo: bool = Field(False, description="Put the prompt text before the completion.")
-    logprobs: int | None = Field(None, ge=0, le=5, description="Only null (no log-probabilities).",
-                                 json_schema_extra=_only())
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=LOGPROBS_HELP + " The number is how many of "
+                                 "the most likely tokens to list per position (the generated one is always listed).")
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Only 1 (use n for several choices).",
                                 json_schema_extra=_only(1))
 
-    @field_validator("logprobs", "best_of")
+    @field_validator("best_of")
     @classmethod
     def _only_neutral_here(cls, value, info):
         return _neutral(info.field_name, value)
@@ -201,14 +204,9 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = Field(None, description="Only false or null (no log-probabilities).",
-                                  json_schema_extra=_only(False))
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Only 0 or null.", json_schema_extra=_only(0))
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _only_neutral_here(cls, value, info):
-        return _neutral(info.field_name, value)
+    logprobs: bool | None = Field(None, description=LOGPROBS_HELP)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs=true: how many of "
+                                     "the most likely tokens to list per position.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,11 +234,22 @@ class Stats(BaseModel):
     finish_reason: str = Field(description="The engine's: eos or length (before stop sequences and max_tokens).")
 
 
+class CompletionLogprobs(BaseModel):
+    """Legacy completions' `logprobs` (mode ar): one entry per generated token in each list. `tokens` join to the
+    choice's text (a token holding part of a character is "" and the one completing it holds the character);
+    `top_logprobs` maps the most likely tokens' text to their log-probability, the generated token's included."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int] = Field(description="Where each token's text starts in the choice's text, in code points.")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -258,11 +267,28 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="The token's UTF-8 bytes, also when they are part of a character.")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="The top_logprobs most likely tokens, most likely first.")
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's `logprobs` (mode ar): one entry per generated token; the `token`s join to the message's content."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -284,7 +310,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

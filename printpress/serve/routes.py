@@ -15,6 +15,7 @@ from printpress.serve import protocol as p
 from printpress.serve.access import require_key
 from printpress.serve.errors import ERROR_RESPONSES, ApiError
 from printpress.serve.jobs import Job, collect, submit_jobs, sum_usage
+from printpress.serve.logprobs import chat_logprobs, completion_logprobs
 from printpress.serve.state import ServerState, StateDep, check_model, check_text_size, max_tokens_for, new_id
 from printpress.serve.streaming import event_stream, sse, stream_body
 
@@ -66,8 +67,11 @@ def api_router() -> APIRouter:
     async def completions(body: p.CompletionRequest, request: Request, st: StateDep):
         check_model(st, body.model)
         max_tokens = max_tokens_for(st, body.max_tokens, "max_tokens")
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs asks for the prompt's log-probabilities too, which printpress does "
+                                "not compute; leave out echo or logprobs", param="echo")
         prompts = await prompt_ids_of(st, body.prompt)
-        jobs = submit_jobs(st, prompts, body, max_tokens, body.stream and body.stream_steps)
+        jobs = submit_jobs(st, prompts, body, max_tokens, body.stream and body.stream_steps, body.logprobs)
         rid, created = new_id("cmpl"), int(time.time())
         echo = [st.decode(job.prompt_ids) if body.echo else "" for job in jobs]
         if body.stream:
@@ -76,7 +80,8 @@ def api_router() -> APIRouter:
         return p.Completion(
             id=rid, created=created, model=st.model_name,
             choices=[p.CompletionChoice(index=j.index, text=echo[j.index] + j.text.text,
-                                        finish_reason=j.text.finish_reason) for j in jobs],
+                                        finish_reason=j.text.finish_reason, logprobs=_completion_logprobs(st, j, True))
+                     for j in jobs],
             usage=sum_usage(jobs), printpress=[j.stats() for j in jobs],
         )
 
@@ -91,8 +96,9 @@ def api_router() -> APIRouter:
         max_tokens = max_tokens_for(st, asked, param)
         text = st.chat(body.messages)
         check_text_size(st, text, "the conversation (in the chat template)", "messages")
+        top = _chat_top_logprobs(body)
         ids = await run_in_threadpool(st.pipeline.encode_text, text)
-        jobs = submit_jobs(st, [ids], body, max_tokens, body.stream and body.stream_steps)
+        jobs = submit_jobs(st, [ids], body, max_tokens, body.stream and body.stream_steps, top)
         rid, created = new_id("chatcmpl"), int(time.time())
         if body.stream:
             return event_stream(_chat_stream(st, request, jobs, body, rid, created), jobs)
@@ -100,11 +106,35 @@ def api_router() -> APIRouter:
         return p.ChatCompletion(
             id=rid, created=created, model=st.model_name,
             choices=[p.ChatChoice(index=j.index, message=p.ChatMessageOut(content=j.text.text),
-                                  finish_reason=j.text.finish_reason) for j in jobs],
+                                  finish_reason=j.text.finish_reason, logprobs=_chat_logprobs(st, j, True))
+                     for j in jobs],
             usage=sum_usage(jobs), printpress=[j.stats() for j in jobs],
         )
 
     return router
+
+
+def _chat_top_logprobs(body: p.ChatCompletionRequest) -> int | None:
+    """Chat's two fields as the engine's one: None (no log-probabilities), or the alternatives to list per token."""
+    if body.logprobs:
+        return body.top_logprobs or 0
+    if body.top_logprobs:
+        raise ApiError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true", param="top_logprobs")
+    return None
+
+
+def _completion_logprobs(st: ServerState, job: Job, final: bool) -> p.CompletionLogprobs | None:
+    """The job's log-probabilities not given out yet, in the legacy format (None when not asked for)."""
+    if job.logprobs is None:
+        return None
+    return completion_logprobs(job.logprobs.take(job.text, final), st.piece)
+
+
+def _chat_logprobs(st: ServerState, job: Job, final: bool) -> p.ChatLogprobs | None:
+    """The same in chat's format."""
+    if job.logprobs is None:
+        return None
+    return chat_logprobs(job.logprobs.take(job.text, final), st.piece, st.token_bytes)
 
 
 def _model_card(st: ServerState) -> p.ModelCard:
@@ -114,10 +144,12 @@ def _model_card(st: ServerState) -> p.ModelCard:
 
 
 def _completion_stream(st, request, jobs, body: p.CompletionRequest, rid, created, echo) -> AsyncIterator[str]:
-    def chunk(job: Job, delta: str, finish: str | None):
+    def chunk(job: Job, delta: str, finish: str | None, logprobs: bool = True):
         stats = [job.stats()] if finish is not None else None
+        lp = _completion_logprobs(st, job, finish is not None) if logprobs else None
         return p.Completion(id=rid, created=created, model=st.model_name, printpress=stats,
-                            choices=[p.CompletionChoice(index=job.index, text=delta, finish_reason=finish)])
+                            choices=[p.CompletionChoice(index=job.index, text=delta, finish_reason=finish,
+                                                        logprobs=lp)])
 
     def usage(total: p.Usage):
         return p.Completion(id=rid, created=created, model=st.model_name, choices=[], usage=total)
@@ -127,7 +159,7 @@ def _completion_stream(st, request, jobs, body: p.CompletionRequest, rid, create
     async def body_iter():
         for job in jobs:
             if echo[job.index]:
-                yield sse(chunk(job, echo[job.index], None))
+                yield sse(chunk(job, echo[job.index], None, logprobs=False))
         async for item in stream_body(st, request, jobs, rid, body.stream_steps, chunk,
                                       usage if include_usage else None):
             yield item
@@ -139,10 +171,11 @@ def _chat_stream(st, request, jobs, body: p.ChatCompletionRequest, rid, created)
     def chunk(job: Job, delta: str, finish: str | None, role: str | None = None):
         stats = [job.stats()] if finish is not None else None
         content = delta if (delta or finish is None) else None
+        lp = None if role is not None else _chat_logprobs(st, job, finish is not None)
         return p.ChatCompletionChunk(
             id=rid, created=created, model=st.model_name, printpress=stats,
             choices=[p.ChatChunkChoice(index=job.index, delta=p.Delta(role=role, content=content),
-                                       finish_reason=finish)])
+                                       finish_reason=finish, logprobs=lp)])
 
     def usage(total: p.Usage):
         return p.ChatCompletionChunk(id=rid, created=created, model=st.model_name, choices=[], usage=total)

@@ -33,7 +33,7 @@ from printpress.diffusion import DiffusionBatch, OnError
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import CommitEvent, DoneEvent, Event
 from printpress.pipeline import Pipeline, run
-from printpress.request import Request, check_prompts
+from printpress.request import Request, check_logprobs, check_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +272,7 @@ class Scheduler:
     def check(self, request: Request) -> None:
         """The checks `submit` makes, without queueing: settings, prompt and this server's limits."""
         request.settings.validate()
+        check_logprobs(request)
         if len(request.prompt_ids) > self.limits.max_prompt_tokens:
             raise GenerationError(f"the prompt has {len(request.prompt_ids)} tokens; this server accepts at most "
                                   f"{self.limits.max_prompt_tokens}")

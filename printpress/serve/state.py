@@ -15,6 +15,7 @@ from printpress.serve import protocol as p
 from printpress.serve.chat import ChatFormatter
 from printpress.serve.errors import ApiError
 from printpress.settings import SETTINGS
+from printpress.tokenizer import token_bytes
 
 
 @dataclass
@@ -49,6 +50,11 @@ class ServerState:
             if len(self._pieces) < 1_000_000:
                 self._pieces[token] = text
         return text
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for, part of a character or not (`printpress.tokenizer.token_bytes`)."""
+        tok = self.pipeline.tokenizer
+        return self.piece(token).encode("utf-8") if tok is None else token_bytes(tok, token)
 
 
 def state(request: Request) -> ServerState:

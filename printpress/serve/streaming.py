@@ -84,7 +84,7 @@ def stream_body(st: ServerState, request: Request, jobs: list[Job], rid: str, st
                 if stream_steps:
                     yield sse(step_payload(st, rid, job, event), "printpress.step")
             elif isinstance(event, CommitEvent):
-                delta = job.text.add(event.token_ids)
+                delta = job.add(event)
                 if stream_steps:
                     yield sse(p.CommitPayload(id=rid, index=job.index, canvas=event.canvas, token_ids=event.token_ids,
                                               text=delta, finished=event.finished or job.text.done), "printpress.commit")
