@@ -279,7 +279,10 @@ def parse_assignments(text: str, keys: Iterable[str] | None = None) -> dict[str,
         raise GenerationError(f"{text!r}: give at least one key=value pair")
     settings = from_wire(values)
     for name, value in settings.items():
-        check_setting(name, value)
+        try:
+            check_setting(name, value)
+        except GenerationError as exc:
+            raise GenerationError(f"{text!r}: {exc}") from None  # every message names the text, as those above
     return settings
 
 

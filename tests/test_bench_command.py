@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,17 @@ from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.corpora import Document, load_corpus, split_documents
 from printpress.engine import Pipeline
 from printpress.eval.bench import YARDSTICK_SETTINGS, apply_preset, draw_prompts, heldout_prompts, register
-from printpress.eval.bench_sides import AR_TWIN, OWN_AR, BenchError, Sample, Trace, describe, parse_setting, seed_plan
+from printpress.eval.bench_sides import (
+    AR_TWIN,
+    OWN_AR,
+    SETTING_KEYS,
+    BenchError,
+    Sample,
+    Trace,
+    describe,
+    parse_setting,
+    seed_plan,
+)
 from printpress.eval.frontier import frontier, headline, judge_samples, matched_diversity, speed_at
 from printpress.eval.judge import nll_per_char
 from printpress.model import DiffusionGemma
@@ -361,6 +372,21 @@ def test_settings_parse_and_bad_ones_are_one_line_errors(capsys, tiny):
     assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--setting", "t_min=0.9,t_max=0.5",
                      "--no-heldout"]) == 2
     assert "t_min (0.9) must not exceed t_max (0.5)" in capsys.readouterr().err
+
+
+def test_setting_keys_are_the_sampler_settings_wire_names():
+    """One definition (printpress.settings): every setting people write, but the budget the bench sets itself; a
+    bad value is the settings' own message, as a BenchError."""
+    from printpress.settings import BY_WIRE
+
+    assert set(SETTING_KEYS) == set(BY_WIRE) - {"max_new_tokens"}
+    assert parse_setting("mode=speculative,draft_steps=2,top_k=5") == {"mode": "speculative", "draft_steps": 2,
+                                                                       "top_k": 5, "temperature": 0.8}
+    for text, words in [("steps=0", "--setting 'steps=0': steps (max_denoising_steps) must be a positive integer"),
+                        ("max_new_tokens=5", "expected key=value pairs with keys among mode, steps,"),
+                        ("", "--setting '': give at least one key=value pair")]:
+        with pytest.raises(BenchError, match=re.escape(words)):
+            parse_setting(text)
 
 
 class _LengthJudge:
