@@ -24,6 +24,8 @@ from safetensors.torch import save_file
 from printpress.config import GenerationConfig, ModelConfig, read_json
 from printpress.errors import CheckpointError
 from printpress.model import DiffusionGemma
+from printpress.runtime_options import AUTO, CHECKPOINT, check_dtype, check_quantize
+from printpress.runtime_options import DTYPES as DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +36,24 @@ VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig | None = None) -> torch.dtype:
-    """A torch dtype from a name; "auto" takes the checkpoint's own dtype."""
+    """A torch dtype from a name of `runtime_options.DTYPES`; "checkpoint" takes the checkpoint's own dtype. ("auto"
+    is measured on the loaded model: `load_model`.)"""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
     if dtype is None:
         return torch.float32
-    if dtype == "auto":
+    check_dtype(dtype)
+    if dtype == CHECKPOINT:
         saved = (config.extra.get("dtype") or config.extra.get("torch_dtype")) if config else None
         return DTYPES.get(saved, torch.float32)
     if dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r} is not supported; use one of float32, bfloat16, float16, auto")
+        raise CheckpointError(f"dtype {dtype!r} cannot be resolved before the model is loaded")
     return DTYPES[dtype]
 
 
@@ -300,8 +303,14 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     """A model whose parameters are allocated once, uninitialised, in `dtype` on `device`."""
     with torch.device("meta"):
         model = DiffusionGemma(config.text)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    # Non-persistent buffers (RoPE frequencies) are computed, not loaded: rebuild them for real.
+    return convert(model.to(dtype=dtype).to_empty(device=device), config, dtype)
+
+
+def convert(model: DiffusionGemma, config: ModelConfig, dtype: torch.dtype) -> DiffusionGemma:
+    """The model's weights in `dtype`, in place. The RoPE frequencies are non-persistent buffers computed in
+    float32 whatever the weights' dtype (as the reference's): they are rebuilt, not converted."""
+    model.to(dtype=dtype)
+    device = model.embed_tokens.weight.device
     for name, value in DiffusionGemma.rope_buffers(config.text).items():
         setattr(model, name, value.to(device))
     return model
@@ -313,20 +322,48 @@ def load_model(
     device: str | torch.device = "cpu",
     allow_pickle: bool = False,
     revision: str | None = None,
+    quantize: str | None = None,
 ):
-    """Load (model, config, generation_config, tokenizer or None) from a folder or hub id."""
+    """Load (model, config, generation_config, tokenizer or None) from a folder or hub id.
+
+    `dtype="auto"` picks the dtype by measurement (`printpress.precision`; the choice and its reason are logged at
+    INFO and kept as `model.dtype_choice`); `quantize="int8"` / `"int8-head"` makes the weights int8 after loading
+    (`printpress.quantize`; not exact)."""
+    check_dtype(dtype)
+    check_quantize(quantize)
     folder = resolve_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
     generation = GenerationConfig.from_checkpoint(
         read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {},
         config.text,
     )
-    target = resolve_dtype(dtype, config)
+    choice = None
+    if dtype == AUTO:
+        from printpress import precision
+
+        device = torch.device(device)
+        # A CPU with native bf16 is measured on the loaded fp32 model; any other device is decided before loading.
+        if device.type != "cpu" or not precision.native_bf16_flags(precision.read_cpuinfo()):
+            choice = precision.choose(device)
+        target = torch.float32 if choice is None else choice.dtype
+    else:
+        target = resolve_dtype(dtype, config)
     files = weight_files(folder, allow_pickle)
     check_sizes(config, files, target, folder)
     model = build_empty(config, target, device)
     load_weights(model, files)
     model.eval()
+    if dtype == AUTO:
+        if choice is None:
+            measure = None if quantize else (lambda: precision.measure(model, config.canvas_length))
+            choice = precision.choose(device, measure_times=measure)
+            convert(model, config, choice.dtype)
+        logger.info(choice.describe())
+        model.dtype_choice = choice
+    if quantize:
+        from printpress.quantize import quantize_model
+
+        quantize_model(model, quantize)
     return model, config, generation, load_tokenizer(folder)
 
 
@@ -394,6 +431,9 @@ def save_model(
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    if any(getattr(module, "quantized", None) for module in model.modules()):
+        raise CheckpointError("this model's weights are quantized (int8) and would not load back as a checkpoint; "
+                              "save the model loaded without quantize")
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     recover_folder(folder)  # a save killed mid-swap left the last complete copy aside: put it back first

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from printpress.chat_command import register_chat
-from printpress.cli_flags import add_sampler_arguments, parse_ids, read_prompts, sampler_overrides
+from printpress.cli_flags import add_sampler_arguments, load_options, parse_ids, read_prompts, sampler_overrides
 from printpress.edit_command import register_edit
 from printpress.errors import PrintpressError
 from printpress.events import CommitEvent, DoneEvent
@@ -62,7 +62,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     prompts = [parse_ids(p) for p in prompts] if args.ids else prompts
     settings = sampler_overrides(args)
-    pipe = printpress.load(args.model, dtype=args.dtype, device=args.device)
+    pipe = printpress.load(args.model, **load_options(args))
     view = LiveView(pipe, sys.stderr, len(prompts)) if args.show_steps else None
     # The live view owns the terminal while it draws, so the text is then printed when each prompt is done.
     printer = None if args.json else TextPrinter(sys.stdout, len(prompts), stream=view is None,

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterable
 
 from printpress.errors import GenerationError
+from printpress.runtime_options import DTYPE_HELP, QUANTIZE, QUANTIZE_HELP, check_dtype, check_quantize
 from printpress.settings import SETTINGS, Setting, check_setting, refuse_canvas_steps, token_ids
 
 STDIN = "-"  # a prompt (or text) argument that says "read it from stdin"
@@ -19,7 +20,8 @@ STDIN = "-"  # a prompt (or text) argument that says "read it from stdin"
 
 def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                           settings: Iterable[Setting] = SETTINGS) -> None:
-    """A flag per setting of `settings` (all but those named in `skip`), and the runtime flags (--dtype, --device)."""
+    """A flag per setting of `settings` (all but those named in `skip`), and the runtime flags (--dtype, --device,
+    --quantize: `load_options`)."""
     sampler = p.add_argument_group("sampler settings (default: the checkpoint's generation_config.json)")
     for s in settings:
         if s.name in skip:
@@ -30,8 +32,17 @@ def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             sampler.add_argument(s.flag, dest=s.name, type=str if s.kind is tuple else s.kind, default=None,
                                  help=s.help, metavar=s.wire.upper())
     runtime = p.add_argument_group("runtime")
-    runtime.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    runtime.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    runtime.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE), help=QUANTIZE_HELP)
+
+
+def load_options(args: argparse.Namespace) -> dict:
+    """The runtime flags as `printpress.load` keywords, each checked (`printpress.runtime_options`) so that a bad
+    --dtype or --quantize ends in one line before a model is loaded (the device is checked by `load`, first)."""
+    check_dtype(args.dtype)
+    check_quantize(args.quantize)
+    return {"dtype": args.dtype, "device": args.device, "quantize": args.quantize}
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict:
@@ -61,6 +72,8 @@ def sampler_flags_given(args: argparse.Namespace) -> list[str]:
         words += ["--dtype", args.dtype]
     if args.device != "cpu":
         words += ["--device", args.device]
+    if args.quantize is not None:
+        words += ["--quantize", args.quantize]
     return words
 
 

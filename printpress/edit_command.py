@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from printpress.cli_flags import add_sampler_arguments, sampler_overrides
+from printpress.cli_flags import add_sampler_arguments, load_options, sampler_overrides
 from printpress.errors import GenerationError
 from printpress.settings import EDITING
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if span is not None:
         editing.check_span(args.text, *span)  # before the model loads: the text is on the command line
     settings = sampler_overrides(args)
-    pipe = printpress.load(args.model, dtype=args.dtype, device=args.device)
+    pipe = printpress.load(args.model, **load_options(args))
     prefix = (args.prefix or "") if infilling else args.text[: max(span[0], 0)]
     view = LiveView(pipe, sys.stderr, 1) if args.show_steps else None
     if view is not None:

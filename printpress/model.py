@@ -135,34 +135,24 @@ class Experts(nn.Module):
         weighted = torch.empty_like(out, dtype=slot_weights.dtype).index_copy_(0, order, out * slot_weights[:, None])
         return weighted.view(-1, top_k, x.shape[-1]).sum(dim=1).to(x.dtype)
 
+    def expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """One expert's gated MLP over the rows of x routed to it (printpress.quantize overrides it for int8)."""
+        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj[expert])
+
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """One token (an AR step): its k experts one after the other, with no sort, gather or scatter.
 
         Each expert sees the one-row GEMMs the grouped path runs for it, and the k weighted outputs are summed in
         slot order as there, so the result is bit-identical; the grouped path would also run an empty GEMM for
         every expert the token does not use."""
-        rows = []
-        for expert in experts[0].tolist():
-            gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            rows.append(F.linear(self.act(gate) * up, self.down_proj[expert]))
+        rows = [self.expert_mlp(x, expert) for expert in experts[0].tolist()]
         weighted = torch.cat(rows) * weights.reshape(-1, 1)
         return weighted.sum(dim=0, keepdim=True).to(x.dtype)
 
     def _static(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Static shapes for compiled graphs (`printpress.fast`): no sort, no sizes that depend on the routing.
-        A few tokens gather their experts' weights; more than the expert count run every expert on every token.
-        Not bit-identical to the grouped path (other kernels, other summation order)."""
-        n, k = experts.shape
-        if n * k <= self.gate_up_proj.shape[0]:
-            chosen = experts.reshape(-1)
-            rows = x.repeat_interleave(k, dim=0)[:, :, None]  # (n*k, H, 1)
-            gate, up = torch.bmm(self.gate_up_proj[chosen], rows).squeeze(-1).chunk(2, dim=-1)
-            out = torch.bmm(self.down_proj[chosen], (self.act(gate) * up)[:, :, None]).view(n, k, -1)
-        else:
-            gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # (E, n, I) each
-            every = torch.matmul(self.act(gate) * up, self.down_proj.transpose(1, 2))  # (E, n, H)
-            out = every[experts, torch.arange(n, device=x.device)[:, None]]  # (n, k, H)
-        return (out * weights[..., None]).sum(dim=1).to(x.dtype)
+        """Static shapes for compiled graphs (`printpress.fast`): `static_experts` on these weights."""
+        return static_experts(x, weights, experts, self.gate_up_proj, self.down_proj, self.act)
 
     def _grouped(self, gathered: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Two grouped GEMMs over all experts (what the reference runs): far fewer calls than a Python loop."""
@@ -176,10 +166,27 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            gate, up = F.linear(gathered[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            out[start:end] = F.linear(self.act(gate) * up, self.down_proj[expert])
+            out[start:end] = self.expert_mlp(gathered[start:end], expert)
             start = end
         return out
+
+
+def static_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The experts with static shapes, for compiled graphs (`printpress.fast`): no sort, no sizes that depend on the
+    routing. A few tokens gather their experts' weights; more than the expert count run every expert on every
+    token. Not bit-identical to the grouped path (other kernels, other summation order)."""
+    n, k = experts.shape
+    if n * k <= gate_up_proj.shape[0]:
+        chosen = experts.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0)[:, :, None]  # (n*k, H, 1)
+        gate, up = torch.bmm(gate_up_proj[chosen], rows).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(down_proj[chosen], (act(gate) * up)[:, :, None]).view(n, k, -1)
+    else:
+        gate, up = torch.matmul(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # (E, n, I) each
+        every = torch.matmul(act(gate) * up, down_proj.transpose(1, 2))  # (E, n, H)
+        out = every[experts, torch.arange(n, device=x.device)[:, None]]  # (n, k, H)
+    return (out * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
 def rope_inv_freq(config: TextConfig, spec: LayerSpec) -> torch.Tensor:
@@ -354,6 +361,8 @@ class DiffusionGemma(nn.Module):
         self._rope_memo: tuple | None = None  # (key, positions, tables) of the last canvas (`_canvas_rope`)
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
+        # Opt-in, not exact: the logits from an int8 copy of the tied embedding (`printpress.quantize`, "int8-head").
+        self.lm_head: nn.Module | None = None
         self.reset_parameters()
 
     @staticmethod
@@ -410,7 +419,8 @@ class DiffusionGemma(nn.Module):
         return self.self_conditioning(self.embed(canvas_ids), soft)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        head = self.lm_head
+        logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
         cap = self.config.final_logit_softcapping
         if not cap:
             return logits

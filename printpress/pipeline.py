@@ -21,6 +21,7 @@ from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
 from printpress.request import Request, check_logprobs, check_prompts
+from printpress.runtime_options import check_dtype, check_quantize
 from printpress.settings import (
     SETTINGS,
     SPECULATIVE_DRAFT_STEPS,
@@ -139,13 +140,20 @@ class Pipeline:
         path_or_id: str | Path | None = None,
         dtype: str | torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        quantize: str | None = None,
     ) -> Pipeline:
+        """`dtype`: float32 (the default; exact), bfloat16, float16, "auto" (measured: `printpress.precision`) or
+        "checkpoint" (as saved). `quantize`: None (exact weights) or "int8" / "int8-head" (`printpress.quantize`;
+        not exact). Bad values are refused before anything is read."""
         from printpress.checkpoint import load_model
 
+        check_dtype(dtype)
+        check_quantize(quantize)
         device = check_device(device)
         if path_or_id is None:
             path_or_id = default_model_path()
-        model, config, generation_config, tokenizer = load_model(str(path_or_id), dtype=dtype, device=device)
+        model, config, generation_config, tokenizer = load_model(str(path_or_id), dtype=dtype, device=device,
+                                                                 quantize=quantize)
         model.eval()
         return cls(model, config, generation_config, tokenizer)
 
@@ -163,6 +171,11 @@ class Pipeline:
             dtype = getattr(torch, dtype)
         return save_model(self.model, self.config, folder, self.generation_config, self.tokenizer,
                           max_shard_size=max_shard_size, dtype=dtype)
+
+    @property
+    def dtype_choice(self):
+        """What `dtype="auto"` chose and why (`printpress.precision.DtypeChoice`); None for any other dtype."""
+        return getattr(self.model, "dtype_choice", None)
 
     @property
     def canvas_length(self) -> int:

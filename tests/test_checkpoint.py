@@ -84,7 +84,7 @@ def test_half_precision_save_writes_that_dtype(reference_checkpoints, tmp_path, 
     tensors = load_file(tmp_path / "half" / "model.safetensors")
     assert {t.dtype for t in tensors.values()} == {dtype}
     assert json.loads((tmp_path / "half" / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
-    back, _, _, _ = load_model(tmp_path / "half", dtype="auto")
+    back, _, _, _ = load_model(tmp_path / "half", dtype="checkpoint")
     assert back.embed_tokens.weight.dtype == dtype
     same_state(model, back)
 

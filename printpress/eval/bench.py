@@ -430,7 +430,7 @@ def heldout_figures(args: argparse.Namespace, diffusion_path: str, ar_path: str,
 
 
 def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len: int, batch_size: int,
-                   batches: int, val_fraction: float, cache: Path) -> dict[str, Any]:
+                   batches: int, val_fraction: float, cache: Path, quantize: str | None = None) -> dict[str, Any]:
     """The training loop's own validation on a saved model: `printpress.objectives.evaluate_losses`, which
     `Trainer.evaluate` calls, on the validation windows a training run on `sources` evaluates (the first `batches`
     batches of `batch_size` windows of `seq_len` tokens of the held-out documents) with the same fixed noise
@@ -440,13 +440,13 @@ def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len:
     x0 cross-entropy over every canvas position, noise t ~ U(0, 1), uniform weighting — the training
     objective, not a tight likelihood bound); "ar" gives `val_ar` only. Also nats per character of the
     AR NLL, from the characters the validation windows decode to, to set beside the judge's figures.
-    Token files are cached under `cache`.
+    Token files are cached under `cache`. `quantize` loads the model quantized (bench/quantize.py's quality cost).
     """
     from printpress.checkpoint import load_model
     from printpress.objectives import DiffusionSettings, TrainStep, evaluate_losses
     from printpress.train.data import eval_batches, prepare_data
 
-    model, config, _, tokenizer = load_model(model_path)
+    model, config, _, tokenizer = load_model(model_path, quantize=quantize)
     if tokenizer is None:
         raise BenchError(f"{model_path} has no tokenizer.json to cut the held-out windows with; pass --no-heldout")
     if seq_len % config.canvas_length:

@@ -15,7 +15,7 @@ import json
 import shlex
 import sys
 
-from printpress.cli_flags import add_sampler_arguments, sampler_flags_given, sampler_overrides
+from printpress.cli_flags import add_sampler_arguments, load_options, sampler_flags_given, sampler_overrides
 from printpress.errors import GenerationError
 
 # Task options, passed to the task only when given (a task that does not know one says so).
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise GenerationError(f"--limit must be a positive number of items, got {args.limit}")
 
-    pipe = Pipeline.from_pretrained(args.model, dtype=args.dtype, device=args.device)
+    pipe = Pipeline.from_pretrained(args.model, **load_options(args))
     effective = dataclasses.asdict(pipe.settings(**sampler))  # validates the sampler flags before any work
     outcome = task.evaluate(pipe, limit=args.limit, seed=args.seed, settings={**sampler, **options},
                             progress=not args.no_progress)
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     payload = {
         "metrics": metrics,
         "settings": {"task": args.task, "limit": args.limit, "seed": args.seed, **options, **effective,
-                     "dtype": args.dtype, "device": args.device},
+                     **load_options(args)},
         "model": _model_facts(pipe, args.model),
         "info": outcome.get("info", {}),
         "samples": outcome.get("samples", []),

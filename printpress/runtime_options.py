@@ -1,0 +1,41 @@
+"""How a model is loaded, besides its folder: the dtype, the device and the quantization, named and checked once.
+
+`printpress.load(..., dtype=, device=, quantize=)` and the command line's runtime flags (`printpress.cli_flags`) both
+check their values here, so a bad value ends in one line before a model is read. Imports nothing heavy: the CLI
+checks its flags without importing torch.
+
+- dtype: a name of `DTYPES` (the exact path is float32, the default), `AUTO` (a measured choice:
+  `printpress.precision`) or `CHECKPOINT` (the dtype the checkpoint was saved in);
+- quantize: None, or a name of `QUANTIZE` (`printpress.quantize`: int8 weight-only linear layers; not exact).
+"""
+
+from __future__ import annotations
+
+from printpress.errors import CheckpointError
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+          "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # name -> torch's name
+AUTO = "auto"  # bf16 where it is native and measured faster, fp32 elsewhere (printpress.precision)
+CHECKPOINT = "checkpoint"  # the dtype config.json records (float32 if it records none)
+QUANTIZE = ("int8", "int8-head")
+
+DTYPE_HELP = (f"float32 (default; exact), bfloat16, float16, {AUTO} (bfloat16 on a CUDA GPU that supports it or a CPU "
+              f"with native bf16 matmul where a load-time measurement finds it faster, else float32), or {CHECKPOINT} "
+              "(the dtype the checkpoint was saved in)")
+QUANTIZE_HELP = ("int8: weight-only int8 linear layers, one scale per output channel (opt-in, not exact; fewer bytes "
+                 "per AR step: docs/benchmarks.md, 'int8 weights')")
+
+
+def check_dtype(dtype: object) -> None:
+    """Raise CheckpointError unless `dtype` names a dtype `printpress.load` accepts (a torch.dtype is checked by
+    the loader)."""
+    if isinstance(dtype, str) and dtype not in DTYPES and dtype not in (AUTO, CHECKPOINT):
+        names = ", ".join([*list(DTYPES)[:3], AUTO, CHECKPOINT])
+        raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {names}")
+
+
+def check_quantize(quantize: object) -> None:
+    """Raise CheckpointError unless `quantize` is None or a name of QUANTIZE."""
+    if quantize is not None and quantize not in QUANTIZE:
+        raise CheckpointError(f"quantize {quantize!r} is not supported; use {' or '.join(QUANTIZE)} (or leave it out "
+                              "for the exact weights)")
