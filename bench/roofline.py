@@ -49,6 +49,7 @@ from printpress.config import TextConfig
 from printpress.eval.report import cpu_name
 from printpress.fast import compile_ar_step
 from printpress.model import DiffusionGemma
+from printpress.precision import native_bf16_flags, read_cpuinfo
 from printpress.sampling import SamplerSettings, StabilityTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,16 +74,6 @@ def timings(fn: Callable[[], Any], reps: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - start)
     return out
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def gemm_rate(dtype: torch.dtype, sizes: tuple[int, ...], reps: int) -> dict[str, Any]:
@@ -113,8 +104,7 @@ def exp_rate(elements: int, reps: int) -> dict[str, float]:
 
 def measure_roofs(caches: dict[str, int], quick: bool) -> dict[str, Any]:
     """The machine's limits, measured on this thread now. Peaks are the best call (the least disturbed)."""
-    flags = cpu_flags()
-    native_bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
+    native_bf16 = bool(native_bf16_flags(read_cpuinfo()))
     sizes = (512, 1024) if quick else (512, 1024, 2048)
     roofs: dict[str, Any] = {"fp32_gemm": gemm_rate(torch.float32, sizes, 3 if quick else 7)}
     if native_bf16:
@@ -410,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} python bench/roofline.py "
                    + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                    "caches_bytes": caches, "native_bf16": bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}),
+                    "caches_bytes": caches, "native_bf16": bool(native_bf16_flags(read_cpuinfo())),
                     "torch": torch.__version__, "python": platform.python_version()},
         "load_average": [load_start, os.getloadavg()[0]],
         "context": args.context,

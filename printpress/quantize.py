@@ -96,7 +96,7 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_
 
 
 def load_kernel() -> bool:
-    """Build (first use on this machine, ~15-60 s; torch caches it under ~/.cache/torch_extensions) and load the
+    """Build (first use on this machine, 12-17 s here; torch caches it under ~/.cache/torch_extensions) and load the
     int8 kernel; False, with one warning, where it cannot be built (no compiler, no ninja)."""
     global _kernel_ready
     with _kernel_lock:
@@ -182,10 +182,16 @@ class Int8Experts(Experts):
         return self._expert_loop(gathered, counts)
 
     def _static(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The compiled graph's path (printpress.fast): Experts' own, on the weights dequantized in the graph."""
-        return static_experts(x, weights, experts,
-                              dequantize(self.gate_up_proj, self.gate_up_scale, self.gate_up_features, x.dtype),
-                              dequantize(self.down_proj, self.down_scale, self.down_features, x.dtype), self.act)
+        """The compiled graph's path (printpress.fast): Experts' own (`static_experts`) on weights dequantized in
+        the graph. A few tokens dequantize only the experts they use, renumbered in the order they are used."""
+        n, k = experts.shape
+        gate_up, gate_up_scale, down, down_scale = self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale
+        if n * k <= gate_up.shape[0]:
+            chosen = experts.reshape(-1)
+            gate_up, gate_up_scale, down, down_scale = (t[chosen] for t in (gate_up, gate_up_scale, down, down_scale))
+            experts = torch.arange(n * k, device=experts.device).view(n, k)
+        return static_experts(x, weights, experts, dequantize(gate_up, gate_up_scale, self.gate_up_features, x.dtype),
+                              dequantize(down, down_scale, self.down_features, x.dtype), self.act)
 
 
 # --------------------------------------------------------------------------------------------
