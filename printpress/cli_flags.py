@@ -31,7 +31,11 @@ def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()
         else:  # token ids are read as text and parsed with the other values (`sampler_overrides`)
             sampler.add_argument(s.flag, dest=s.name, type=str if s.kind is tuple else s.kind, default=None,
                                  help=s.help, metavar=s.wire.upper())
-    runtime = p.add_argument_group("runtime")
+    add_runtime_arguments(p.add_argument_group("runtime"))
+
+
+def add_runtime_arguments(runtime) -> None:
+    """--dtype, --device and --quantize (read back with `load_options`), on a parser or an argument group."""
     runtime.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     runtime.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE), help=QUANTIZE_HELP)

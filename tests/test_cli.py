@@ -203,6 +203,15 @@ def test_serve_refuses_an_unavailable_device(capsys):
     assert code == 2 and err.startswith("printpress: error: device 'cuda' is not available")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--quantize", "int4"], "printpress: error: quantize 'int4' is not supported"),
+    (["--dtype", "float8"], "printpress: error: "),
+])
+def test_serve_refuses_bad_runtime_flags_before_binding_or_loading(capsys, flags, message):
+    code, _, err = run_cli(capsys, "serve", *flags, "--port", "0")
+    assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1
+
+
 def test_missing_model_exits_2(capsys, tmp_path):
     code, _, err = run_cli(capsys, "generate", "-m", str(tmp_path / "nope"), "hello")
     assert code == 2 and err.startswith("printpress: error: ") and "Traceback" not in err

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 
+from printpress.cli_flags import add_runtime_arguments, load_options
 from printpress.errors import PrintpressError
 
 API_KEY_ENV = "PRINTPRESS_API_KEY"
@@ -41,8 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     limits.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take in all (default 300)")
     limits.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     runtime = p.add_argument_group("runtime")
-    runtime.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
+    add_runtime_arguments(runtime)
     # No "trace": at that level uvicorn logs whole ASGI scopes, headers (and so the API key) included.
     runtime.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                          help="uvicorn's log level (default info)")
@@ -71,10 +71,11 @@ def run(args: argparse.Namespace) -> int:
     from printpress.serve.edits import router as edits_router
     from printpress.serve.scheduler import Limits, Scheduler
 
+    options = load_options(args)  # a bad --dtype or --quantize is one line before anything is loaded
     check_device(args.device)
     sock = bind_socket(args.host, args.port)  # a port that is taken is one line, before the model loads
     try:
-        pipeline = printpress.load(args.model, dtype=args.dtype, device=args.device)
+        pipeline = printpress.load(args.model, **options)
         folder = model_folder(args.model)
         config = pipeline.config.text
         max_prompt = args.max_prompt_tokens or max(1, config.max_position_embeddings - pipeline.canvas_length)
