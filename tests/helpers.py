@@ -239,6 +239,21 @@ def run_config(corpus: Path, **train):
                                 "data": {"sources": [str(corpus)], "vocab_size": 300, "val_fraction": 0.2}})
 
 
+def killed_and_resumed(run, out: Path, checkpoint_at: int = 3, killed_at: int = 4) -> None:
+    """Train `run` in `out` with a checkpoint at step `checkpoint_at`, "kill" it at step `killed_at` (metrics written
+    past the checkpoint), then resume it from the checkpoint to the end."""
+    from printpress.train.loop import RunConfig, Trainer
+
+    trainer = Trainer(run, out)
+    for _ in range(killed_at):
+        metrics = trainer.train_step()
+        trainer.log({"step": trainer.step, **metrics})
+        if trainer.step == checkpoint_at:
+            trainer.save_checkpoint()
+    del trainer
+    Trainer(RunConfig(), out, resume=True).fit(progress=False)
+
+
 def losses(out: Path) -> list[tuple[int, float]]:
     """(step, loss) of every record in a run's metrics.jsonl."""
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]

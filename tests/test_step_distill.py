@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from printpress.model import DiffusionGemma
-from printpress.train.loop import RunConfig, Trainer, TrainingError
+from printpress.train.loop import Trainer, TrainingError
 from printpress.train.objectives import (
     DiffusionSettings,
     TeacherDraws,
@@ -18,7 +18,7 @@ from printpress.train.objectives import (
     step_distillation_loss,
     two_step_targets,
 )
-from helpers import losses, run_config
+from helpers import killed_and_resumed, losses, run_config
 
 BLOCK = 8
 
@@ -94,14 +94,7 @@ def test_a_run_killed_mid_round_resumes_with_that_rounds_teacher(corpus, tmp_pat
     assert len(records) == 6
 
     broken = tmp_path / "broken"
-    trainer = Trainer(run_config(corpus, **settings), broken)
-    for _ in range(4):  # checkpoint at step 3, in the middle of the round that started at step 2
-        metrics = trainer.train_step()
-        trainer.log({"step": trainer.step, **metrics})
-        if trainer.step == 3:
-            trainer.save_checkpoint()
-    del trainer
-    Trainer(RunConfig(), broken, resume=True).fit(progress=False)
+    killed_and_resumed(run_config(corpus, **settings), broken)  # checkpoint at step 3: mid-round (rounds of 2)
     assert losses(broken) == records  # exact: step 4 re-runs against the teacher of step 2, not of step 3
 
 

@@ -16,7 +16,7 @@ from printpress.train.command import main as train_main
 from printpress.train.command import read_run_config
 from printpress.train.loop import RunConfig, Trainer, TrainingError
 
-from helpers import free_port, losses, run_config
+from helpers import free_port, killed_and_resumed, losses, run_config
 
 
 @pytest.mark.slow  # trains 80 steps
@@ -38,14 +38,7 @@ def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(corpus, tmp_
     Trainer(run_config(corpus), whole).fit(progress=False)
 
     broken = tmp_path / "broken"
-    trainer = Trainer(run_config(corpus), broken)
-    for _ in range(4):  # one step past the checkpoint at step 3, then "killed"
-        metrics = trainer.train_step()
-        trainer.log({"step": trainer.step, **metrics})
-        if trainer.step == 3:
-            trainer.save_checkpoint()
-    del trainer
-    Trainer(RunConfig(), broken, resume=True).fit(progress=False)
+    killed_and_resumed(run_config(corpus), broken)  # one step past the checkpoint at step 3, then "killed"
 
     assert losses(broken) == losses(whole)  # exact, including the re-run of step 4
     a, _, _, _ = load_model(whole / "model")
@@ -176,6 +169,14 @@ def test_every_shipped_recipe_parses_and_validates(name):
     canvas = model.pop("canvas_length")
     run.train.validate(canvas)
     check_memory(TextConfig(vocab_size=run.data["vocab_size"], **model), run.train, 1)
+
+
+@pytest.mark.parametrize("name", ["shakespeare-joint-distill", "shakespeare-joint-fewstep"])
+def test_the_fine_tune_recipes_parse_and_validate_against_the_shipped_canvas(name):
+    run = read_run_config(name, None, [])
+    assert run.init_from and not run.model  # a fine-tune: the model comes from init_from
+    run.train.validate(32)
+    assert run.data["distill"].startswith("runs/distill/")
 
 
 # -- a run that survives kills and refuses to clobber ----------------------------------------------------
