@@ -38,6 +38,7 @@ from printpress.model import DiffusionGemma, Masks
 
 Objective = Literal["diffusion", "ar", "joint"]
 Weighting = Literal["uniform", "inverse_t"]
+Divergence = Literal["reverse", "forward"]
 
 
 @dataclass
@@ -55,6 +56,7 @@ class DiffusionSettings:
     # step to a frozen teacher's two sampler steps (`step_distillation_loss`). 0 turns it off.
     step_distill_weight: float = 0.0
     step_distill_temperature: float = 0.6  # the teacher's sampling temperature for the tokens it keeps
+    step_distill_divergence: Divergence = "reverse"  # KL(student || teacher), or "forward": KL(teacher || student)
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -225,15 +227,20 @@ def two_step_targets(clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, 
 
 def step_distillation_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor,
                            draws: TeacherDraws, settings: DiffusionSettings) -> torch.Tensor:
-    """Mean reverse KL(student || teacher's two steps) over the noised canvas positions.
+    """Mean KL between the student's one step and the teacher's two over the noised canvas positions.
 
     The student's one pass at noise level t learns what the teacher reaches in two (`two_step_targets`); with the
-    teacher refreshed to the student every round, each round halves the steps the sampler needs. Reverse KL is
-    SDTT's choice (the one divergence that kept quality as steps fell): mode-seeking, so it also sharpens.
+    teacher refreshed to the student every round, each round halves the steps the sampler needs. Reverse KL
+    (student || teacher, the default) is SDTT's choice, the one divergence that kept quality as steps fell; it is
+    mode-seeking, so it also sharpens and narrows. Forward KL (teacher || student) covers the teacher's modes
+    instead: the option to try where the narrowing costs too much diversity.
     """
     target = two_step_targets(clean, noisy, t, draws, settings)
     log_q = torch.log_softmax(logits.float(), dim=-1)
-    kl = (log_q.exp() * (log_q - target)).sum(dim=-1)
+    if settings.step_distill_divergence == "forward":
+        kl = (target.exp() * (target - log_q)).sum(dim=-1)
+    else:
+        kl = (log_q.exp() * (log_q - target)).sum(dim=-1)
     chosen = noisy != clean
     return (kl * chosen).sum() / chosen.sum().clamp(min=1)
 

@@ -74,6 +74,26 @@ def test_a_teacher_that_keeps_everything_is_the_student_itself_so_the_loss_is_ze
         assert float(step_distillation_loss(student, clean, noisy, torch.ones(2, 4), draws, settings)) > 1e-4
 
 
+def test_forward_kl_is_the_teachers_expectation_and_also_zero_for_a_teacher_that_keeps_everything(batch):
+    model = tiny_model()
+    clean, noisy, (uniform, renoise) = batch
+    draws = TeacherDraws(copy.deepcopy(model), uniform, renoise)
+    reverse = DiffusionSettings(block=BLOCK, self_conditioning=0.0, step_distill_weight=1.0)
+    forward = DiffusionSettings(block=BLOCK, self_conditioning=0.0, step_distill_weight=1.0,
+                                step_distill_divergence="forward")
+    with torch.no_grad():
+        _, student = forward_block_diffusion(model, clean, noisy, BLOCK)
+        assert float(step_distillation_loss(student, clean, noisy, torch.zeros(2, 4), draws, forward)) == 0.0
+        target = two_step_targets(clean, noisy, torch.ones(2, 4), draws, forward)
+        log_q = torch.log_softmax(student, dim=-1)
+        noised = noisy != clean  # the loss averages over these (a random token can equal the clean one)
+        expected = (target.exp() * (target - log_q)).sum(-1)[noised].mean()
+        got = step_distillation_loss(student, clean, noisy, torch.ones(2, 4), draws, forward)
+        assert float(got) == pytest.approx(float(expected), rel=1e-5)
+        assert float(got) != pytest.approx(float(step_distillation_loss(student, clean, noisy, torch.ones(2, 4),
+                                                                           draws, reverse)), rel=1e-3)
+
+
 def test_the_loss_trains_the_student_not_the_teacher(batch):
     student, teacher = tiny_model(), tiny_model()
     clean, noisy, (uniform, renoise) = batch
@@ -103,6 +123,7 @@ def test_a_run_killed_mid_round_resumes_with_that_rounds_teacher(corpus, tmp_pat
     (dict(step_distill_weight=1.0, objective="ar"), "step_distill_weight needs a diffusion or joint objective"),
     (dict(step_distill_refresh=0), "step_distill_refresh must be positive"),
     (dict(step_distill_temperature=0.0), "step_distill_temperature must be > 0"),
+    (dict(step_distill_divergence="js"), "step_distill_divergence 'js' is not reverse or forward"),
 ])
 def test_bad_step_distillation_settings_are_refused_by_name(corpus, tmp_path, change, message):
     with pytest.raises(TrainingError, match=message):

@@ -71,6 +71,7 @@ class TrainSettings:
     step_distill_weight: float = 0.0
     step_distill_temperature: float = 0.6
     step_distill_refresh: int = 100
+    step_distill_divergence: str = "reverse"  # reverse: KL(student || teacher), SDTT's; forward: KL(teacher || student)
     fsdp: bool = False
 
     def validate(self, canvas_length: int) -> None:
@@ -96,6 +97,8 @@ class TrainSettings:
         need(self.step_distill_weight >= 0, f"step_distill_weight must be >= 0 (got {self.step_distill_weight})")
         need(self.step_distill_temperature > 0,
              f"step_distill_temperature must be > 0 (got {self.step_distill_temperature})")
+        need(self.step_distill_divergence in ("reverse", "forward"),
+             f"step_distill_divergence {self.step_distill_divergence!r} is not reverse or forward")
         need(int(self.step_distill_refresh) > 0, f"step_distill_refresh must be positive (got {self.step_distill_refresh})")
         if self.step_distill_weight > 0:
             need(self.objective != "ar", "step_distill_weight needs a diffusion or joint objective")
@@ -331,7 +334,8 @@ class Trainer:
                                            certainty_weight=settings.certainty_weight,
                                            certainty_temperature=settings.certainty_temperature,
                                            step_distill_weight=settings.step_distill_weight,
-                                           step_distill_temperature=settings.step_distill_temperature)
+                                           step_distill_temperature=settings.step_distill_temperature,
+                                           step_distill_divergence=settings.step_distill_divergence)
         self.teacher = None
         if settings.step_distill_weight > 0:  # a frozen copy, outside the optimizer and the DDP wrapper
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
