@@ -2,14 +2,14 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/pair_noise.py --out docs/results/pair_noise.json
 
-On the validation windows the training loop uses (`Trainer.eval_windows`, 5% of the works held out), the
-joint model's decoder predicts every canvas position from the clean context before the canvas and a canvas
-corrupted with uniform noise at a fixed level t (no self-conditioning: the first denoising step). Per t it
-reports the cross-entropy at corrupted and at kept positions, the argmax accuracy at corrupted positions, and
-at t = 1 (the first step of generation: a canvas of pure noise) the loss at each of the 32 canvas positions,
-next to the encoder's AR NLL per token and a unigram model's cross-entropy on the same windows. The forward is
-the training objective's own (`forward_block_diffusion`); the noise is `add_uniform_noise` with t given.
-Writes the JSON and a PNG beside it.
+On the validation windows a training run evaluates (`printpress.data.eval_batches` over the 5% of the works held
+out, cut as `Trainer` cuts them), the joint model's decoder predicts every canvas position from the clean context
+before the canvas and a canvas corrupted with uniform noise at a fixed level t (no self-conditioning: the first
+denoising step). Per t it reports the cross-entropy at corrupted and at kept positions, the argmax accuracy at
+corrupted positions, and at t = 1 (the first step of generation: a canvas of pure noise) the loss at each of the 32
+canvas positions, next to the encoder's AR NLL per token and a unigram model's cross-entropy on the same windows.
+The forward is the training objective's own (`forward_block_diffusion`); the noise is `add_uniform_noise` with t
+given. Writes the JSON and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ LEVELS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 @torch.no_grad()
 def main() -> None:
+    from printpress.checkpoint import load_model
     from printpress.corpora import cache_dir
-    from printpress.train.loop import RunConfig, Trainer
-    from printpress.train.objectives import add_uniform_noise, forward_block_diffusion
+    from printpress.data import eval_batches, prepare_data
+    from printpress.objectives import add_uniform_noise, forward_block_diffusion
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "shakespeare-joint"))
@@ -42,12 +43,13 @@ def main() -> None:
     torch.set_num_threads(1)
     started, load = time.perf_counter(), os.getloadavg()
 
-    run = RunConfig.from_dict({"init_from": args.model, "data": {"sources": ["shakespeare"], "val_fraction": 0.05},
-                               "train": {"objective": "joint", "seq_len": 128, "batch_size": 16,
-                                         "eval_batches": args.batches, "seed": 0}})
-    trainer = Trainer(run, cache_dir() / "bench-heldout" / Path(args.model).name)
-    model, block, vocab = trainer.model.eval(), trainer.config.canvas_length, trainer.config.text.vocab_size
-    windows = trainer.eval_windows
+    # The windows a training run on shakespeare (val_fraction 0.05, seq_len 128, batch size 16) evaluates; the token
+    # files are cached where `printpress bench` keeps its held-out data for this model.
+    model, config, _, tokenizer = load_model(args.model)
+    splits = prepare_data(["shakespeare"], tokenizer, cache_dir() / "bench-heldout" / Path(args.model).name / "data",
+                          val_fraction=0.05)
+    windows = list(eval_batches(splits.val.tokens, 128, 16, max_batches=args.batches))
+    model, block, vocab = model.eval(), config.canvas_length, config.text.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     levels, ar_nll, per_position = [], [], None
@@ -82,7 +84,7 @@ def main() -> None:
         if t == 1.0:
             per_position = row["ce_by_position"]
     # Reference level: a unigram model (train-split token counts, add-one) on the same windows.
-    counts = torch.bincount(torch.as_tensor(trainer.train_tokens.tokens[:].astype("int64")), minlength=vocab) + 1.0
+    counts = torch.bincount(torch.as_tensor(splits.train.tokens[:].astype("int64")), minlength=vocab) + 1.0
     log_unigram = torch.log(counts / counts.sum())
     unigram = -torch.cat([log_unigram[w.reshape(-1)] for w in windows]).mean().item()
     result = {

@@ -1,7 +1,7 @@
 """Text corpora as lists of named documents: user files, folders, JSONL, and two offline built-ins.
 
 A *document* is the unit of the train/validation split and of the token stream (each one is
-wrapped in bos ... eos by `printpress.train.data`). Names are stable strings (relative paths,
+wrapped in bos ... eos by `printpress.data`). Names are stable strings (relative paths,
 ``file:line``) because the split is decided by a hash of the name, so it must not depend on
 where a folder sits on disk or on the order files are listed in.
 

@@ -24,7 +24,7 @@ from printpress.corpora import (
 )
 from printpress.errors import ConfigError, PrintpressError
 from printpress.tokenizer import BOS_ID, EOS_ID, decode, train_tokenizer
-from printpress.train import data
+from printpress import data
 from printpress.train.data import (
     BatchSampler,
     eval_batches,

@@ -4,6 +4,9 @@ A cycle hidden by an import inside a function still ties two modules together: n
 replaced without the other, and moving the import to the top of the file breaks at import time. So the graph
 below has an edge for every `import` / `from ... import` statement anywhere in a module (function bodies and
 `if TYPE_CHECKING:` blocks too), and the package must be a DAG.
+
+The same graph keeps evaluation off the training package: nothing under `printpress.eval` may reach
+`printpress.train`, whatever the route.
 """
 
 from __future__ import annotations
@@ -85,6 +88,24 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def import_chain(graph: dict[str, set[str]], start: str, package: str) -> list[str] | None:
+    """A chain of imports [start, ..., m] from `start` to a module m of `package` (the package itself or one of its
+    submodules), or None when `start` reaches none, directly or through other modules (breadth-first: a shortest)."""
+    came_from: dict[str, str | None] = {start: None}
+    queue = [start]
+    for node in queue:
+        if node != start and (node == package or node.startswith(package + ".")):
+            chain = [node]
+            while came_from[chain[-1]] is not None:
+                chain.append(came_from[chain[-1]])
+            return chain[::-1]
+        for target in sorted(graph.get(node, ())):
+            if target not in came_from:
+                came_from[target] = node
+                queue.append(target)
+    return None
+
+
 def test_the_package_has_no_import_cycle():
     cycle = find_cycle(import_graph(PACKAGE_ROOT, "printpress"))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -130,3 +151,31 @@ def test_relative_imports_in_subpackages_and_names_that_are_not_modules(tmp_path
     assert find_cycle(graph) == ["pkg.sub", "pkg.sub.leaf", "pkg.sub"]
     (tmp_path / "pkg/sub/leaf.py").write_text("from ..base import value\n")
     assert find_cycle(import_graph(root, "pkg")) is None
+
+
+def test_evaluation_does_not_import_the_training_package():
+    """Evaluation measures models; it must not need the training package (its loop, optimizer, recipes) for that.
+    What both need — the objectives and held-out losses, the token files and validation windows — lives below both
+    (`printpress.objectives`, `printpress.data`). No module of `printpress.eval` may import `printpress.train`,
+    directly, inside a function, or through another module."""
+    graph = import_graph(PACKAGE_ROOT, "printpress")
+    evaluation = [m for m in graph if m == "printpress.eval" or m.startswith("printpress.eval.")]
+    assert "printpress.eval.bench" in evaluation and "printpress.data" in graph["printpress.eval.bench"]
+    chains = {m: import_chain(graph, m, "printpress.train") for m in evaluation}
+    offending = [" -> ".join(chain) for chain in chains.values() if chain]
+    assert not offending, "evaluation imports training: " + "; ".join(offending)
+
+
+def test_an_import_of_a_package_is_found_inside_a_function_and_through_another_module(tmp_path):
+    root = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/train/__init__.py": "",
+        "pkg/train/loop.py": "",
+        "pkg/shared.py": "def late():\n    from pkg.train import loop\n",
+        "pkg/eval.py": "from . import shared\n",
+        "pkg/clean.py": "",
+    })
+    graph = import_graph(root, "pkg")
+    assert import_chain(graph, "pkg.eval", "pkg.train") == ["pkg.eval", "pkg.shared", "pkg.train.loop"]
+    assert import_chain(graph, "pkg.clean", "pkg.train") is None
+    assert import_chain(graph, "pkg.train.loop", "pkg.train") is None  # a module does not reach itself

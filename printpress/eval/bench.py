@@ -444,7 +444,7 @@ def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len:
     """
     from printpress.checkpoint import load_model
     from printpress.objectives import DiffusionSettings, TrainStep, evaluate_losses
-    from printpress.train.data import eval_batches, prepare_data
+    from printpress.data import eval_batches, prepare_data
 
     model, config, _, tokenizer = load_model(model_path, quantize=quantize)
     if tokenizer is None:

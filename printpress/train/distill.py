@@ -88,7 +88,7 @@ def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, prog
 def write_rows(rows: np.ndarray, path: Path, tokenizer, teacher: str, settings: DistillSettings):
     """Write the rows as a printpress token file, one "document" per row (so the trainer can check lengths), with
     the teacher and its settings recorded as the corpus."""
-    from printpress.train.data import write_token_documents
+    from printpress.data import write_token_documents
 
     described = json.dumps({"teacher": teacher, **asdict(settings)}, sort_keys=True)
     return write_token_documents(((f"row {i}", row) for i, row in enumerate(rows)), tokenizer, path,
@@ -101,7 +101,7 @@ def distill(teacher: str, sources: list[str], out: Path, settings: DistillSettin
             progress: bool = False) -> Path:
     """Make the token file `out` from `teacher`'s continuations of the training split of `sources`."""
     import printpress
-    from printpress.train.data import prepare_data
+    from printpress.data import prepare_data
 
     settings.validate()
     if out.suffix != ".bin":

@@ -273,7 +273,7 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _prepare(self, resume: bool) -> None:
-        from printpress.train.data import eval_batches, prepare_data  # heavy: import late
+        from printpress.data import eval_batches, prepare_data  # heavy: import late
 
         settings = self.settings
         torch.manual_seed(settings.seed)
@@ -364,7 +364,8 @@ class Trainer:
 
     def _batch_sampler(self, train_tokens, tokenizer):
         """Real windows, or with `data.distill` (a `printpress distill` token file) a fixed share of teacher rows."""
-        from printpress.train.data import BatchSampler, MixedBatchSampler, open_token_file
+        from printpress.data import open_token_file
+        from printpress.train.data import BatchSampler, MixedBatchSampler
 
         settings, data = self.settings, self.run.data
         if not data.get("distill"):
