@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from printpress import hub
 from printpress.config import GenerationConfig, ModelConfig, read_json
 from printpress.errors import CheckpointError
 from printpress.model import DiffusionGemma
@@ -85,17 +86,9 @@ def resolve_folder(path_or_id: str | os.PathLike, revision: str | None = None) -
     if path.exists():
         raise CheckpointError(f"{path}: expected a model folder, got a file")
     text = str(path_or_id)
-    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+    if not hub.is_hub_id(text):
         raise CheckpointError(f"{text}: no such model folder (and not a hub id of the form owner/name)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        local = snapshot_download(text, revision=revision,
-                                  allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{text}: could not fetch from the Hugging Face hub ({type(exc).__name__}: {exc})") from None
-    return Path(local)
+    return hub.download(text, revision)  # config, weights, tokenizer; a failure is one line (printpress/hub.py)
 
 
 def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:

@@ -26,6 +26,7 @@ from printpress.errors import PrintpressError
 from printpress.events import CommitEvent, DoneEvent
 from printpress.eval.bench import register as register_bench
 from printpress.eval.command import register as register_eval
+from printpress.models_command import register_list, register_pull
 from printpress.serve.command import register as register_serve
 
 Register = Callable[[argparse._SubParsersAction], None]
@@ -187,7 +188,7 @@ def register_distill(subparsers: argparse._SubParsersAction) -> None:
 
 
 COMMANDS: list[Register] = [register_generate, register_chat, register_edit, register_eval, register_serve,
-                            register_bench]
+                            register_bench, register_list, register_pull]
 # Subcommands whose modules import torch when imported: (name, one-line help, register). The parser lists them with
 # their help, and registers one for real only when the command line names it (or when it is built for every one).
 LAZY_COMMANDS: list[tuple[str, str, Register]] = [

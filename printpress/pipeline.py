@@ -17,6 +17,7 @@ import torch
 
 from printpress import editing
 from printpress.autoregressive import autoregressive
+from printpress.catalog import DEFAULT_MODEL, default_model_path  # noqa: F401 - re-exported (printpress.engine)
 from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
@@ -63,24 +64,6 @@ def run(
 
 
 Prompt = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]], torch.Tensor]
-
-
-DEFAULT_MODEL = "shakespeare-joint"
-
-
-def default_model_path() -> Path:
-    """The model `printpress.load()` uses when given no path: the one shipped in the repo's models/.
-
-    `PRINTPRESS_DEFAULT_MODEL` may name another folder or hub id.
-    """
-    override = os.environ.get("PRINTPRESS_DEFAULT_MODEL")
-    if override:
-        return Path(override)
-    folder = Path(__file__).resolve().parents[1] / "models" / DEFAULT_MODEL
-    if not (folder / "config.json").exists():
-        raise PrintpressError(f"the default model is not at {folder} (it ships with the source repository); "
-                              "pass a model folder or hub id")
-    return folder
 
 
 def model_folder(model: str | os.PathLike | None) -> Path | None:
