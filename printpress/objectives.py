@@ -215,11 +215,12 @@ def two_step_targets(clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, 
     _, first = forward_block_diffusion(draws.teacher, clean, noisy, block)
     first = first.float()
     scaled = first / settings.step_distill_temperature
-    entropy = -(torch.softmax(scaled, dim=-1) * torch.log_softmax(scaled, dim=-1)).sum(-1)
+    probs = torch.softmax(scaled, dim=-1)
+    entropy = -(probs * torch.log_softmax(scaled, dim=-1)).sum(-1)
     rank = entropy.view(batch, -1, block).argsort(dim=-1).argsort(dim=-1)  # 0 = the most certain position
     keep = block - torch.round(t * block / 2)  # (B, blocks)
     kept = (rank < keep[..., None]).view(batch, length)
-    sampled = sample_inverse_cdf(torch.softmax(scaled, dim=-1), draws.uniform)
+    sampled = sample_inverse_cdf(probs, draws.uniform)
     second_input = torch.where(kept, sampled, draws.renoise)
     _, second = forward_block_diffusion(draws.teacher, clean, second_input, block, first)
     return torch.where(kept[..., None], torch.log_softmax(first, dim=-1), torch.log_softmax(second.float(), dim=-1))
