@@ -138,6 +138,8 @@ class Server:
 
 
 def free_port() -> int:
+    """A loopback port free right now, for a server in another process (which may, rarely, lose it to another process
+    before binding it; servers in this process take an already bound socket instead: `running_server`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -146,7 +148,10 @@ def free_port() -> int:
 @contextmanager
 def running_server(pipe, api_key: str | None = KEY, max_rows: int = 4, max_queued: int = 8,
                    timeout_s: float = 60.0, max_body_bytes: int = 64 * 1024, **limits) -> Iterator[Server]:
-    """A real uvicorn server on a free loopback port, in a thread of this process."""
+    """A real uvicorn server on a free loopback port, in a thread of this process.
+
+    The socket is bound here (port 0: the kernel picks a free one) and handed to uvicorn, so no other test process
+    (pytest -n) can take the port between choosing and binding it."""
     import uvicorn
 
     from printpress.serve.app import create_app
@@ -157,9 +162,11 @@ def running_server(pipe, api_key: str | None = KEY, max_rows: int = 4, max_queue
                                        max_prompt_tokens=limits["max_prompt_tokens"],
                                        max_new_tokens=limits["max_new_tokens"], request_timeout_s=timeout_s))
     app = create_app(pipe, scheduler, model_name=MODEL, api_key=api_key, max_body_bytes=max_body_bytes, **limits)
-    port = free_port()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -171,6 +178,7 @@ def running_server(pipe, api_key: str | None = KEY, max_rows: int = 4, max_queue
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        sock.close()
 
 
 def sse_events(response) -> list[tuple[str, str]]:
