@@ -25,6 +25,7 @@ move with the step. Loss weighting: see docs/decisions/0002-diffusion-loss.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ class DiffusionSettings:
     step_distill_weight: float = 0.0
     step_distill_temperature: float = 0.6  # the teacher's sampling temperature for the tokens it keeps
     step_distill_divergence: Divergence = "reverse"  # KL(student || teacher), or "forward": KL(teacher || student)
+    # Draft rows (for mode="speculative"): the share of rows noised as a speculative draft sees its canvas, every
+    # canvas's first token clean and the rest pure noise, with no self-conditioning (`row_noise`). 0 turns it off.
+    draft_fraction: float = 0.0
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -108,20 +112,35 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
 
     Returns (noisy, t, self-conditioning flags), plus, with `teacher_draws`, the per-token draws of the few-step
     teacher's sampler step (uniforms, re-noise tokens), taken after the others so the noise stream is unchanged.
+
+    With `settings.draft_fraction` > 0, that share of rows (drawn last, for the same reason) becomes draft rows:
+    what `mode="speculative"` asks of the decoder, one step from a canvas whose first token is the last committed
+    one (clean) and whose other positions are all noise (t = 1), with no previous step to condition on.
     """
     noisy, levels, use, uniform, renoise = [], [], [], [], []
     length = tokens.shape[1]
     for offset in range(tokens.shape[0]):
         g = torch.Generator().manual_seed(hash_seed(seed, step, first_row + offset))
         row, t = add_uniform_noise(tokens[offset : offset + 1], settings.block, vocab_size, g, settings.t_low)
-        noisy.append(row)
-        levels.append(t)
-        use.append(torch.rand(1, generator=g) < settings.self_conditioning)
+        flag = torch.rand(1, generator=g) < settings.self_conditioning
         if teacher_draws:
             uniform.append(torch.rand(1, length, generator=g))
             renoise.append(torch.randint(0, vocab_size, (1, length), generator=g))
+        if settings.draft_fraction > 0 and float(torch.rand(1, generator=g)) < settings.draft_fraction:
+            row = draft_noise(tokens[offset : offset + 1], settings.block, vocab_size, g)
+            t, flag = torch.ones_like(t), torch.zeros_like(flag)
+        noisy.append(row)
+        levels.append(t)
+        use.append(flag)
     noise = (torch.cat(noisy), torch.cat(levels), torch.cat(use))
     return (*noise, torch.cat(uniform), torch.cat(renoise)) if teacher_draws else noise
+
+
+def draft_noise(tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Every canvas of `tokens` (B, L) as a speculative draft starts: its first token kept, the rest uniform noise."""
+    noisy = torch.randint(0, vocab_size, tokens.shape, generator=generator, device=tokens.device)
+    first = torch.arange(tokens.shape[1], device=tokens.device) % block == 0
+    return torch.where(first, tokens, noisy)
 
 
 def hash_seed(*parts: int) -> int:
@@ -338,6 +357,7 @@ def evaluate_losses(step: Callable[..., dict[str, torch.Tensor]], windows: Seque
     -1 from global row i * 10_000 + rank * 1000: the same draws at every evaluation of a run, so two
     evaluations differ only by the weights.
     """
+    settings = dataclasses.replace(settings, draft_fraction=0.0)  # held-out figures stay comparable across runs
     sums: dict[str, float] = {}
     for index, tokens in enumerate(windows):
         noise = None

@@ -171,7 +171,7 @@ def test_every_shipped_recipe_parses_and_validates(name):
     check_memory(TextConfig(vocab_size=run.data["vocab_size"], **model), run.train, 1)
 
 
-@pytest.mark.parametrize("name", ["shakespeare-joint-distill", "shakespeare-joint-fewstep"])
+@pytest.mark.parametrize("name", ["shakespeare-joint-distill", "shakespeare-joint-fewstep", "shakespeare-joint-draft"])
 def test_the_fine_tune_recipes_parse_and_validate_against_the_shipped_canvas(name):
     run = read_run_config(name, None, [])
     assert run.init_from and not run.model  # a fine-tune: the model comes from init_from

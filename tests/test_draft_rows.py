@@ -1,0 +1,74 @@
+"""Draft rows (`train.draft_fraction`): training canvases shaped like a speculative draft's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from printpress.objectives import DiffusionSettings, draft_noise, evaluate_losses, row_noise
+from printpress.train.loop import Trainer, TrainingError
+
+from helpers import run_config
+
+BLOCK, VOCAB = 8, 1000
+
+
+@pytest.fixture
+def tokens():
+    return torch.randint(0, VOCAB, (64, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_draft_canvas_keeps_its_first_token_and_noises_every_other(tokens):
+    noisy = draft_noise(tokens, BLOCK, VOCAB, torch.Generator().manual_seed(1))
+    first = torch.arange(32) % BLOCK == 0
+    assert torch.equal(noisy[:, first], tokens[:, first])
+    # The others are fresh uniform draws: equal to the clean token only by chance (1 in 1000).
+    assert (noisy[:, ~first] == tokens[:, ~first]).float().mean() < 0.005
+    assert noisy[:, ~first].unique().numel() > 750  # 1,792 uniform draws from 1,000 ids: ~833 distinct
+
+
+def test_draft_rows_replace_a_share_of_rows_and_leave_the_others_noise_unchanged(tokens):
+    plain = DiffusionSettings(block=BLOCK, self_conditioning=0.5)
+    drafted = dataclasses.replace(plain, draft_fraction=0.5)
+    noisy, t, use = row_noise(tokens, 100, 3, 7, plain, VOCAB)
+    d_noisy, d_t, d_use = row_noise(tokens, 100, 3, 7, drafted, VOCAB)
+    is_draft = ~(d_noisy == noisy).all(dim=1)
+    assert 16 <= int(is_draft.sum()) <= 48  # about half of 64 rows
+    # The other rows are exactly what the run without draft rows draws: the stream is unchanged.
+    assert torch.equal(d_noisy[~is_draft], noisy[~is_draft])
+    assert torch.equal(d_t[~is_draft], t[~is_draft]) and torch.equal(d_use[~is_draft], use[~is_draft])
+    # Draft rows: full noise but each canvas's first token, and no self-conditioning (a draft has one step).
+    first = torch.arange(32) % BLOCK == 0
+    assert torch.equal(d_noisy[is_draft][:, first], tokens[is_draft][:, first])
+    assert (d_t[is_draft] == 1).all() and not d_use[is_draft].any()
+
+
+def test_held_out_losses_ignore_draft_rows(tokens):
+    seen = []
+
+    def step(window, noise):  # records the noise evaluation hands to the training step
+        seen.append(noise[0])
+        return {"diffusion": torch.tensor(0.0)}
+
+    windows = [tokens[:4], tokens[4:8]]
+    plain = DiffusionSettings(block=BLOCK)
+    evaluate_losses(step, windows, "diffusion", plain, VOCAB)
+    evaluate_losses(step, windows, "diffusion", dataclasses.replace(plain, draft_fraction=1.0), VOCAB)
+    assert torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[3])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(draft_fraction=1.5), r"draft_fraction must be in \[0, 1\] \(got 1.5\)"),
+    (dict(draft_fraction=0.5, objective="ar"), "draft_fraction needs a diffusion or joint objective"),
+])
+def test_bad_draft_settings_are_refused_by_name(corpus, tmp_path, change, message):
+    with pytest.raises(TrainingError, match=message):
+        Trainer(run_config(corpus, **change), tmp_path)
+
+
+def test_a_run_with_draft_rows_trains(corpus, tmp_path):
+    trainer = Trainer(run_config(corpus, draft_fraction=0.5, steps=2), tmp_path)
+    first = trainer.train_step()
+    assert first["diffusion"] > 0 and "ar" in first
