@@ -31,6 +31,7 @@ from printpress.serve.protocol import ChatMessage
 from helpers import (
     AUTH,
     KEY,
+    LIMITS,
     MODEL,
     STEPS,
     Server,
@@ -422,6 +423,41 @@ def test_openai_client_with_a_wrong_key_gets_401(server):
 def test_page_health_and_openapi_are_open(server):
     for path in ("/", "/app.js", "/style.css", "/health", "/openapi.json"):
         assert httpx.get(server.url + path).status_code == 200, path
+
+
+# ------------------------------------------------------------------------------------------------
+# GET /v1/settings: the sampler settings as data (the page draws its fields from them)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_settings_lists_every_http_setting_with_its_modes_bounds_and_the_models_default(server, pipe):
+    from printpress.settings import SETTINGS
+
+    listed = httpx.get(server.url + "/v1/settings", headers=AUTH).json()
+    http = [s for s in SETTINGS if s.http is not None]
+    assert listed["object"] == "list"
+    assert [entry["name"] for entry in listed["data"]] == [s.wire for s in http]
+    defaults = pipe.default_settings()
+    for s, entry in zip(http, listed["data"]):
+        # `steps` is refused in mode speculative (its drafts have draft_steps), whatever its Setting's modes say.
+        modes = [m for m in s.modes if not (s.wire == "steps" and m == "speculative")]
+        assert entry["modes"] == modes, s.wire
+        assert entry["kind"] == s.kind.__name__ and entry["help"] == s.description and entry["editing"] == s.editing
+        assert entry["min"] == s.http.get("ge", s.http.get("gt")), s.wire
+        high = s.http.get("le")
+        assert entry["max"] == (min(high, LIMITS["max_steps"]) if s.step_count else high), s.wire  # the server's cap
+        assert entry["step"] == (1 if s.kind is int else None), s.wire
+        assert entry["default"] == getattr(defaults, s.name, s.default), s.wire
+        assert entry["choices"] == (list(s.choices) or None), s.wire
+    by_name = {entry["name"]: entry for entry in listed["data"]}
+    assert by_name["temperature"]["default"] == pipe.generation_config.temperature  # the checkpoint's, as served
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_settings_need_the_key_as_every_v1_route(server, headers):
+    response = httpx.get(server.url + "/v1/settings", headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "authentication_error"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ and refused, naming the field, at any other. `logprobs` (and chat's `top_logprob
 (`CompletionLogprobs`, `ChatLogprobs`) and refused, naming the mode, in the others. The sampler settings are extra top-level fields (`steps`,
 `entropy_bound`, `t_min`, `t_max`, ...), which the openai client sends with `extra_body={...}`: one field per entry
 of `printpress.settings.SETTINGS` (its wire name, bounds and description), shared by the completion and edit
-requests (`SamplingRequest`), each of which turns itself into engine settings (`sampler_overrides`).
+requests (`SamplingRequest`), each of which turns itself into engine settings (`sampler_overrides`). The same
+entries, with the served model's defaults, are listed as data by GET /v1/settings (`setting_list`), from which the
+web page draws its settings.
 
 Types are strict (pydantic's strict mode): "5" or 5.0 is not an integer, 1 is not a boolean, `true` is not a
 token id, so a client's mistake is a 400 naming the field rather than a guess. Every string, however deep,
@@ -28,7 +30,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from printpress.settings import EDITING, SETTINGS, Setting, from_wire
+from printpress.errors import GenerationError
+from printpress.settings import EDITING, SETTINGS, SamplerSettings, Setting, from_wire, refuse_canvas_steps
 
 MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 4
@@ -370,6 +373,63 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class SettingInfo(BaseModel):
+    """One sampler setting of the HTTP API, as a form draws it (GET /v1/settings; the page builds its fields from
+    these). Everything is derived from its `printpress.settings.Setting` and the served model."""
+
+    name: str = Field(description="The request field (the setting's wire name).")
+    kind: str = Field(description="The value's JSON type, as Python names it: int, float, bool or str.")
+    help: str = Field(description="What it does, in one sentence (as the field's description in this document).")
+    modes: list[str] = Field(description="The modes whose requests take it; given for another mode, it is refused.")
+    editing: bool = Field(description="POST /v1/edits takes it too.")
+    choices: list[str] | None = Field(description="The values allowed, for a setting that names one of a few.")
+    default: bool | int | float | str | None = Field(
+        description="The served model's value when the field is left out (its generation_config.json, else the "
+                    "engine's); null when it has none of its own.")
+    min: int | float | None = Field(description="The lowest value accepted (exclusive for some settings: the "
+                                                "server's message says so).")
+    max: int | float | None = Field(description="The highest value accepted (by this server: step counts are capped "
+                                                "by `printpress serve --max-steps`).")
+    step: int | None = Field(description="1 for integers; null: any value between min and max.")
+
+
+class SettingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SettingInfo]
+
+
+def setting_list(defaults: SamplerSettings, max_steps: int) -> SettingList:
+    """Every setting with an HTTP field, as `SettingInfo`: `defaults` are the served model's settings
+    (`Pipeline.default_settings`), `max_steps` the server's cap on step counts."""
+    data = []
+    for s in SETTINGS:
+        if s.http is None:
+            continue
+        low = s.http.get("ge", s.http.get("gt"))
+        high = s.http.get("le")
+        if s.step_count:
+            high = max_steps if high is None else min(high, max_steps)
+        data.append(SettingInfo(
+            name=s.wire, kind=s.kind.__name__, help=s.description, modes=list(accepted_modes(s)), editing=s.editing,
+            choices=list(s.choices) or None, default=getattr(defaults, s.name, s.default), min=low, max=high,
+            step=1 if s.kind is int else None))
+    return SettingList(data=data)
+
+
+def accepted_modes(s: Setting) -> tuple[str, ...]:
+    """The modes whose requests take the setting's HTTP field: those that read it, less those where the routes refuse
+    the `steps` field anyway (`refuse_canvas_steps`: in mode speculative, whose drafts have `draft_steps`)."""
+
+    def refused(mode: str) -> bool:
+        try:
+            refuse_canvas_steps(mode, 1)
+        except GenerationError:
+            return True
+        return False
+
+    return s.modes if s.wire != "steps" else tuple(mode for mode in s.modes if not refused(mode))
 
 
 class Health(BaseModel):

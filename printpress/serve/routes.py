@@ -1,6 +1,7 @@
-"""The OpenAI routes: `api_router()` (GET /v1/models, POST /v1/completions and /v1/chat/completions) and
-`health_router()` (GET /health). A route checks the body against the server's limits, tokenizes off the event loop,
-submits its choices (`jobs.submit_jobs`) and answers JSON or server-sent events (`streaming`).
+"""The OpenAI routes: `api_router()` (GET /v1/models, POST /v1/completions and /v1/chat/completions, and printpress's
+GET /v1/settings) and `health_router()` (GET /health). A route checks the body against the server's limits,
+tokenizes off the event loop, submits its choices (`jobs.submit_jobs`) and answers JSON or server-sent events
+(`streaming`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def api_router() -> APIRouter:
     def get_model(model_id: str, st: StateDep) -> p.ModelCard:
         check_model(st, model_id)
         return _model_card(st)
+
+    @router.get("/settings", response_model=p.SettingList, summary="The sampler settings a request may give",
+                description="printpress extension. Each sampler setting of the completion, chat and edit requests: "
+                            "its field, type, the modes that take it, its range and the served model's default. "
+                            "The web page draws its settings from the same list.")
+    def list_settings(st: StateDep) -> p.SettingList:
+        return st.setting_list()
 
     @router.post("/completions", response_model=p.Completion, summary="Complete a prompt (OpenAI legacy completions)",
                  responses={200: {"content": SSE_RESPONSE, "description": "JSON, or SSE chunks when stream=true"}})

@@ -36,6 +36,11 @@ class ServerState:
     def default_max_tokens(self) -> int:
         return min(self.pipeline.generation_config.max_new_tokens, self.max_new_tokens)
 
+    def setting_list(self) -> p.SettingList:
+        """The sampler settings a request may give, with this model's defaults and this server's step cap
+        (GET /v1/settings, and the page's fields)."""
+        return p.setting_list(self.pipeline.default_settings(), self.max_steps)
+
     def decode(self, ids: list[int]) -> str:
         if self.pipeline.tokenizer is None:
             return " ".join(map(str, ids))
