@@ -460,6 +460,24 @@ def test_settings_need_the_key_as_every_v1_route(server, headers):
     assert response.json()["error"]["type"] == "authentication_error"
 
 
+def test_the_page_carries_the_settings_document(server):
+    """The page needs no key to draw its form: the server writes the same list into index.html."""
+    page = httpx.get(server.url + "/").text
+    start = page.index('<script id="sampler-settings" type="application/json">') + len(
+        '<script id="sampler-settings" type="application/json">')
+    embedded = json.loads(page[start:page.index("</script>", start)])
+    assert embedded == httpx.get(server.url + "/v1/settings", headers=AUTH).json()
+
+
+def test_settings_in_the_page_cannot_close_their_script_element():
+    from printpress.serve.app import _script_json
+
+    value = {"help": "a </script><b>bold</b> & more"}
+    text = _script_json(value).decode()
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text) == value
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: a 4xx JSON error naming the problem, never a 500
 # ------------------------------------------------------------------------------------------------

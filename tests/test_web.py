@@ -11,6 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from printpress.settings import MODES, SETTINGS, Setting
+
 from helpers import ARTIFACTS, AUTH, KEY, MODEL, needs_chromium, open_page, running_server
 
 pytestmark = [pytest.mark.browser, needs_chromium]
@@ -89,7 +91,8 @@ def test_page_shows_api_errors_and_stop_cancels(server, browser):
 # ------------------------------------------------------------------------------------------------
 
 FIELDS = ("steps", "draft_steps", "entropy_bound", "t_min", "t_max", "temperature", "top_k")
-ENABLED = {"diffusion": {"steps", "entropy_bound", "t_min", "t_max"},
+# temperature in diffusion mode scales the t_max -> t_min schedule (SETTINGS says diffusion reads it).
+ENABLED = {"diffusion": {"steps", "entropy_bound", "t_min", "t_max", "temperature"},
            "ar": {"temperature", "top_k"},
            "speculative": {"draft_steps", "entropy_bound", "t_min", "t_max", "temperature", "top_k"}}
 
@@ -147,3 +150,66 @@ def test_page_names_the_model_before_any_request_and_asks_for_no_favicon(server,
     page.wait_for_load_state("networkidle")
     assert failed == [] and not any(url.endswith("/favicon.ico") for url in requested), (failed, requested)
     page.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 12: the sampler fields are drawn from SETTINGS (through the server's settings list)
+# ------------------------------------------------------------------------------------------------
+
+HTTP_SETTINGS = [s for s in SETTINGS if s.http is not None]
+
+
+def taking_modes(s) -> list[str]:
+    """The modes whose requests take the setting: `steps` is refused in mode speculative (draft_steps is its)."""
+    return [m for m in s.modes if not (s.wire == "steps" and m == "speculative")]
+
+
+def test_every_http_setting_has_a_field_enabled_in_the_modes_that_take_it(server, browser):
+    page, errors = open_page(browser, server)
+    drawn = [s for s in HTTP_SETTINGS if s.wire != "mode"]  # the mode box is the page's own
+    for s in drawn:
+        field = page.eval_on_selector(f"#sampler-fields [name={s.wire}]",
+                                      "el => [el.closest('label').dataset.modes, el.type, el.step]")
+        want = {bool: ["checkbox", ""], int: ["number", "1"], float: ["number", "any"]}[s.kind]
+        assert field == [" ".join(taking_modes(s)), *want], s.wire
+    for mode in MODES:
+        page.select_option("select[name=mode]", mode)
+        enabled = {s.wire for s in drawn if page.is_enabled(f"[name={s.wire}]")}
+        assert enabled == {s.wire for s in drawn if mode in taking_modes(s)}, mode
+    assert page.get_attribute("input[name=temperature]", "placeholder") == (
+        f"model default ({server.app.state.printpress.pipeline.generation_config.temperature:g})")
+    assert errors == []
+    page.close()
+
+
+def test_the_request_body_is_typed_by_each_settings_kind(server, browser):
+    page, errors = open_page(browser, server)  # steps=8, seed=21, max_tokens=64
+    page.fill("input[name=t_max]", "0.5")
+    page.check("input[name=sample_accepted_only]")
+    body = page.evaluate("printpress.readSettings()")
+    assert body == {"prompt": "ROMEO:", "mode": "diffusion", "max_tokens": 64, "seed": 21, "steps": 8, "t_max": 0.5,
+                    "sample_accepted_only": True}
+    page.select_option("select[name=mode]", "ar")  # none of them is read by ar: none is sent
+    assert page.evaluate("printpress.readSettings()") == {"prompt": "ROMEO:", "mode": "ar", "max_tokens": 64,
+                                                          "seed": 21}
+    assert errors == []
+    page.close()
+
+
+def test_a_new_setting_reaches_the_page_with_no_page_edit(server, browser, monkeypatch):
+    from printpress.serve import protocol
+
+    knob = Setting("lookahead", int, "mode speculative: a knob added later", default=3, modes=("speculative",),
+                   http=dict(ge=1, le=16))
+    monkeypatch.setattr(protocol, "SETTINGS", (*SETTINGS, knob))
+    with running_server(server.app.state.printpress.pipeline) as other:
+        page, errors = open_page(browser, other)
+        label = page.eval_on_selector("input[name=lookahead]", "el => [el.closest('label').dataset.modes, "
+                                                                  "el.min, el.max, el.placeholder]")
+        assert label == ["speculative", "1", "16", "model default (3)"]
+        assert not page.is_enabled("input[name=lookahead]")
+        page.select_option("select[name=mode]", "speculative")
+        page.fill("input[name=lookahead]", "5")
+        assert page.evaluate("printpress.readSettings()")["lookahead"] == 5
+        assert errors == []
+        page.close()

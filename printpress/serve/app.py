@@ -6,8 +6,8 @@
 - `errors.py`: one JSON error shape for every failure;
 - `jobs.py` and `streaming.py`: the building blocks a route uses: submit requests, read their events (several
   choices merged), format server-sent events;
-- routers: `routes.api_router()` (/v1/...), `routes.health_router()`, `web_router()` (the page, below), and any
-  `extra_routers` (the serve command mounts `edits.router()`).
+- routers: `routes.api_router()` (/v1/...), `routes.health_router()`, `web_router()` (the page, below, with the
+  sampler settings written in), and any `extra_routers` (the serve command mounts `edits.router()`).
 
 It never touches tensors: it turns JSON into `printpress.request.Request`s (text -> ids with the pipeline's
 tokenizer, settings validated by `pipeline.settings`), hands them to the scheduler, and turns the scheduler's
@@ -16,12 +16,14 @@ events back into JSON or server-sent events. Batching, slots, queueing and timeo
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from importlib import resources
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
 
+from printpress.serve import protocol as p
 from printpress.serve.access import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, BodyLimit, HostCheck
 from printpress.serve.chat import ChatFormatter
 from printpress.serve.errors import install_error_handlers
@@ -35,11 +37,24 @@ STATIC_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
                 "/edit.js": ("edit.js", "text/javascript; charset=utf-8")}
 
 
-def web_router() -> APIRouter:
-    """The page: a fixed set of files read from the package once (no route reads a path the client names)."""
+# Where index.html carries the sampler settings; the server writes them in when it starts (`web_router`).
+SETTINGS_SLOT = b'<script id="sampler-settings" type="application/json">null</script>'
+
+
+def web_router(settings: p.SettingList) -> APIRouter:
+    """The page: a fixed set of files read from the package once (no route reads a path the client names).
+
+    index.html gets `settings` (the document GET /v1/settings answers) written in, and app.js draws the sampler
+    fields from them, so a new setting reaches the page with no edit to it. They are in the page rather than
+    fetched because the page must draw its form before anyone types the API key that /v1 routes need."""
     router = APIRouter(include_in_schema=False)
     folder = resources.files("printpress.serve") / "static"
     files = {route: (folder.joinpath(name).read_bytes(), media) for route, (name, media) in STATIC_FILES.items()}
+    page, media = files["/"]
+    if page.count(SETTINGS_SLOT) != 1:
+        raise RuntimeError("index.html must hold the sampler settings' slot once: " + SETTINGS_SLOT.decode())
+    filled = SETTINGS_SLOT.replace(b"null", _script_json(settings.model_dump(mode="json")))
+    files["/"] = (page.replace(SETTINGS_SLOT, filled), media)
 
     def serve(route: str):
         content, media = files[route]
@@ -52,6 +67,13 @@ def web_router() -> APIRouter:
     for route in files:
         router.add_api_route(route, serve(route), methods=["GET"])
     return router
+
+
+def _script_json(value) -> bytes:
+    """JSON that can sit inside a <script> element: `<`, `>` and `&` (only ever inside its strings) as \\u escapes,
+    so no text in it can close the element."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").encode()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,5 +139,5 @@ def create_app(pipeline, scheduler, *, model_name: str, max_new_tokens: int, max
     app.include_router(health_router())
     for router in extra_routers:
         app.include_router(router)
-    app.include_router(web_router())
+    app.include_router(web_router(app.state.printpress.setting_list()))
     return app

@@ -4,7 +4,8 @@
 // "select a span -> rewrite it in place") can be added beside them:
 //   1. streamEvents(): POST a JSON body and read the server-sent events of the answer (any endpoint).
 //   2. CanvasView: draws committed text plus one live canvas into an element (any number of views).
-//   3. The page controller: reads the form, runs one generation, feeds a list of consumers.
+//   3. The page controller: draws the sampler settings' fields from the server's list of them, reads the form,
+//      runs one generation, feeds a list of consumers.
 // Everything is exposed on window.printpress for extensions and tests.
 "use strict";
 
@@ -163,25 +164,72 @@
 
   const $ = (id) => document.getElementById(id);
   const form = $("generate-form");
-  const NUMBER_FIELDS = { max_tokens: parseInt, steps: parseInt, draft_steps: parseInt, seed: parseInt,
-                          entropy_bound: parseFloat, t_min: parseFloat, t_max: parseFloat, temperature: parseFloat,
-                          top_k: parseInt };
+  // The sampler settings the server takes, as GET /v1/settings lists them (the server writes the list into the page):
+  // { name, kind, help, modes, editing, choices, default, min, max, step } each. The form's fields for them are
+  // drawn from it, so a new setting appears here with no edit to the page.
+  const SETTINGS = JSON.parse($("sampler-settings").textContent).data;
+  // The page's own fields that go into a request body beside the settings (OpenAI's fields, not settings).
+  const PAGE_FIELDS = { max_tokens: { kind: "int" }, seed: { kind: "int" } };
+  const fieldsByName = { ...PAGE_FIELDS, ...Object.fromEntries(SETTINGS.map((s) => [s.name, s])) };
 
-  /** The numbers typed into the named fields (empty fields are left out: they keep the model's defaults). */
+  /** A labelled input for one setting: a checkbox for a flag, a select for a choice, else a box for a number. */
+  function settingField(s) {
+    const label = document.createElement("label");
+    label.title = s.help;
+    label.dataset.modes = s.modes.join(" ");
+    let input;
+    if (s.choices) {
+      input = document.createElement("select");
+      for (const choice of ["", ...s.choices]) input.add(new Option(choice || `model default (${s.default})`, choice));
+    } else {
+      input = document.createElement("input");
+      if (s.kind === "bool") {
+        input.type = "checkbox";
+        input.checked = s.default === true; // a box left at the model's default is not sent (`fieldValue`)
+      } else {
+        input.type = s.kind === "int" || s.kind === "float" ? "number" : "text";
+        for (const bound of ["min", "max", "step"]) if (s[bound] != null) input[bound] = String(s[bound]);
+        if (input.type === "number" && s.step == null) input.step = "any";
+        input.placeholder = s.default === null ? "default" : `model default (${s.default})`;
+      }
+    }
+    input.name = s.name;
+    label.append(`${s.name} `, input);
+    return label;
+  }
+
+  /** A field per setting the form has no field for yet (the mode box is the page's own, with its own words). */
+  function drawSettingFields() {
+    $("sampler-fields").replaceChildren(...SETTINGS.filter((s) => !form.elements.namedItem(s.name)).map(settingField));
+  }
+
+  /** What a field asks for, typed by its setting's kind; undefined when it asks for nothing (empty, or a checkbox
+   *  at the model's default): such a field is not sent and the model's default applies. */
+  function fieldValue(field, input) {
+    if (input.type === "checkbox") return input.checked === (field.default === true) ? undefined : input.checked;
+    const raw = String(input.value).trim();
+    if (raw === "") return undefined;
+    if (field.kind === "int") return parseInt(raw, 10);
+    if (field.kind === "float") return parseFloat(raw);
+    return raw;
+  }
+
+  /** The values of the named fields (empty ones are left out: they keep the model's defaults; so are disabled ones,
+   *  the settings the chosen mode does not read, unless `enabledOnly` is false). */
   function readFields(names, { enabledOnly = true } = {}) {
     const body = {};
     for (const name of names) {
-      const input = form.elements[name];
-      const raw = input ? String(input.value).trim() : "";
-      if (raw !== "" && !(enabledOnly && input.disabled)) body[name] = NUMBER_FIELDS[name](raw);
+      const input = form.elements.namedItem(name);
+      if (!input || (enabledOnly && input.disabled)) continue;
+      const value = fieldValue(fieldsByName[name] || {}, input);
+      if (value !== undefined) body[name] = value;
     }
     return body;
   }
 
-  /** The request body the form describes: the fields of the chosen mode (the others are disabled). */
+  /** The request body the form describes: the prompt, the page's fields and the settings of the chosen mode. */
   function readSettings() {
-    return { prompt: form.elements.prompt.value, mode: form.elements.mode.value,
-             ...readFields(Object.keys(NUMBER_FIELDS)) };
+    return { prompt: form.elements.prompt.value, ...readFields(Object.keys(fieldsByName)) };
   }
 
   /** Enable the settings the chosen mode reads (`data-modes` on their label), disable the rest. */
@@ -341,6 +389,7 @@
     }
   }
 
+  drawSettingFields();
   form.addEventListener("submit", run);
   form.elements.mode.addEventListener("change", applyMode);
   $("stop").addEventListener("click", () => controller && controller.abort());
@@ -348,5 +397,5 @@
   showModel();
 
   window.printpress = { streamEvents, streamCompletion, authHeaders, CanvasView, readSettings, readFields, addAction,
-                        extraConsumers, view, paced, setRunning, pageOptions, call, applyMode };
+                        extraConsumers, view, paced, setRunning, pageOptions, call, applyMode, SETTINGS };
 })();

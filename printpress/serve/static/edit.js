@@ -36,12 +36,14 @@
     return null;
   }
 
-  /** The request body: the span in code points, and the page's diffusion settings (an edit is diffusion
+  // The settings an edit takes (those the server marks `editing`: the diffusion sampler's), and the seed.
+  const EDIT_FIELDS = ["seed", ...pp.SETTINGS.filter((s) => s.editing).map((s) => s.name)];
+
+  /** The request body: the span in code points, and the page's settings an edit takes (an edit is diffusion
    *  whatever the mode box says, so they are read even while the mode disables them). */
   function editBody(t) {
     const body = { text: t.text, span: [codePoints(t.text.slice(0, t.start)), codePoints(t.text.slice(0, t.end))],
-                   stream: true, stream_steps: true,
-                   ...pp.readFields(["steps", "seed", "entropy_bound", "t_min", "t_max"], { enabledOnly: false }) };
+                   stream: true, stream_steps: true, ...pp.readFields(EDIT_FIELDS, { enabledOnly: false }) };
     const length = String(new FormData($("generate-form")).get("edit_length") || "").trim();
     if (length !== "") body.length = parseInt(length, 10);
     return body;
