@@ -1,4 +1,9 @@
-"""Opt-in compiled AR step: one `torch.compile` graph per step. Faster; NOT bit-exact to the reference.
+"""Opt-in compiled AR step and decoder pass: one `torch.compile` graph each. Faster; NOT bit-exact to the reference.
+
+The decoder pass (`compile_decoder`) follows the same recipe as the AR step below: the cache is read as the eager
+`denoise` reads it (oldest first, with its validity masks), the experts run densely for a canvas (every expert on
+every token, then the router's choice), and the rest of the pass is one graph; it covers every decoder pass of a
+model (diffusion steps, speculative drafts, edits), for any cache length and batch.
 
 The exact engine runs an AR step as ~700 small eager kernels, each paying dispatch cost (docs/benchmarks.md,
 "Roofline"). Here one step (1 token per row after the cache, `logits="last"`) is a single graph, the way gpt-fast
@@ -140,3 +145,95 @@ def compile_ar_step(model: DiffusionGemma, backend: str = "inductor") -> Compile
 
 def remove_compiled_ar_step(model: DiffusionGemma) -> None:
     model.compiled_ar_step = None
+
+
+# -- the decoder pass -------------------------------------------------------------------------------------------
+
+
+def decoder_pass_graph(
+    model: DiffusionGemma,
+    canvas_ids: torch.Tensor,
+    probs: torch.Tensor | None,
+    self_conditioning_mask: torch.Tensor | None,
+    positions: torch.Tensor,
+    prefix_keys: list[torch.Tensor],
+    prefix_values: list[torch.Tensor],
+    full_valid: torch.Tensor | None,
+    sliding_valid: torch.Tensor | None,
+) -> torch.Tensor:
+    """One decoder pass as a pure function of tensors (what `torch.compile` captures): float32 logits (B, C, V).
+
+    The inputs are what the eager `denoise` reads: the canvas, the previous step's probabilities (or None), the
+    canvas's RoPE positions (C,) or per row (B, C), each layer's cached keys/values oldest first, and which cached
+    keys hold real tokens per layer kind (None: all). The canvas sees every valid cached key and all of itself."""
+    b, c = canvas_ids.shape
+    x = model.embed_canvas(canvas_ids, None, self_conditioning_mask, probs=probs).reshape(b * c, -1)
+    ropes = model.rope(positions)
+    masks = {sliding: None if valid is None else torch.cat([valid, valid.new_ones(b, c)], dim=1)[:, None, None, :]
+             for sliding, valid in ((True, sliding_valid), (False, full_valid))}
+    for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
+        q, k, v = layer.attention_inputs(x, (b, c), ropes[spec.sliding])
+        k_all = torch.cat([prefix_keys[index], k], dim=2)
+        v_all = torch.cat([prefix_values[index], v], dim=2)
+        attention = layer.self_attn
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_all, v_all, attn_mask=masks[spec.sliding], scale=1.0,
+            enable_gqa=attention.num_kv_heads != attention.num_heads)
+        x = layer.after_attention(x, out.transpose(1, 2).reshape(b * c, -1), (b, c), False)
+    return model.logits(model.norm(x).view(b, c, -1))
+
+
+class CompiledDecoderPass:
+    """`model.denoise(...)` through one compiled graph per canvas shape; see `compile_decoder`."""
+
+    def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
+        self.model = model
+        self.backend = backend
+        self.failure: str | None = None
+        self._graph = torch.compile(decoder_pass_graph, backend=backend, fullgraph=True)
+
+    def covers(self) -> bool:
+        """Whether the graph runs this pass (inference only, and only while it has not failed)."""
+        return self.failure is None and not torch.is_grad_enabled()
+
+    def __call__(self, canvas_ids: torch.Tensor, cache, self_conditioning_logits: torch.Tensor | None,
+                 self_conditioning_probs: torch.Tensor | None,
+                 self_conditioning_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The pass's logits (B, C, V); None if the graph failed (the caller runs the eager path)."""
+        probs = self_conditioning_probs
+        if probs is None and self_conditioning_logits is not None:
+            probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)
+        c = canvas_ids.shape[1]
+        positions = cache.row_positions(torch.arange(cache.length, cache.length + c, device=canvas_ids.device))
+        specs = self.model.specs
+        prefixes = [cache.sliding_prefix(i) if spec.sliding else cache.full_prefix(i) for i, spec in enumerate(specs)]
+        keys, values = [k for k, _ in prefixes], [v for _, v in prefixes]
+        full_valid = sliding_valid = None
+        if not cache.all_valid():
+            full_valid, sliding_valid = cache.prefix_valid(False), cache.prefix_valid(True)
+        for tensor in (*keys, *values):  # the context grows every canvas: compile once for any length
+            torch._dynamo.maybe_mark_dynamic(tensor, 2)
+        for valid in (full_valid, sliding_valid):
+            if valid is not None:
+                torch._dynamo.maybe_mark_dynamic(valid, 1)
+        try:
+            return self._graph(self.model, canvas_ids, probs, self_conditioning_mask, positions, keys, values,
+                               full_valid, sliding_valid)
+        except Exception as error:  # noqa: BLE001 - any compiler failure means "use the eager path"
+            self.failure = f"{type(error).__name__}: {error}"
+            logger.warning("compiled decoder pass unavailable (%s); running the exact eager path", self.failure)
+            return None
+
+
+def compile_decoder(model: DiffusionGemma, backend: str = "inductor") -> CompiledDecoderPass:
+    """Run this model's decoder passes (diffusion steps, speculative drafts, edits) through one compiled graph
+    from now on: opt-in and not bit-exact, like `compile_ar_step` (the experts run densely, fused kernels sum in
+    another order). Returns the pass object (`.failure` says why it fell back, if it did);
+    `remove_compiled_decoder` undoes it."""
+    compiled = CompiledDecoderPass(model, backend)
+    model.compiled_decoder = compiled
+    return compiled
+
+
+def remove_compiled_decoder(model: DiffusionGemma) -> None:
+    model.compiled_decoder = None

@@ -23,7 +23,7 @@ from printpress.cache import KVCache
 from printpress.config import FULL, SLIDING, LayerSpec, TextConfig
 
 if TYPE_CHECKING:
-    from printpress.fast import CompiledARStep
+    from printpress.fast import CompiledARStep, CompiledDecoderPass
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LogitsMode = Literal["all", "last", "none"]
@@ -361,6 +361,8 @@ class DiffusionGemma(nn.Module):
         self._rope_memo: tuple | None = None  # (key, positions, tables) of the last canvas (`_canvas_rope`)
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
+        # Opt-in, not bit-exact: decoder passes through one compiled graph (`printpress.fast.compile_decoder`).
+        self.compiled_decoder: CompiledDecoderPass | None = None
         # Opt-in, not exact: the logits from an int8 copy of the tied embedding (`printpress.quantize`, "int8-head").
         self.lm_head: nn.Module | None = None
         self.reset_parameters()
@@ -541,6 +543,11 @@ class DiffusionGemma(nn.Module):
         Self-conditioning takes the previous step's logits, or their float32 softmax if the caller already
         has it (the sampler does: passing it saves one softmax over the vocabulary per step).
         `self_conditioning_mask` (B,) marks rows that have a previous step (the others get none)."""
+        compiled = self.compiled_decoder
+        if compiled is not None and compiled.covers():
+            out = compiled(canvas_ids, cache, self_conditioning_logits, self_conditioning_probs, self_conditioning_mask)
+            if out is not None:
+                return out
         c = canvas_ids.shape[1]
         x = self.embed_canvas(canvas_ids, self_conditioning_logits, self_conditioning_mask, probs=self_conditioning_probs)
         masks = Masks(sliding=self._decoder_mask(cache, c, sliding=True), full=self._decoder_mask(cache, c, sliding=False))

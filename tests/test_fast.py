@@ -100,3 +100,75 @@ def test_inductor_compiles_the_step_of_the_shipped_model():
     assert len(fast.token_ids) == len(exact.token_ids)
     # Not bit-exact: greedy tokens agree where no two logits are within rounding of each other.
     assert sum(a == b for a, b in zip(fast.token_ids, exact.token_ids)) >= 20
+
+
+# -- the compiled decoder pass -----------------------------------------------------------------------------------
+
+
+def decoder_passes(model, caches, canvas: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor | None):
+    """Logits of a first step (no self-conditioning) and a self-conditioned step per cache."""
+    with torch.no_grad():
+        return [(model.denoise(canvas[: c.batch_size], c),
+                 model.denoise(canvas[: c.batch_size], c, self_conditioning_probs=probs[: c.batch_size],
+                               self_conditioning_mask=None if mask is None else mask[: c.batch_size]))
+                for c in caches]
+
+
+def decoder_caches(model):
+    """A one-row cache whose sliding ring has wrapped, a left-padded batch, and two requests stacked."""
+    from printpress.cache import StackedCache
+
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(5)
+    long, short = model.new_cache(1, 40), model.new_cache(1, 40)
+    with torch.no_grad():
+        model.encode(torch.randint(3, vocab, (1, 13), generator=generator), long, logits="none")
+        model.encode(torch.randint(3, vocab, (1, 4), generator=generator), short, logits="none")
+        batch, mask = padded_prompts(vocab)
+        padded = model.new_cache(2, 40)
+        model.encode(batch, padded, attention_mask=mask, logits="none")
+    return [long, padded, StackedCache([long, short], 8)]
+
+
+@pytest.mark.slow  # compiles the pass
+def test_the_decoder_pass_is_one_graph_and_computes_the_exact_paths_logits(model):
+    from printpress.fast import compile_decoder, remove_compiled_decoder
+
+    caches = decoder_caches(model)
+    generator = torch.Generator().manual_seed(6)
+    canvas = torch.randint(3, model.config.vocab_size, (2, 8), generator=generator)
+    probs = torch.softmax(torch.randn(2, 8, model.config.vocab_size, generator=generator), dim=-1)
+    mask = torch.tensor([True, False])
+    exact = decoder_passes(model, caches, canvas, probs, mask)
+    compiled = compile_decoder(model, backend="eager")
+    try:
+        fast = decoder_passes(model, caches, canvas, probs, mask)
+    finally:
+        remove_compiled_decoder(model)
+    assert compiled.failure is None  # fullgraph=True: a graph break would have been a failure
+    for pair_exact, pair_fast in zip(exact, fast):
+        for a, b in zip(pair_exact, pair_fast):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-4
+
+
+def test_a_failing_decoder_graph_falls_back_to_the_exact_path_once(model, caplog):
+    from printpress.fast import compile_decoder, remove_compiled_decoder
+
+    caches = decoder_caches(model)[:1]
+    canvas = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(7))
+    probs = torch.full((1, 8, model.config.vocab_size), 1 / model.config.vocab_size)
+    exact = decoder_passes(model, caches, canvas, probs, None)
+    compiled = compile_decoder(model, backend="eager")
+
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+
+    compiled._graph = broken
+    try:
+        with caplog.at_level(logging.WARNING, logger="printpress.fast"):
+            fallback = decoder_passes(model, caches, canvas, probs, None)
+    finally:
+        remove_compiled_decoder(model)
+    assert "no compiler here" in compiled.failure
+    assert sum("exact eager path" in r.message for r in caplog.records) == 1
+    assert all(torch.equal(a, b) for a, b in zip(exact[0], fallback[0]))  # the exact path, bit for bit

@@ -1,0 +1,119 @@
+"""The opt-in compiled decoder pass against the exact one, on the shipped model: per pass, and end to end.
+
+One process, one thread. Per pass: a decoder pass over a canvas after a 64-token prefix (the first step without
+self-conditioning and a self-conditioned one), exact (`model.denoise`) and through `printpress.fast.compile_decoder`,
+interleaved for `--rounds` rounds, medians; the largest logit difference between the two. End to end: diffusion
+decoding of the same prompts and seeds with both, interleaved prompt by prompt, at the model's default settings and
+at 4 steps per canvas: tokens/s (wall, prefill included, the compiled side warmed up first), tokens per forward,
+and the judged NLL per character of the continuations under the AR twin (models/shakespeare-ar), lower is better.
+The compiled side samples from logits that differ in the last bits, so its tokens are not the exact path's.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/compiled_decoder.py --out docs/results/compiled_decoder.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import printpress
+from printpress.eval.judge import nll_per_char
+from printpress.fast import compile_decoder
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["ROMEO:\n", "JULIET:\nO ", "KING HENRY.\n", "To be, or not to be", "First Citizen:\n",
+           "HAMLET.\nWhat ", "LADY MACBETH.\n", "Enter the King"]
+SETTINGS = {"default": {}, "4 steps, bound 4": {"max_denoising_steps": 4, "entropy_bound": 4.0}}
+
+
+def time_passes(exact, fast, canvas_lengths: list[int], rounds: int) -> dict:
+    """Median ms per decoder pass, exact and compiled, after a 64-token prefix; their largest logit difference."""
+    model = exact.model
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    out = {}
+    for c in canvas_lengths:
+        cache = model.new_cache(1, 64 + c)
+        with torch.no_grad():
+            model.encode(torch.randint(3, vocab, (1, 64), generator=generator), cache, logits="none")
+        canvas = torch.randint(3, vocab, (1, c), generator=generator)
+        probs = torch.softmax(torch.randn(1, c, vocab, generator=generator), dim=-1)
+        sides = {"exact": exact.model, "compiled": fast.model}
+        times = {f"{name} {kind}": [] for name in sides for kind in ("first", "self-conditioned")}
+        logits = {}
+        with torch.no_grad():
+            for name, m in sides.items():  # warm up (compiles the graph)
+                m.denoise(canvas, cache)
+                m.denoise(canvas, cache, self_conditioning_probs=probs)
+            for r in range(rounds):
+                for name, m in (sides.items() if r % 2 == 0 else reversed(sides.items())):
+                    for kind, extra in (("first", {}), ("self-conditioned", {"self_conditioning_probs": probs})):
+                        start = time.perf_counter()
+                        logits[name, kind] = m.denoise(canvas, cache, **extra)
+                        times[f"{name} {kind}"].append((time.perf_counter() - start) * 1e3)
+        row = {key: statistics.median(values) for key, values in times.items()}
+        row["max_abs_logit_diff"] = max(float((logits["exact", k] - logits["compiled", k]).abs().max())
+                                        for k in ("first", "self-conditioned"))
+        out[f"canvas {c}"] = row
+        print(f"canvas {c:3d}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items() if k != "max_abs_logit_diff")
+              + f"; max |logit diff| {row['max_abs_logit_diff']:.1e}")
+    return out
+
+
+def end_to_end(exact, fast, judge, max_new_tokens: int) -> dict:
+    report = {}
+    sides = {"exact": exact, "compiled": fast}
+    for label, settings in SETTINGS.items():
+        rows = {name: {"seconds": 0.0, "tokens": 0, "passes": 0, "nll": []} for name in sides}
+        for index, prompt in enumerate(PROMPTS):
+            for name, pipe in (sides.items() if index % 2 == 0 else reversed(sides.items())):
+                start = time.perf_counter()
+                result = pipe.generate(prompt, mode="diffusion", seed=index, max_new_tokens=max_new_tokens, **settings)
+                rows[name]["seconds"] += time.perf_counter() - start
+                rows[name]["tokens"] += len(result.token_ids)
+                rows[name]["passes"] += result.stats.forward_passes
+                rows[name]["nll"].append(nll_per_char(judge, prompt, result.text))
+        report[label] = {name: {"tokens_per_s": row["tokens"] / row["seconds"],
+                                "tokens_per_forward": row["tokens"] / row["passes"],
+                                "judged_nll_per_char": statistics.mean(row["nll"])} for name, row in rows.items()}
+        report[label]["speedup"] = report[label]["compiled"]["tokens_per_s"] / report[label]["exact"]["tokens_per_s"]
+        print(f"{label}: " + "; ".join(f"{name} {r['tokens_per_s']:.1f} tok/s, NLL/char {r['judged_nll_per_char']:.3f}"
+                                      for name, r in report[label].items() if name != "speedup")
+              + f"; compiled/exact {report[label]['speedup']:.2f}x")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "shakespeare-joint"))
+    parser.add_argument("--canvas", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", help="write the JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    exact, fast = printpress.load(args.model), printpress.load(args.model)
+    judge = printpress.load(ROOT / "models" / "shakespeare-ar")
+    start = time.perf_counter()
+    compiled = compile_decoder(fast.model)
+    fast.generate(PROMPTS[0], mode="diffusion", max_new_tokens=8, max_denoising_steps=2)  # compile before timing
+    compile_seconds = time.perf_counter() - start
+    load_start = os.getloadavg()[0]
+    report = {"command": "OMP_NUM_THREADS=1 python bench/compiled_decoder.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "model": args.model, "threads": 1, "compile_seconds": compile_seconds,
+              "passes": time_passes(exact, fast, args.canvas, args.rounds),
+              "diffusion": end_to_end(exact, fast, judge, args.max_new_tokens),
+              "compile_failure": compiled.failure, "load_average": [load_start, os.getloadavg()[0]]}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
