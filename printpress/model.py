@@ -580,6 +580,87 @@ class DiffusionGemma(nn.Module):
         canvas_valid = torch.ones(cache.batch_size, canvas, dtype=torch.bool, device=past_valid.device)
         return torch.cat([past_valid, canvas_valid], dim=1)[:, None, None, :]
 
+    # -- encoder and decoder in one pass (fused speculative rounds) -----------------------------------------
+    def verify_and_draft(
+        self, block: torch.Tensor, canvases: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode(block)` and, for every outcome j < n, a first `denoise` step of canvas j after block[:j + 1],
+        in one forward pass (mode="speculative" with fused drafts; TiDAR's layout).
+
+        `block` (1, m + 1) is encoded causally after the cache at positions start..start + m (start =
+        cache.length) and written to the cache exactly as `encode` writes it. Canvas j of `canvases` (n, L),
+        n <= m + 1, sits at positions start + j + 1 .. start + j + L in decoder mode (no self-conditioning): it
+        sees what `denoise` would see after the block's first j + 1 tokens were encoded (the cached prefix and
+        block rows 0..j, the sliding layers the last `sliding_window - 1` positions before the canvas), and its
+        own canvas bidirectionally; nothing else sees it and its keys are never stored. So the block's logits
+        are `encode`'s and canvas j's are that `denoise`'s, up to rounding (more rows per GEMM, another key
+        order). Batch 1 only.
+
+        Returns the block's float32 next-token logits (m + 1, V) and the canvases' final hidden states
+        (n, L, H): the caller turns only the realised outcome's positions into logits (`self.logits`), since the
+        head over every canvas row would cost as much as a good part of the pass.
+        """
+        if block.shape[0] != 1 or not cache.all_valid():
+            raise ValueError("verify_and_draft takes one unpadded sequence (batch 1)")
+        m1, (n, length) = block.shape[1], canvases.shape
+        if not 0 <= n <= m1:
+            raise ValueError(f"{n} canvases for a block of {m1} tokens: at most one per outcome")
+        cache.check_room(m1)
+        start, device = cache.length, block.device
+        block_positions = torch.arange(start, start + m1, device=device)
+        outcome = torch.arange(n, device=device).repeat_interleave(length)  # the outcome j of each canvas row
+        canvas_positions = start + 1 + outcome + torch.arange(length, device=device).repeat(n)
+        positions = torch.cat([block_positions, canvas_positions])
+        masks = Masks(
+            sliding=self._fused_mask(cache, block_positions, outcome, sliding=True) if self._has(True) else None,
+            full=self._fused_mask(cache, block_positions, outcome, sliding=False) if self._has(False) else None,
+        )
+
+        def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            block_k, block_v, canvas_k, canvas_v = k[:, :, :m1], v[:, :, :m1], k[:, :, m1:], v[:, :, m1:]
+            if self.specs[index].sliding:
+                past_k, past_v = cache.sliding_prefix(index)
+                keys = torch.cat([past_k, block_k, canvas_k], dim=2)
+                values = torch.cat([past_v, block_v, canvas_v], dim=2)
+                cache.write(index, block_k, block_v)  # after the concatenation, as in `encode`
+                return keys, values
+            past_k, past_v = cache.full_with_block(index, block_k, block_v)  # the block written, as `encode` does
+            return torch.cat([past_k, canvas_k], dim=2), torch.cat([past_v, canvas_v], dim=2)
+
+        x = torch.cat([self.embed(block), self.embed_canvas(canvases.reshape(1, n * length), None)], dim=1)
+        is_encoder = torch.arange(m1 + n * length, device=device) < m1
+        hidden = self.run_layers(x, cache.row_positions(positions), masks, kv_fn, encoder=is_encoder)
+        cache.advance(m1, None)
+        return self.logits(hidden[0, :m1]), hidden[0, m1:].view(n, length, -1)
+
+    def _fused_mask(self, cache: KVCache, block_positions: torch.Tensor, outcome: torch.Tensor,
+                    sliding: bool) -> torch.Tensor:
+        """(1, 1, rows, keys) for `verify_and_draft`: rows = block, then canvas rows (of outcome `outcome`);
+        keys = cached prefix (in `sliding_prefix` order), block, canvas rows.
+
+        Block rows: `_encoder_mask`'s causal (and windowed) rule, and no canvas key. Canvas rows of outcome j,
+        starting at position s = start + j + 1: every cached key and block rows 0..j, on sliding layers only
+        those at s - (sliding_window - 1) or later (what the ring would hold once block[:j + 1] was encoded);
+        and the rows of their own canvas."""
+        window = self.config.sliding_window
+        prefix = cache.prefix_positions(sliding)
+        m1, device = block_positions.numel(), block_positions.device
+        context = torch.cat([prefix, block_positions])  # positions of the keys the cache and the block give
+        q = block_positions[:, None]
+        block_rows = context[None, :] <= q
+        if sliding:
+            block_rows &= q - context[None, :] < window
+        canvas_start = block_positions[0] + 1 + outcome[:, None]
+        canvas_context = torch.cat([torch.ones(outcome.numel(), prefix.numel(), dtype=torch.bool, device=device),
+                                    torch.arange(m1, device=device)[None, :] <= outcome[:, None]], dim=1)
+        if sliding:
+            canvas_context &= context[None, :] >= canvas_start - (window - 1)
+        rows = torch.cat([
+            torch.cat([block_rows, block_rows.new_zeros(m1, outcome.numel())], dim=1),
+            torch.cat([canvas_context, outcome[:, None] == outcome[None, :]], dim=1),
+        ])
+        return rows[None, None]
+
 
 def _identity_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v

@@ -195,6 +195,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sample_accepted_only", bool, "faster sampler with the same distribution, not token-exact to the "
             "reference: sample only the positions the entropy bound accepts", default=False, modes=CANVAS_MODES,
             check=_flag, http={}, editing=True),
+    # TiDAR-style rounds: after the first, one pass verifies the drafts and drafts the next round for every outcome
+    # (printpress/speculative.py). Needs one draft step: the fused canvases get a single decoder step.
+    Setting("fused_draft", bool, "mode speculative with draft_steps 1: one pass per round both verifies the drafts "
+            "and drafts the next round (same output, fewer passes)", default=False, modes=("speculative",),
+            check=_flag, http={}),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -323,7 +328,8 @@ class SamplerSettings:
     """Everything that decides the tokens of one request, apart from the prompt and the seed.
 
     One field per stored entry of `SETTINGS` (mode, max_new_tokens, max_denoising_steps, entropy_bound, t_min,
-    t_max, stability_threshold, confidence_threshold, temperature, top_k, eos_token_ids, sample_accepted_only),
+    t_max, stability_threshold, confidence_threshold, temperature, top_k, eos_token_ids, sample_accepted_only,
+    fused_draft),
     with that entry's default, plus the checkpoint's pad id. Names follow the checkpoint's generation_config.json.
     `temperature` and `top_k` are the AR model's sampling (`mode="ar"` and `"speculative"`); the diffusion
     sampler uses the linear schedule `t_max -> t_min` instead, which a `temperature` given in diffusion mode
@@ -368,6 +374,10 @@ class SamplerSettings:
                 check_setting(s.name, getattr(self, s.name))
         if self.mode in BY_NAME["t_max"].modes:
             _require(self.t_min <= self.t_max, f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})")
+        if self.mode == "speculative" and self.fused_draft:
+            _require(self.max_denoising_steps == 1,
+                     f"fused_draft needs draft_steps (max_denoising_steps) = 1, got {self.max_denoising_steps}: a "
+                     "fused pass drafts with a single decoder step; set draft_steps=1 or leave fused_draft off")
         return self
 
 

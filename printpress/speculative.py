@@ -22,9 +22,21 @@ The same `t`-first layout makes the prefill's last logits give the first token, 
 Requests are served one after another (not batched): each verification accepts a different number of tokens,
 and per-row rollback of a batched cache is not worth it for a mode meant for one local user.
 
+Fused rounds (`settings.fused_draft`, TiDAR's layout; one draft step only): after the first round, one pass
+(`DiffusionGemma.verify_and_draft`) verifies `[t, d_1..d_m]` and, beside it, denoises once a canvas of
+`fused_canvas` noise tokens for every outcome j (j drafts accepted), placed right after block row j and seeing
+only what the decoder would see once `t, d_1..d_j` were encoded. The verification decides j exactly as above;
+canvas j then holds the next round's drafts: its slot 0 sits where the token just committed (the AR token `a`)
+goes, so the next block is `[a, c_1..c_m]` with `c_i` taken from slot i (argmax, or drawn from `_ar_probs`).
+One pass per round instead of two; the drafts are one token further ahead (slot 0 is noise, not `a`). The
+output is still AR's: the canvases' noise is drawn before the pass and no block row attends to a canvas, so
+the drafts depend only on committed tokens and fresh noise, which is all the acceptance rule needs.
+
 Counting: `forward_passes` = 1 (the prompt pass, which yields the first token) + decoder passes + verification
-passes, so `tokens_per_forward` compares with AR's 1.0. `SpeculativeStats` adds the verification count and
-`accepted_per_verification`: tokens committed per verification, the correction/bonus token included (>= 1).
+passes, so `tokens_per_forward` compares with AR's 1.0; a fused pass is one verification and no decoder pass
+(only the first round's draft, and any round that drafts without a fused pass before it, counts decoder
+passes and step events). `SpeculativeStats` adds the verification count and `accepted_per_verification`:
+tokens committed per verification, the correction/bonus token included (>= 1).
 """
 
 from __future__ import annotations
@@ -42,6 +54,9 @@ from printpress.request import Request, RequestState, model_device
 from printpress.sampling import SamplerSettings, sample_canvas, sample_next_token
 
 DEFAULT_CANVAS = 32  # the shipped models' canvas, used when the caller does not pass the checkpoint's
+# Canvas length of each outcome's draft in a fused pass (fused_draft): the fastest measured on the shipped model
+# (docs/benchmarks-speculative.md, "Fused draft+verify"). It caps the drafts per round at FUSED_CANVAS - 1.
+FUSED_CANVAS = 8
 
 
 @dataclass
@@ -61,12 +76,15 @@ def speculative(
     canvas_length: int | None = None,
     draft_length: int | None = None,
     step_events: bool = True,
+    fused_canvas: int | None = None,
 ) -> Iterator[Event]:
     """Generate for each request in turn, yielding the engine's events (same contract as `mode="ar"`).
 
     Draft steps per verification are `settings.max_denoising_steps`; `temperature`/`top_k` are the AR
     model's, as in `mode="ar"`. `canvas_length` is the decoder's canvas (the checkpoint's); `draft_length`
     caps the drafts verified per pass (default: the whole canvas after the clamped token, canvas - 1).
+    `fused_canvas`: each outcome's canvas in a fused pass (requests with `settings.fused_draft`; default
+    `FUSED_CANVAS`); their drafts are also capped at fused_canvas - 1.
     """
     canvas = DEFAULT_CANVAS if canvas_length is None else canvas_length
     if canvas < 2:
@@ -74,10 +92,13 @@ def speculative(
     drafts = canvas - 1 if draft_length is None else draft_length
     if not 0 <= drafts < canvas:
         raise GenerationError(f"draft_length must be in 0..{canvas - 1} (canvas {canvas}), got {draft_length}")
+    fused = FUSED_CANVAS if fused_canvas is None else fused_canvas
+    if fused < 2:
+        raise GenerationError(f"fused_canvas must be at least 2 (the committed token's slot and a draft), got {fused}")
     for request in requests:
         _check(request)
     for index, request in enumerate(requests):
-        yield from _generate_one(model, index, request, decode, canvas, drafts, step_events)
+        yield from _generate_one(model, index, request, decode, canvas, drafts, step_events, fused)
 
 
 def _check(request: Request) -> None:
@@ -95,6 +116,7 @@ def _generate_one(
     canvas: int,
     drafts: int,
     step_events: bool,
+    fused_canvas: int,
 ) -> Iterator[Event]:
     device = model_device(model)
     state = _State.start(index, request, device, request.settings.max_new_tokens, step_events=step_events)
@@ -106,15 +128,26 @@ def _generate_one(
     yield from _commit(state, [sample_next_token(logits[0, -1], state.settings, state.generator)], 0, decode)
     # A block of m + 1 tokens may be rolled back part way only while the sliding ring holds all of it.
     drafts = min(drafts, cache.window - 1)
+    fused = request.settings.fused_draft
+    if fused:
+        drafts = min(drafts, fused_canvas - 1)
+    drafted = None  # hidden states (1, L, H) of the canvas the last fused pass drafted for what it committed
     round_index = 0
     while not state.finished:
         round_index += 1
         last = state.tokens[-1]
         m = min(drafts, state.budget - len(state.tokens) - 1)
         draft, q = torch.empty(0, dtype=torch.long, device=device), None
-        if m > 0:
+        if m > 0 and drafted is not None:
+            draft, q = _canvas_draft(model, state, drafted, m)
+        elif m > 0:
             draft, q = yield from _draft(model, cache, state, last, canvas, m, round_index)
-        new = _verify(model, cache, state, last, draft, q)
+        # Outcomes whose next round still has a draft to make: committing j + 1 tokens leaves budget for one.
+        outcomes = min(draft.numel() + 1, state.budget - len(state.tokens) - 2) if fused and drafts else 0
+        if outcomes > 0:
+            new, drafted = _verify_and_draft(model, cache, state, last, draft, q, outcomes, fused_canvas)
+        else:
+            new, drafted = _verify(model, cache, state, last, draft, q), None
         yield from _commit(state, new, round_index, decode)
     yield state.done("speculative", decode, _stats(state))
 
@@ -181,9 +214,32 @@ def _verify(
 ) -> list[int]:
     """One causal pass over `[last, *draft]`; returns the tokens AR decoding commits, rolls the cache back."""
     block = torch.cat([torch.tensor([last], dtype=torch.long, device=draft.device), draft])[None]
-    start = cache.length
     snapshot = cache.snapshot(block.shape[1])
     logits = model.encode(block, cache, logits="all")[0]  # logits[i]: the AR model's view after block[i]
+    return _accept(cache, state, snapshot, draft, q, logits)
+
+
+def _verify_and_draft(
+    model: torch.nn.Module, cache, state: _State, last: int, draft: torch.Tensor, q: torch.Tensor | None,
+    outcomes: int, canvas_length: int,
+) -> tuple[list[int], torch.Tensor | None]:
+    """`_verify` fused with the next round's draft (`DiffusionGemma.verify_and_draft`): one pass verifies
+    `[last, *draft]` and denoises a noise canvas after each of its first `outcomes` rows. Returns the tokens AR
+    decoding commits and the final hidden states (1, L, H) of the canvas that follows them (None when the
+    outcome had none: the request has no budget for another draft)."""
+    block = torch.cat([torch.tensor([last], dtype=torch.long, device=draft.device), draft])[None]
+    noise = torch.randint(0, model.config.vocab_size, (outcomes, canvas_length), generator=state.generator,
+                          device=draft.device)  # drawn before the verification: independent of its outcome
+    snapshot = cache.snapshot(block.shape[1])
+    logits, hidden = model.verify_and_draft(block, noise, cache)
+    new = _accept(cache, state, snapshot, draft, q, logits)
+    outcome = len(new) - 1  # drafts accepted
+    return new, hidden[outcome : outcome + 1] if outcome < outcomes else None
+
+
+def _accept(cache, state: _State, snapshot, draft: torch.Tensor, q: torch.Tensor | None,
+            logits: torch.Tensor) -> list[int]:
+    """The verification's decision from its logits (m + 1, V) (one pass counted), and the cache rolled back."""
     state.forward_passes += 1
     state.verifications += 1
     if state.settings.temperature == 0:
@@ -192,10 +248,21 @@ def _verify(
         q = logits.new_empty(0, logits.shape[-1]) if q is None else q  # no draft: the bonus draw only
         new = sampled_accept(draft, q, _ar_probs(logits, state.settings), state.generator)
     accepted = len(new) - 1
-    cache.truncate(start + 1 + accepted, snapshot)
+    cache.truncate(snapshot.length + 1 + accepted, snapshot)
     state.drafted += int(draft.numel())
     state.accepted += accepted
     return new
+
+
+def _canvas_draft(model: torch.nn.Module, state: _State, hidden: torch.Tensor,
+                  m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The next `m` drafts from a fused pass's canvas (1, L, H): slots 1..m (slot 0 is the token just
+    committed), their argmax, or a draw from `_ar_probs` of their logits (returned as q), as `_draft` does."""
+    logits = model.logits(hidden[0, 1 : m + 1])
+    if state.settings.temperature == 0:
+        return torch.argmax(logits, dim=-1), None
+    q = _ar_probs(logits, state.settings)
+    return sample_canvas(q, state.generator), q
 
 
 def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> list[int]:

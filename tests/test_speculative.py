@@ -138,6 +138,65 @@ def test_truncate_refuses_what_it_cannot_restore():
     assert cache.length == 5
 
 
+# -- the fused draft+verify pass ---------------------------------------------------------------------------
+
+
+def assert_fused_pass_matches_encode_and_denoise(model, prefix: torch.Tensor, block: torch.Tensor,
+                                                 canvases: torch.Tensor, atol: float) -> None:
+    """`verify_and_draft` after `prefix`: its block logits are `encode(block)`'s, canvas j's logits are `denoise`'s
+    after encoding block[:j + 1] (this pins the mask), and after rolling back to any kept count the cache holds
+    what encoding the prefix and the kept tokens holds. All to rounding: more rows change a GEMM's."""
+    m1, room = block.shape[1], prefix.shape[1] + block.shape[1] + 8
+    with torch.no_grad():
+        for kept in range(m1 + 1):
+            fused = model.new_cache(1, room)
+            model.encode(prefix, fused, logits="none")
+            snapshot = fused.snapshot(m1)
+            logits, hidden = model.verify_and_draft(block, canvases, fused)
+            plain = model.new_cache(1, room)
+            model.encode(prefix, plain, logits="none")
+            torch.testing.assert_close(logits, model.encode(block, plain)[0], rtol=0, atol=atol)
+            assert fused.length == plain.length
+            fused.truncate(prefix.shape[1] + kept, snapshot)
+            straight = model.new_cache(1, room)
+            model.encode(torch.cat([prefix, block[:, :kept]], dim=1), straight, logits="none")
+            for mine, theirs in zip(readable(fused), readable(straight), strict=True):
+                assert sorted(mine) == sorted(theirs)
+                for position in theirs:
+                    torch.testing.assert_close(mine[position], theirs[position], rtol=0, atol=atol)
+        for j in range(canvases.shape[0]):
+            context = model.new_cache(1, room)
+            model.encode(torch.cat([prefix, block[:, : j + 1]], dim=1), context, logits="none")
+            torch.testing.assert_close(model.logits(hidden[j]), model.denoise(canvases[j : j + 1], context)[0],
+                                       rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("prefix,drafts,outcomes,length", [
+    (2, 3, 4, 5),  # the rings not yet full
+    (9, 2, 3, 4),  # wrapped rings (windows 3 and 6): the canvases see part of the ring and part of the block
+    (13, 5, 2, 3),  # canvases for the first outcomes only, as near the end of the token budget
+])
+def test_fused_pass_equals_encode_then_denoise(name, prefix, drafts, outcomes, length):
+    model = tiny_model(name)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(prefix)
+    ids = torch.randint(3, vocab, (1, prefix), generator=g)
+    block = torch.randint(3, vocab, (1, min(drafts, model.new_cache(1, 64).window - 1) + 1), generator=g)
+    canvases = torch.randint(0, vocab, (min(outcomes, block.shape[1]), length), generator=g)
+    assert_fused_pass_matches_encode_and_denoise(model, ids, block, canvases, atol=1e-5)
+
+
+def test_fused_pass_refuses_what_it_cannot_lay_out():
+    model = tiny_model("ring3")
+    cache = model.new_cache(1, 16)
+    model.encode(torch.tensor([[3, 4]]), cache, logits="none")
+    with pytest.raises(ValueError, match="3 canvases for a block of 2 tokens"):
+        model.verify_and_draft(torch.tensor([[3, 4]]), torch.zeros(3, 4, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="batch 1"):
+        model.verify_and_draft(torch.tensor([[3, 4], [5, 6]]), torch.zeros(1, 4, dtype=torch.long), cache)
+
+
 # -- the acceptance rules -----------------------------------------------------------------------------------
 
 
@@ -191,6 +250,29 @@ def test_greedy_speculative_equals_ar_on_tiny_models(name):
     assert accepted > 0  # a vocabulary this small makes random drafts match often: rollbacks part way happen
 
 
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_greedy_fused_speculative_equals_ar_on_tiny_models(name):
+    """Fused rounds (one pass verifies and drafts the next round) keep AR's tokens: prompts shorter and longer
+    than the rings, several fused canvas lengths, drafts capped by them or by the budget near the end."""
+    model = tiny_model(name)
+    vocab = model.config.vocab_size
+    fused_drafts = 0
+    for seed, (length, new, drafts, canvas) in enumerate([(3, 20, None, 4), (9, 25, 2, 8), (14, 12, 1, 3),
+                                                          (5, 30, None, 8)]):
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(3, vocab, (length,), generator=g).tolist()
+        s = settings(max_new_tokens=new, max_denoising_steps=1, fused_draft=True)
+        events, (result,) = collect(speculative(model, [Request(prompt, s, seed)], canvas_length=8,
+                                                draft_length=drafts, fused_canvas=canvas))
+        assert result.token_ids == ar_tokens(model, prompt, max_new_tokens=new)
+        stats = result.stats
+        assert stats.denoising_steps == 1 == sum(isinstance(e, StepEvent) for e in events)  # the first round's
+        assert stats.forward_passes == 1 + 1 + stats.verifications  # prompt pass, first draft, one pass per round
+        assert stats.accepted_drafts == new - 1 - stats.verifications
+        fused_drafts += stats.drafted_tokens
+    assert fused_drafts > 40  # most drafts came from fused passes
+
+
 def test_sample_accepted_only_is_honoured_by_the_draft_and_keeps_ar_output():
     """The draft runs the engine's canvas step, so the faster sampler applies to it as to diffusion decoding: other
     draws (so other drafts), and still exactly the AR model's tokens."""
@@ -221,9 +303,11 @@ def test_eos_stops_where_ar_stops():
     assert result.stats.finish_reason == "eos"
 
 
-def test_events_and_statistics_add_up():
+@pytest.mark.parametrize("draft_steps,fused", [(3, False), (1, True)])
+def test_events_and_statistics_add_up(draft_steps, fused):
+    """Also with fused rounds: a fused pass is one verification, no decoder pass and no step event."""
     model = tiny_model("ring6")
-    s = settings(max_new_tokens=17, max_denoising_steps=3)
+    s = settings(max_new_tokens=17, max_denoising_steps=draft_steps, fused_draft=fused)
     requests = [Request([3, 4, 5], s, 0), Request([6, 7, 8, 9, 10], s, 1)]
     events, results = collect(speculative(model, requests, decode=lambda ids: " ".join(map(str, ids)),
                                           canvas_length=6))
@@ -243,7 +327,7 @@ def test_events_and_statistics_add_up():
             if isinstance(event, CommitEvent):
                 committed += event.token_ids
             elif isinstance(event, StepEvent):
-                assert event.tokens[0] == committed[-1] and event.max_steps == 3 and len(event.tokens) == 6
+                assert event.tokens[0] == committed[-1] and event.max_steps == draft_steps and len(event.tokens) == 6
         assert stats.forward_passes == 1 + stats.denoising_steps + stats.verifications
         assert stats.tokens_per_forward == pytest.approx(17 / stats.forward_passes)
         assert stats.accepted_per_verification == pytest.approx(16 / stats.verifications)
@@ -281,6 +365,38 @@ def test_sampled_speculative_follows_the_ar_distribution():
     assert tv < 0.14, tv  # sampling noise alone is ~0.1 at this count; accepting drafts unchecked: > 0.5
 
 
+@pytest.mark.slow  # a statistical sweep: 600 sampled runs
+def test_sampled_fused_speculative_follows_the_ar_distribution():
+    """Every committed token must be a draw from the AR model's next-token distribution given the tokens before it.
+    With one draft per round, the rounds after the first verify drafts made by the previous fused pass. The
+    exact conditionals come from encoding each finished sequence; the tokens, tallied by the AR argmax of their
+    position (so that the test sees conditionals, not only a marginal), must match the summed probabilities."""
+    model = tiny_model("ring3")
+    vocab = model.config.vocab_size
+    prompt = [3, 4, 5]
+    temperature, new = 0.1, 10
+    s = settings(max_new_tokens=new, max_denoising_steps=1, temperature=temperature, fused_draft=True)
+    observed, expected = torch.zeros(vocab, vocab), torch.zeros(vocab, vocab)  # [AR argmax, token]
+    runs, drafted, kept = 600, 0, 0
+    with torch.no_grad():
+        for seed in range(runs):
+            (result,) = collect(speculative(model, [Request(prompt, s, seed)], canvas_length=4, draft_length=1,
+                                            fused_canvas=4, step_events=False))[1]
+            drafted += result.stats.drafted_tokens
+            kept += result.stats.accepted_drafts
+            ids = torch.tensor([prompt + result.token_ids])
+            logits = model.encode(ids, model.new_cache(1, ids.shape[1]))[0, len(prompt) - 1 : -1]
+            p = torch.softmax(logits / temperature, dim=-1)
+            best = logits.argmax(dim=-1)
+            expected.index_add_(0, best, p)
+            observed.index_put_((best, torch.tensor(result.token_ids)), torch.ones(new), accumulate=True)
+    assert drafted > 4 * runs and 0.3 < kept / drafted < 0.7  # mostly fused drafts (1 per run is not), kept and not
+    tv = (observed - expected).abs().sum() / 2 / (runs * new)
+    # Sampling noise alone: 0.022-0.031 over six other seed ranges. Drafts kept unchecked: 0.09; the drafts' q
+    # replaced by a uniform one (a wrong acceptance ratio): 0.042-0.051.
+    assert tv < 0.038, tv
+
+
 def test_bad_arguments_are_refused():
     model = tiny_model("ring3")
     request = Request([3, 4], settings(), 0)
@@ -290,6 +406,10 @@ def test_bad_arguments_are_refused():
         list(speculative(model, [Request([3], settings(temperature=-1.0), 0)]))
     with pytest.raises(GenerationError, match="the prompt is empty"):
         list(speculative(model, [Request([], settings(), 0)]))
+    with pytest.raises(GenerationError, match=r"fused_draft needs draft_steps \(max_denoising_steps\) = 1, got 2"):
+        list(speculative(model, [Request([3], settings(fused_draft=True), 0)]))
+    with pytest.raises(GenerationError, match="fused_canvas must be at least 2"):
+        list(speculative(model, [Request([3], settings(max_denoising_steps=1, fused_draft=True), 0)], fused_canvas=1))
 
 
 # -- the shipped joint model --------------------------------------------------------------------------------------
@@ -302,20 +422,44 @@ def shipped():
     return printpress.load()
 
 
-@pytest.mark.parametrize("text,new,steps,drafts", [
-    pytest.param("ROMEO:\nWhat light", 80, 1, None, marks=pytest.mark.slow),  # 80 new tokens: the 63-slot ring wraps
-    pytest.param("To be, or not to be", 40, 2, 8, marks=pytest.mark.slow),
-    ("KING HENRY.\n", 24, 1, 3),
+@pytest.mark.parametrize("text,new,steps,drafts,fused", [
+    pytest.param("ROMEO:\nWhat light", 80, 1, None, None, marks=pytest.mark.slow),  # 80 new tokens: the ring wraps
+    pytest.param("To be, or not to be", 40, 2, 8, None, marks=pytest.mark.slow),
+    ("KING HENRY.\n", 24, 1, 3, None),
+    pytest.param("ROMEO:\nWhat light", 80, 1, None, 8, marks=pytest.mark.slow),  # fused rounds, canvases of 8
+    ("To be, or not to be", 40, 1, 3, 4),
 ])
-def test_greedy_speculative_equals_ar_on_the_shipped_model(shipped, text, new, steps, drafts):
+def test_greedy_speculative_equals_ar_on_the_shipped_model(shipped, text, new, steps, drafts, fused):
     prompt = shipped.encode_text(text)
     ar = shipped.generate(prompt, mode="ar", max_new_tokens=new, temperature=0)
-    s = shipped.settings(mode="speculative", max_new_tokens=new, draft_steps=steps, temperature=0)
+    s = shipped.settings(mode="speculative", max_new_tokens=new, draft_steps=steps, temperature=0,
+                         fused_draft=fused is not None)
     request = Request(prompt, s, 0)
     (result,) = collect(speculative(shipped.model, [request], shipped.decode, canvas_length=32,
-                                    draft_length=drafts, step_events=False))[1]
+                                    draft_length=drafts, step_events=False, fused_canvas=fused))[1]
     assert result.token_ids == ar.token_ids
     assert result.text == ar.text
+
+
+def test_fused_pass_on_the_shipped_model(shipped):
+    """The fused pass against `encode` and `denoise` on real weights: 40 cached tokens, 4 drafts, canvases of 8."""
+    ids = torch.tensor([shipped.encode_text("ROMEO:\nWhat light through yonder window breaks? It is the east")])
+    prefix, block = ids[:, :-5], ids[:, -5:]
+    canvases = torch.randint(0, shipped.model.config.vocab_size, (5, 8), generator=torch.Generator().manual_seed(0))
+    assert_fused_pass_matches_encode_and_denoise(shipped.model, prefix, block, canvases, atol=1e-4)
+
+
+def test_fused_draft_is_a_setting_of_speculative_mode_only(shipped):
+    s = shipped.settings(mode="speculative", fused_draft=True)
+    assert s.fused_draft and s.max_denoising_steps == 1  # draft_steps' default
+    assert not shipped.settings(mode="speculative").fused_draft
+    with pytest.raises(GenerationError, match=r"fused_draft needs draft_steps \(max_denoising_steps\) = 1, got 2"):
+        shipped.settings(mode="speculative", draft_steps=2, fused_draft=True)
+    for mode in ("ar", "diffusion"):
+        with pytest.raises(GenerationError, match=f"fused_draft=True does not apply to mode='{mode}' \\(only mode "
+                                                  "'speculative' uses it\\)"):
+            shipped.settings(mode=mode, fused_draft=True)
+        assert not shipped.settings(mode=mode, fused_draft=False).fused_draft  # the default asks for nothing
 
 
 def test_pipeline_generate_in_speculative_mode(shipped):
@@ -323,6 +467,8 @@ def test_pipeline_generate_in_speculative_mode(shipped):
     ar = shipped.generate("ROMEO:", mode="ar", max_new_tokens=30, temperature=0)
     spec = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, draft_steps=1, seed=3, temperature=0)
     assert spec.token_ids == ar.token_ids and spec.text == ar.text and spec.mode == "speculative"
+    fused = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, fused_draft=True, temperature=0)
+    assert fused.token_ids == ar.token_ids and fused.stats.denoising_steps == 1
     assert spec.stats.verifications >= 1 and spec.stats.accepted_per_verification >= 1
     sampled = shipped.generate("ROMEO:", mode="speculative", max_new_tokens=30, max_denoising_steps=1, seed=3,
                                temperature=0.8)
@@ -343,3 +489,6 @@ def test_cli_generates_in_speculative_mode(capsys):
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == ar["token_ids"] and spec["text"] == ar["text"]
     assert spec["stats"]["forward_passes"] == 1 + spec["stats"]["denoising_steps"] + spec["stats"]["verifications"]
+    assert main([*common, "--mode", "speculative", "--fused-draft"]) == 0
+    fused = json.loads(capsys.readouterr().out)
+    assert fused["token_ids"] == ar["token_ids"] and fused["stats"]["denoising_steps"] == 1
