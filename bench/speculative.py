@@ -6,8 +6,11 @@ at that moment; the tokens must be identical (the script stops otherwise). Repor
 of each side summed over the prompts and their ratio, mean tokens committed per verification (accepted
 drafts + the AR token), accepted drafts per verification, tokens per forward.
 
+Fused settings (`fused_draft`: one pass per round verifies the drafts and drafts the next round, each outcome on
+a canvas of `fused canvas` positions) run with `--fused`, beside the best unfused settings of the first sweep.
+
     python bench/speculative.py [--model models/shakespeare-joint] [--tokens 128] [--threads 1] \
-        [--out docs/results/speculative.json]
+        [--out docs/results/speculative.json] [--fused]
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from printpress.engine import DoneEvent, Request, run
 from printpress.speculative import speculative
 
 PROMPTS = ["ROMEO:\n", "To be, or not to be", "First Citizen:\nBefore we proceed"]
-# (draft steps, draft length, decoder canvas): the sweep the doc reports.
-SETTINGS = [(steps, drafts, 32) for steps in (1, 2, 4) for drafts in (31, 7, 3)]
-SETTINGS += [(8, 31, 32), (8, 3, 32), (1, 7, 8), (1, 3, 4), (2, 3, 4)]
+# (draft steps, draft length, decoder canvas, fused canvas or None): the sweep the doc reports.
+SETTINGS = [(steps, drafts, 32, None) for steps in (1, 2, 4) for drafts in (31, 7, 3)]
+SETTINGS += [(8, 31, 32, None), (8, 3, 32, None), (1, 7, 8, None), (1, 3, 4, None), (2, 3, 4, None)]
+# --fused: fused rounds (one draft step; drafts at most fused canvas - 1), and the best unfused settings beside them.
+FUSED_SETTINGS = [(1, drafts, 32, fused) for fused in (4, 8, 32) for drafts in (1, 2, 3, 7) if drafts < fused]
+FUSED_SETTINGS += [(1, 7, 32, None), (1, 3, 32, None), (1, 1, 32, None)]
 
 
 def run_ar(pipe, prompt: list[int], tokens: int) -> tuple[list[int], float]:
@@ -39,11 +45,13 @@ def run_ar(pipe, prompt: list[int], tokens: int) -> tuple[list[int], float]:
     return result.token_ids, time.perf_counter() - start
 
 
-def run_speculative(pipe, prompt: list[int], tokens: int, steps: int, drafts: int, canvas: int):
-    settings = pipe.settings(mode="ar", max_new_tokens=tokens, max_denoising_steps=steps)
+def run_speculative(pipe, prompt: list[int], tokens: int, steps: int, drafts: int, canvas: int,
+                    fused: int | None = None):
+    settings = pipe.settings(mode="speculative", max_new_tokens=tokens, draft_steps=steps, temperature=0.0,
+                             fused_draft=fused is not None)
     start = time.perf_counter()
     events = speculative(pipe.model, [Request(prompt, settings, 0)], None, canvas_length=canvas,
-                         draft_length=drafts, step_events=False)
+                         draft_length=drafts, step_events=False, fused_canvas=fused)
     result = next(e.result for e in events if isinstance(e, DoneEvent))
     return result, time.perf_counter() - start
 
@@ -58,6 +66,12 @@ def main() -> None:
                         "from an argmax tie and write it here")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON at --out")
     parser.add_argument("--costs", default=None, help="instead of the sweep, time single passes and write them here")
+    parser.add_argument("--fused", action="store_true", help="run the fused draft+verify settings and the best "
+                        "unfused ones (about 10 minutes on a loaded 2-core machine) instead of the first sweep")
+    parser.add_argument("--only", default=None, help="only these settings, 'drafts:fused canvas' pairs ('-' for "
+                        "unfused), e.g. '1:4,2:8,7:-' (1 draft step, decoder canvas 32)")
+    parser.add_argument("--repeat", type=int, default=1, help="decode each prompt this many times per setting "
+                        "(the settings taking turns), summing the times")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pipe = printpress.load(args.model)
@@ -71,34 +85,34 @@ def main() -> None:
     for prompt in prompts:  # warm-up: first calls pay one-off allocation costs
         run_ar(pipe, prompt, 8)
         run_speculative(pipe, prompt, 8, 1, 31, 32)
+        if args.fused or args.only:
+            run_speculative(pipe, prompt, 8, 1, 7, 32, 8)
 
+    sweep = FUSED_SETTINGS if args.fused else SETTINGS
+    if args.only:
+        pairs = [item.split(":") for item in args.only.split(",")]
+        sweep = [(1, int(drafts), 32, None if fused == "-" else int(fused)) for drafts, fused in pairs]
+    totals = {setting: dict(ar_time=0.0, spec_time=0.0, tokens=0, verifications=0, accepted=0, forwards=0, decoder=0)
+              for setting in sweep}
+    for _ in range(args.repeat):  # the settings take turns, so a change of the machine's load hits all alike
+        for setting in sweep:
+            measure(pipe, prompts, args.tokens, setting, totals[setting])
     rows = []
-    for steps, drafts, canvas in SETTINGS:
-        ar_time = spec_time = 0.0
-        tokens = verifications = accepted = forwards = decoder = 0
-        for prompt in prompts:
-            ar_ids, seconds = run_ar(pipe, prompt, args.tokens)
-            ar_time += seconds
-            result, seconds = run_speculative(pipe, prompt, args.tokens, steps, drafts, canvas)
-            spec_time += seconds
-            if result.token_ids != ar_ids:
-                raise SystemExit(f"speculative output differs from AR for {pipe.decode(prompt)!r} at {steps, drafts}")
-            s = result.stats
-            tokens += s.new_tokens
-            verifications += s.verifications
-            accepted += s.accepted_drafts
-            forwards += s.forward_passes
-            decoder += s.denoising_steps
+    for (steps, drafts, canvas, fused), t in totals.items():
+        tokens, verifications = t["tokens"], t["verifications"]
         row = {
-            "draft_steps": steps, "draft_length": drafts, "canvas": canvas, "identical": True, "new_tokens": tokens,
-            "ar_tokens_per_s": tokens / ar_time, "speculative_tokens_per_s": tokens / spec_time,
-            "ratio": ar_time / spec_time,
-            "tokens_per_verification": (tokens - len(prompts)) / verifications,
-            "accepted_drafts_per_verification": accepted / verifications,
-            "tokens_per_forward": tokens / forwards, "decoder_passes": decoder, "verifications": verifications,
+            "draft_steps": steps, "draft_length": drafts, "canvas": canvas, "fused_canvas": fused,
+            "identical": True, "new_tokens": tokens,
+            "ar_tokens_per_s": tokens / t["ar_time"], "speculative_tokens_per_s": tokens / t["spec_time"],
+            "ratio": t["ar_time"] / t["spec_time"],
+            "tokens_per_verification": (tokens - len(prompts) * args.repeat) / verifications,
+            "accepted_drafts_per_verification": t["accepted"] / verifications,
+            "tokens_per_forward": tokens / t["forwards"], "decoder_passes": t["decoder"],
+            "verifications": verifications,
         }
         rows.append(row)
-        print(f"steps {steps} drafts {drafts:2d} canvas {canvas:2d}: AR {row['ar_tokens_per_s']:6.1f} tok/s, "
+        print(f"steps {steps} drafts {drafts:2d} canvas {canvas:2d} fused {fused or '-':>2}: "
+              f"AR {row['ar_tokens_per_s']:6.1f} tok/s, "
               f"speculative {row['speculative_tokens_per_s']:6.1f} tok/s, ratio {row['ratio']:.2f}, "
               f"{row['tokens_per_verification']:.2f} tokens/verification, "
               f"{row['tokens_per_forward']:.2f} tokens/forward", flush=True)
@@ -113,8 +127,29 @@ def main() -> None:
         "decoding": "greedy (temperature 0); every speculative output checked identical to mode='ar'",
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    if args.fused or args.only:  # the plot draws the first sweep
+        print(f"wrote {out}")
+        return
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def measure(pipe, prompts: list[list[int]], tokens: int, setting: tuple, totals: dict) -> None:
+    """Decode every prompt with AR then with `setting`, back to back; add times and counts to `totals`."""
+    steps, drafts, canvas, fused = setting
+    for prompt in prompts:
+        ar_ids, seconds = run_ar(pipe, prompt, tokens)
+        totals["ar_time"] += seconds
+        result, seconds = run_speculative(pipe, prompt, tokens, steps, drafts, canvas, fused)
+        totals["spec_time"] += seconds
+        if result.token_ids != ar_ids:
+            raise SystemExit(f"speculative output differs from AR for {pipe.decode(prompt)!r} at {setting}")
+        s = result.stats
+        totals["tokens"] += s.new_tokens
+        totals["verifications"] += s.verifications
+        totals["accepted"] += s.accepted_drafts
+        totals["forwards"] += s.forward_passes
+        totals["decoder"] += s.denoising_steps
 
 
 def pass_costs(pipe, args) -> None:
@@ -145,9 +180,22 @@ def pass_costs(pipe, args) -> None:
             ids = torch.randint(3, vocab, (1, canvas), generator=g)
             return lambda: model.denoise(ids, cache)
 
+        def fused(block: int, canvas: int):
+            """A fused round's pass: verify `block` tokens, draft a canvas per outcome, roll back, and the head
+            over one canvas's drafts (what `speculative` computes of it)."""
+            def go():
+                snapshot = cache.snapshot(block)
+                noise = torch.randint(0, vocab, (block, canvas), generator=g)
+                _, hidden = model.verify_and_draft(torch.randint(3, vocab, (1, block), generator=g), noise, cache)
+                model.logits(hidden[0, 1:block])
+                cache.truncate(100, snapshot)
+            return go
+
         kinds = {"ar_step": ar_step}
         kinds.update({f"verify_{m + 1}": verify(m + 1) for m in (3, 7, 15, 31)})
         kinds.update({f"denoise_{c}": draft(c) for c in (4, 8, 16, 32)})
+        kinds.update({f"fused_{m + 1}x{c}": fused(m + 1, c) for m, c in ((1, 4), (2, 4), (3, 4), (1, 8), (2, 8),
+                                                                         (3, 8), (7, 8), (3, 32), (7, 32))})
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(60):
             for name, fn in kinds.items():

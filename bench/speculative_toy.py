@@ -7,7 +7,10 @@ halves can learn the task in minutes — then decodes held-out prompts greedily 
 `speculative`, checks the tokens are identical, and reports tokens/s of both (measured back to back),
 tokens per verification and tokens per forward.
 
-    python bench/speculative_toy.py [--steps 600] [--threads 1] [--out docs/results/speculative-toy.json]
+    python bench/speculative_toy.py [--steps 600] [--threads 1] [--out docs/results/speculative-toy.json] [--fused]
+
+`--fused` adds fused draft+verify settings (`fused_draft`, each outcome's canvas `fused canvas` long) beside
+unfused ones of the same draft lengths.
 """
 
 from __future__ import annotations
@@ -59,11 +62,12 @@ def train(steps: int, seed: int) -> DiffusionGemma:
     return model.eval()
 
 
-def decode(model, prompt: list[int], settings: SamplerSettings, speculative_mode: bool, drafts: int | None):
+def decode(model, prompt: list[int], settings: SamplerSettings, speculative_mode: bool, drafts: int | None,
+           fused: int | None = None):
     start = time.perf_counter()
     if speculative_mode:
         events = speculative(model, [Request(prompt, settings, 0)], None, canvas_length=CANVAS, draft_length=drafts,
-                             step_events=False)
+                             step_events=False, fused_canvas=fused)
     else:
         events = run(model, CANVAS, [Request(prompt, settings.with_overrides(mode="ar"), 0)], None, step_events=False)
     result = next(e.result for e in events if isinstance(e, DoneEvent))
@@ -76,20 +80,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--out", default="docs/results/speculative-toy.json")
+    parser.add_argument("--fused", action="store_true", help="sweep fused draft+verify settings beside unfused ones")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = train(args.steps, seed=0)
     prompts = progressions(8, 4, torch.Generator().manual_seed(123)).tolist()  # held-out seed
     rows = []
     with torch.no_grad():
-        for steps, drafts in ((1, 15), (1, 7), (2, 15)):
-            settings = SamplerSettings(max_new_tokens=args.tokens, max_denoising_steps=steps, mode="speculative")
+        sweep = [(1, 15, None), (1, 7, None), (2, 15, None)]
+        if args.fused:
+            sweep = [(1, drafts, fused) for drafts in (3, 7, 15) for fused in (None, drafts + 1)]
+        for steps, drafts, fused in sweep:
+            settings = SamplerSettings(max_new_tokens=args.tokens, max_denoising_steps=steps, mode="speculative",
+                                       fused_draft=fused is not None)
             ar_time = spec_time = 0.0
             tokens = verifications = forwards = correct = 0
             for prompt in prompts:
                 ar, seconds = decode(model, prompt, settings, False, None)
                 ar_time += seconds
-                spec, seconds = decode(model, prompt, settings, True, drafts)
+                spec, seconds = decode(model, prompt, settings, True, drafts, fused)
                 spec_time += seconds
                 if spec.token_ids != ar.token_ids:
                     raise SystemExit(f"speculative output differs from AR for prompt {prompt}")
@@ -98,14 +107,15 @@ def main() -> None:
                 tokens += spec.stats.new_tokens
                 verifications += spec.stats.verifications
                 forwards += spec.stats.forward_passes
-            row = {"draft_steps": steps, "draft_length": drafts, "canvas": CANVAS, "identical": True,
+            row = {"draft_steps": steps, "draft_length": drafts, "canvas": CANVAS, "fused_canvas": fused,
+                   "identical": True,
                    "ar_tokens_per_s": tokens / ar_time, "speculative_tokens_per_s": tokens / spec_time,
                    "ratio": ar_time / spec_time, "tokens_per_verification": (tokens - len(prompts)) / verifications,
                    "tokens_per_forward": tokens / forwards, "ar_accuracy_on_the_task": correct / tokens}
             rows.append(row)
             print(json.dumps(row), flush=True)
     command = (f"python bench/speculative_toy.py --steps {args.steps} --threads {args.threads} --tokens {args.tokens} "
-               f"--out {args.out}")
+               f"--out {args.out}" + (" --fused" if args.fused else ""))
     Path(args.out).write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
 
 
