@@ -4,6 +4,8 @@
   are next-token logits, so the same weights are also an autoregressive LM.
 - `denoise`: bidirectional attention over a canvas plus the cached context; reads the cache, never
   writes it; a self-conditioning block mixes in the previous step's predictions before the first layer.
+- `verify_and_draft`: both in one pass, for fused speculative rounds: `encode` of a block, and a first
+  `denoise` step of a canvas after each of its prefixes.
 
 Module and parameter names follow the checkpoint keys under `model.decoder.` one to one (see
 `printpress.checkpoint`), so loading is a plain, auditable key map.
