@@ -61,6 +61,9 @@ class DiffusionSettings:
     # Draft rows (for mode="speculative"): the share of rows noised as a speculative draft sees its canvas, every
     # canvas's first token clean and the rest pure noise, with no self-conditioning (`row_noise`). 0 turns it off.
     draft_fraction: float = 0.0
+    # Of those rows, the share shaped as a fused draft sees its canvas (`fused_draft`: the canvas starts where the
+    # token being committed goes, so its first position is noise too).
+    draft_fused_share: float = 0.0
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -127,7 +130,8 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
             uniform.append(torch.rand(1, length, generator=g))
             renoise.append(torch.randint(0, vocab_size, (1, length), generator=g))
         if settings.draft_fraction > 0 and float(torch.rand(1, generator=g)) < settings.draft_fraction:
-            row = draft_noise(tokens[offset : offset + 1], settings.block, vocab_size, g)
+            fused = settings.draft_fused_share > 0 and float(torch.rand(1, generator=g)) < settings.draft_fused_share
+            row = draft_noise(tokens[offset : offset + 1], settings.block, vocab_size, g, keep_first=not fused)
             t, flag = torch.ones_like(t), torch.zeros_like(flag)
         noisy.append(row)
         levels.append(t)
@@ -136,9 +140,13 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
     return (*noise, torch.cat(uniform), torch.cat(renoise)) if teacher_draws else noise
 
 
-def draft_noise(tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None) -> torch.Tensor:
-    """Every canvas of `tokens` (B, L) as a speculative draft starts: its first token kept, the rest uniform noise."""
+def draft_noise(tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None,
+                keep_first: bool = True) -> torch.Tensor:
+    """Every canvas of `tokens` (B, L) as a speculative draft starts: its first token kept (the committed token an
+    unfused draft is clamped to) or not (a fused draft), the rest uniform noise."""
     noisy = torch.randint(0, vocab_size, tokens.shape, generator=generator, device=tokens.device)
+    if not keep_first:
+        return noisy
     first = torch.arange(tokens.shape[1], device=tokens.device) % block == 0
     return torch.where(first, tokens, noisy)
 

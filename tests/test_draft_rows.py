@@ -62,6 +62,7 @@ def test_held_out_losses_ignore_draft_rows(tokens):
 @pytest.mark.parametrize("change, message", [
     (dict(draft_fraction=1.5), r"draft_fraction must be in \[0, 1\] \(got 1.5\)"),
     (dict(draft_fraction=0.5, objective="ar"), "draft_fraction needs a diffusion or joint objective"),
+    (dict(draft_fused_share=-0.1), r"draft_fused_share must be in \[0, 1\] \(got -0.1\)"),
 ])
 def test_bad_draft_settings_are_refused_by_name(corpus, tmp_path, change, message):
     with pytest.raises(TrainingError, match=message):
@@ -72,3 +73,17 @@ def test_a_run_with_draft_rows_trains(corpus, tmp_path):
     trainer = Trainer(run_config(corpus, draft_fraction=0.5, steps=2), tmp_path)
     first = trainer.train_step()
     assert first["diffusion"] > 0 and "ar" in first
+
+
+def test_fused_draft_rows_noise_the_first_token_too_and_leave_the_unfused_ones_alone(tokens):
+    unfused = DiffusionSettings(block=BLOCK, draft_fraction=1.0)
+    mixed = dataclasses.replace(unfused, draft_fused_share=0.5)
+    clean_first, _, _ = row_noise(tokens, 0, 1, 7, unfused, VOCAB)
+    noisy, t, use = row_noise(tokens, 0, 1, 7, mixed, VOCAB)
+    first = torch.arange(32) % BLOCK == 0
+    fused = ~(noisy[:, first] == tokens[:, first]).all(dim=1)
+    assert 16 <= int(fused.sum()) <= 48  # about half of 64 rows
+    # A fused row's first positions are noise like the rest (equal to the clean token only by chance).
+    assert (noisy[fused][:, first] == tokens[fused][:, first]).float().mean() < 0.01
+    assert (t == 1).all() and not use.any()
+    assert torch.equal(clean_first[:, first], tokens[:, first])

@@ -73,6 +73,7 @@ class TrainSettings:
     step_distill_refresh: int = 100
     step_distill_divergence: str = "reverse"  # reverse: KL(student || teacher), SDTT's; forward: KL(teacher || student)
     draft_fraction: float = 0.0  # share of rows noised as a speculative draft (objectives.row_noise); 0 = off
+    draft_fused_share: float = 0.0  # of those, the share shaped as a fused draft (first canvas position noised too)
     fsdp: bool = False
 
     def validate(self, canvas_length: int) -> None:
@@ -102,6 +103,7 @@ class TrainSettings:
              f"step_distill_divergence {self.step_distill_divergence!r} is not reverse or forward")
         need(0 <= self.draft_fraction <= 1, f"draft_fraction must be in [0, 1] (got {self.draft_fraction})")
         need(self.draft_fraction == 0 or self.objective != "ar", "draft_fraction needs a diffusion or joint objective")
+        need(0 <= self.draft_fused_share <= 1, f"draft_fused_share must be in [0, 1] (got {self.draft_fused_share})")
         need(int(self.step_distill_refresh) > 0, f"step_distill_refresh must be positive (got {self.step_distill_refresh})")
         if self.step_distill_weight > 0:
             need(self.objective != "ar", "step_distill_weight needs a diffusion or joint objective")
@@ -339,7 +341,8 @@ class Trainer:
                                            step_distill_weight=settings.step_distill_weight,
                                            step_distill_temperature=settings.step_distill_temperature,
                                            step_distill_divergence=settings.step_distill_divergence,
-                                           draft_fraction=settings.draft_fraction)
+                                           draft_fraction=settings.draft_fraction,
+                                           draft_fused_share=settings.draft_fused_share)
         self.teacher = None
         if settings.step_distill_weight > 0:  # a frozen copy, outside the optimizer and the DDP wrapper
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
