@@ -112,13 +112,21 @@ def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def shipped_folder(name: str, root: Path = SHIPPED_MODELS) -> Path | None:
+    """The shipped model called `name` (a bare folder name under models/, as `printpress list` shows it), or None."""
+    if not name or name != Path(name).name or name.startswith("."):
+        return None
+    folder = root / name
+    return folder if (folder / "config.json").is_file() else None
+
+
 def shipped_models(root: Path = SHIPPED_MODELS) -> list[ModelEntry]:
     """The model folders of the repository's models/ (those with a config.json), by name."""
     if not root.is_dir():
         return []
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
                      and (p / "config.json").is_file())
-    return [describe(p, p.name, "shipped", display_path(p), folder_size(p)) for p in folders]
+    return [describe(p, p.name, "shipped", p.name, folder_size(p)) for p in folders]  # loads by name
 
 
 def cached_models(cache: str | os.PathLike | None = None) -> list[ModelEntry]:

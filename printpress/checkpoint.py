@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from printpress import hub
+from printpress import catalog, hub
 from printpress.config import GenerationConfig, ModelConfig, read_json
 from printpress.errors import CheckpointError
 from printpress.model import DiffusionGemma
@@ -79,13 +79,17 @@ def module_key(key: str) -> str | None:
 
 
 def resolve_folder(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local folder, or a hub id downloaded (config, weights, tokenizer) through huggingface_hub."""
+    """A local folder, a shipped model's name (`printpress list`), or a hub id downloaded (config, weights,
+    tokenizer) through huggingface_hub. A folder of that name in the working directory comes first."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise CheckpointError(f"{path}: expected a model folder, got a file")
     text = str(path_or_id)
+    shipped = catalog.shipped_folder(text)  # a shipped model by name: `--model shakespeare-ar` from anywhere
+    if shipped is not None:
+        return shipped
     if not hub.is_hub_id(text):
         raise CheckpointError(f"{text}: no such model folder (and not a hub id of the form owner/name)")
     return hub.download(text, revision)  # config, weights, tokenizer; a failure is one line (printpress/hub.py)

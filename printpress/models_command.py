@@ -52,7 +52,7 @@ def run_list(args: argparse.Namespace) -> int:
         print(json.dumps({"models": [e.to_dict() for e in entries], "hub_cache": str(hub.cache_dir())}, indent=2))
         return 0
     sys.stdout.write(format_table(entries))
-    print(f"\n* the default model (no --model). Shipped models load by folder, cached hub models by id "
+    print(f"\n* the default model (no --model). Shipped models load by name, cached hub models by id "
           f"(`printpress generate --model NAME ...`); the hub cache: {catalog.display_path(hub.cache_dir())}")
     return 0
 
@@ -110,6 +110,8 @@ def run_pull(args: argparse.Namespace) -> int:
     hub_id, revision = args.hub_id, args.revision
     if Path(hub_id).expanduser().is_dir():  # as --model reads it: a folder, whatever its name looks like
         raise CheckpointError(f"{hub_id}: a local model folder needs no pull (printpress generate -m {hub_id} ...)")
+    if catalog.shipped_folder(hub_id) is not None:
+        raise CheckpointError(f"{hub_id}: a shipped model needs no pull (printpress generate -m {hub_id} ...)")
     if not hub.is_hub_id(hub_id):
         raise CheckpointError(f"{hub_id}: not a hub id of the form owner/name")
     # The config alone first: a model printpress cannot load is refused before gigabytes of weights are fetched.

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from printpress import catalog
+from printpress.errors import CheckpointError
 from printpress.checkpoint import save_model
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.model import DiffusionGemma
@@ -100,7 +101,7 @@ def test_the_shipped_models_are_listed_with_their_parameters(tmp_path):
     assert lines[0].split()[:3] == ["NAME", "SOURCE", "PARAMETERS"]
     for name, parameters in SHIPPED_PARAMETERS.items():
         row = next(line for line in lines if line.startswith(name + " "))
-        assert f"{parameters:,}" in row and f"models/{name}" in row, row
+        assert f"{parameters:,}" in row and row.rstrip().endswith(f" {name}"), row  # --model takes the bare name
         card = json.loads((REPO / "models" / name / "card.json").read_text())
         assert card["parameters"] == parameters and f" {card['objective']} " in row
     assert next(line for line in lines if line.startswith("shakespeare-joint")).startswith("shakespeare-joint *")
@@ -175,6 +176,8 @@ def test_list_imports_no_torch(tmp_path):
     (["pull", "not a/hub id"], "not a/hub id: could not fetch from the Hugging Face hub: not a valid hub id"),
     (["pull", "models/shakespeare-ar"], "models/shakespeare-ar: a local model folder needs no pull (printpress "
                                         "generate -m models/shakespeare-ar ...)"),
+    (["pull", "shakespeare-ar"], "shakespeare-ar: a shipped model needs no pull (printpress generate -m "
+                                 "shakespeare-ar ...)"),
     (["pull", "a/b/c"], "a/b/c: not a hub id of the form owner/name"),
     (["pull", OTHER_ID], f"{OTHER_ID}: not a DiffusionGemma printpress can load: model_type 'llama' is not supported"),
 ])
@@ -197,3 +200,15 @@ def test_pull_of_a_cached_model_works_offline_and_generate_loads_it_by_id(hub_ca
                           cache=hub_cache)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["completion_ids"]) == 3
+
+
+def test_a_shipped_model_loads_by_its_bare_name_from_any_directory(tmp_path, monkeypatch):
+    from printpress.checkpoint import resolve_folder
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_folder("shakespeare-ar") == REPO / "models" / "shakespeare-ar"
+    (tmp_path / "shakespeare-ar").mkdir()  # a folder of that name where the user is comes first
+    assert resolve_folder("shakespeare-ar") == Path("shakespeare-ar")
+    for not_a_name in ("shakespeare", "../models/shakespeare-ar", ".git"):
+        with pytest.raises(CheckpointError, match="no such model folder"):
+            resolve_folder(not_a_name)
