@@ -110,7 +110,7 @@ def add_uniform_noise(
 
 
 def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settings: DiffusionSettings,
-              vocab_size: int, teacher_draws: bool = False):
+              vocab_size: int, teacher_draws: bool = False, draft_rows: torch.Tensor | None = None):
     """Noise per row from a generator keyed by (seed, step, global row): the same on any number of ranks.
 
     Returns (noisy, t, self-conditioning flags), plus, with `teacher_draws`, the per-token draws of the few-step
@@ -119,6 +119,8 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
     With `settings.draft_fraction` > 0, that share of rows (drawn last, for the same reason) becomes draft rows:
     what `mode="speculative"` asks of the decoder, one step from a canvas whose first token is the last committed
     one (clean) and whose other positions are all noise (t = 1), with no previous step to condition on.
+    `draft_rows` (B,) bool names the draft rows instead (`train.draft_teacher_rows`: the teacher's rows), with no
+    draw for the choice.
     """
     noisy, levels, use, uniform, renoise = [], [], [], [], []
     length = tokens.shape[1]
@@ -129,7 +131,11 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
         if teacher_draws:
             uniform.append(torch.rand(1, length, generator=g))
             renoise.append(torch.randint(0, vocab_size, (1, length), generator=g))
-        if settings.draft_fraction > 0 and float(torch.rand(1, generator=g)) < settings.draft_fraction:
+        if draft_rows is not None:
+            drafted = bool(draft_rows[offset])
+        else:
+            drafted = settings.draft_fraction > 0 and float(torch.rand(1, generator=g)) < settings.draft_fraction
+        if drafted:
             fused = settings.draft_fused_share > 0 and float(torch.rand(1, generator=g)) < settings.draft_fused_share
             row = draft_noise(tokens[offset : offset + 1], settings.block, vocab_size, g, keep_first=not fused)
             t, flag = torch.ones_like(t), torch.zeros_like(flag)

@@ -87,3 +87,24 @@ def test_fused_draft_rows_noise_the_first_token_too_and_leave_the_unfused_ones_a
     assert (noisy[fused][:, first] == tokens[fused][:, first]).float().mean() < 0.01
     assert (t == 1).all() and not use.any()
     assert torch.equal(clean_first[:, first], tokens[:, first])
+
+
+def test_named_draft_rows_are_exactly_those_rows_and_the_others_keep_their_noise(tokens):
+    plain = DiffusionSettings(block=BLOCK, self_conditioning=0.5)
+    chosen = torch.arange(64) % 3 == 0
+    noisy, t, use = row_noise(tokens, 0, 2, 7, plain, VOCAB)
+    d_noisy, d_t, d_use = row_noise(tokens, 0, 2, 7, plain, VOCAB, draft_rows=chosen)
+    assert torch.equal(d_noisy[~chosen], noisy[~chosen]) and torch.equal(d_use[~chosen], use[~chosen])
+    first = torch.arange(32) % BLOCK == 0
+    assert torch.equal(d_noisy[chosen][:, first], tokens[chosen][:, first])
+    assert (d_noisy[chosen][:, ~first] == tokens[chosen][:, ~first]).float().mean() < 0.01
+    assert (d_t[chosen] == 1).all() and not d_use[chosen].any()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(draft_teacher_rows=True), "train.draft_teacher_rows needs data.distill"),
+    (dict(draft_teacher_rows=True, draft_fraction=0.5), "draft_teacher_rows picks the draft rows itself"),
+])
+def test_draft_teacher_rows_needs_teacher_rows_and_no_fraction(corpus, tmp_path, change, message):
+    with pytest.raises(TrainingError, match=message):
+        Trainer(run_config(corpus, **change), tmp_path)

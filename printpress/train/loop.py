@@ -74,6 +74,9 @@ class TrainSettings:
     step_distill_divergence: str = "reverse"  # reverse: KL(student || teacher), SDTT's; forward: KL(teacher || student)
     draft_fraction: float = 0.0  # share of rows noised as a speculative draft (objectives.row_noise); 0 = off
     draft_fused_share: float = 0.0  # of those, the share shaped as a fused draft (first canvas position noised too)
+    # Draft rows are exactly the teacher rows (data.distill), which are then seen only in the draft shape: greedy
+    # continuations can teach the drafts without narrowing diffusion sampling, which learns from the real rows.
+    draft_teacher_rows: bool = False
     fsdp: bool = False
 
     def validate(self, canvas_length: int) -> None:
@@ -104,6 +107,9 @@ class TrainSettings:
         need(0 <= self.draft_fraction <= 1, f"draft_fraction must be in [0, 1] (got {self.draft_fraction})")
         need(self.draft_fraction == 0 or self.objective != "ar", "draft_fraction needs a diffusion or joint objective")
         need(0 <= self.draft_fused_share <= 1, f"draft_fused_share must be in [0, 1] (got {self.draft_fused_share})")
+        need(not (self.draft_teacher_rows and self.draft_fraction > 0),
+             "draft_teacher_rows picks the draft rows itself (the teacher rows); leave draft_fraction at 0")
+        need(not self.draft_teacher_rows or self.objective != "ar", "draft_teacher_rows needs a diffusion or joint objective")
         need(int(self.step_distill_refresh) > 0, f"step_distill_refresh must be positive (got {self.step_distill_refresh})")
         if self.step_distill_weight > 0:
             need(self.objective != "ar", "step_distill_weight needs a diffusion or joint objective")
@@ -375,6 +381,8 @@ class Trainer:
         from printpress.train.data import BatchSampler, MixedBatchSampler
 
         settings, data = self.settings, self.run.data
+        if settings.draft_teacher_rows and not data.get("distill"):
+            raise TrainingError("train.draft_teacher_rows needs data.distill: the teacher rows are the draft rows")
         if not data.get("distill"):
             return BatchSampler(train_tokens, settings.seq_len, settings.batch_size, seed=settings.seed,
                                 rank=self.env.rank, world_size=self.env.world,
@@ -431,16 +439,16 @@ class Trainer:
 
     # -- steps ---------------------------------------------------------------------------------------------
     def compute_loss(self, tokens: torch.Tensor, step: int, first_row: int) -> dict[str, torch.Tensor]:
-        noise, teacher = None, None
+        noise, teacher, ar_rows = None, None, None
+        if hasattr(self.sampler, "is_real"):  # the AR loss stays on real text, never on a teacher's continuations
+            ar_rows = torch.tensor([self.sampler.is_real(first_row + i) for i in range(tokens.shape[0])])
         if self.settings.objective != "ar":
+            draft_rows = ~ar_rows if self.settings.draft_teacher_rows and ar_rows is not None else None
             noise = row_noise(tokens, first_row, step, self.settings.seed, self.diffusion, self.config.text.vocab_size,
-                              teacher_draws=self.teacher is not None)
+                              teacher_draws=self.teacher is not None, draft_rows=draft_rows)
             if self.teacher is not None:
                 teacher = TeacherDraws(self.teacher, noise[3], noise[4])
                 noise = noise[:3]
-        ar_rows = None
-        if hasattr(self.sampler, "is_real"):  # the AR loss stays on real text, never on a teacher's continuations
-            ar_rows = torch.tensor([self.sampler.is_real(first_row + i) for i in range(tokens.shape[0])])
         return self.wrapped(tokens, noise, None, ar_rows, teacher)
 
     def train_step(self) -> dict[str, float]:
