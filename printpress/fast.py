@@ -96,14 +96,35 @@ def _step_masks(position: torch.Tensor, pad_mask: torch.Tensor, slot_positions: 
     return full[:, None, None, :], sliding[:, None, None, :]
 
 
-class CompiledARStep:
-    """`model.encode(ids (B, 1), cache, logits="last")` through one compiled graph; see the module docstring."""
+class CompiledGraph:
+    """A graph function compiled whole (`fullgraph=True`), run until it first fails: the failure is logged once,
+    kept in `.failure`, and from then on the caller's exact eager path runs."""
 
-    def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
+    what = "compiled graph"  # the words of the warning
+
+    def __init__(self, model: DiffusionGemma, graph, backend: str = "inductor") -> None:
         self.model = model
         self.backend = backend
         self.failure: str | None = None
-        self._graph = torch.compile(ar_step_graph, backend=backend, fullgraph=True)
+        self._graph = torch.compile(graph, backend=backend, fullgraph=True)
+
+    def _run(self, *args):
+        """The graph's outputs, or None if it failed (now or before)."""
+        try:
+            return self._graph(self.model, *args)
+        except Exception as error:  # noqa: BLE001 - any compiler failure means "use the eager path"
+            self.failure = f"{type(error).__name__}: {error}"
+            logger.warning("%s unavailable (%s); running the exact eager path", self.what, self.failure)
+            return None
+
+
+class CompiledARStep(CompiledGraph):
+    """`model.encode(ids (B, 1), cache, logits="last")` through one compiled graph; see the module docstring."""
+
+    what = "compiled AR step"
+
+    def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
+        super().__init__(model, ar_step_graph, backend)
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is an AR step the graph runs (else the eager path runs it)."""
@@ -120,15 +141,12 @@ class CompiledARStep:
         for layer in cache.layers:
             torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
             torch._dynamo.maybe_mark_dynamic(layer.values, 2)
-        try:
-            logits, new_keys, new_values = self._graph(
-                self.model, input_ids, torch.tensor(cache.length, device=input_ids.device), cache.offsets,
-                cache.pad_mask, cache.slot_positions, [layer.keys for layer in cache.layers],
-                [layer.values for layer in cache.layers])
-        except Exception as error:  # noqa: BLE001 - any compiler failure means "use the eager path"
-            self.failure = f"{type(error).__name__}: {error}"
-            logger.warning("compiled AR step unavailable (%s); running the exact eager path", self.failure)
+        out = self._run(input_ids, torch.tensor(cache.length, device=input_ids.device), cache.offsets,
+                        cache.pad_mask, cache.slot_positions, [layer.keys for layer in cache.layers],
+                        [layer.values for layer in cache.layers])
+        if out is None:
             return None
+        logits, new_keys, new_values = out
         for index, (k, v) in enumerate(zip(new_keys, new_values)):
             cache.write(index, k, v)
         cache.advance(1, None)
@@ -172,25 +190,21 @@ def decoder_pass_graph(
     masks = {sliding: None if valid is None else torch.cat([valid, valid.new_ones(b, c)], dim=1)[:, None, None, :]
              for sliding, valid in ((True, sliding_valid), (False, full_valid))}
     for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        q, k, v = layer.attention_inputs(x, (b, c), ropes[spec.sliding])
-        k_all = torch.cat([prefix_keys[index], k], dim=2)
-        v_all = torch.cat([prefix_values[index], v], dim=2)
-        attention = layer.self_attn
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_all, v_all, attn_mask=masks[spec.sliding], scale=1.0,
-            enable_gqa=attention.num_kv_heads != attention.num_heads)
-        x = layer.after_attention(x, out.transpose(1, 2).reshape(b * c, -1), (b, c), False)
+        past_k, past_v = prefix_keys[index], prefix_values[index]
+        attended = layer.self_attn.attend(
+            *layer.attention_inputs(x, (b, c), ropes[spec.sliding]), masks[spec.sliding],
+            lambda k, v: (torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)))
+        x = layer.after_attention(x, attended, (b, c), False)
     return model.logits(model.norm(x).view(b, c, -1))
 
 
-class CompiledDecoderPass:
+class CompiledDecoderPass(CompiledGraph):
     """`model.denoise(...)` through one compiled graph per canvas shape; see `compile_decoder`."""
 
+    what = "compiled decoder pass"
+
     def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
-        self.model = model
-        self.backend = backend
-        self.failure: str | None = None
-        self._graph = torch.compile(decoder_pass_graph, backend=backend, fullgraph=True)
+        super().__init__(model, decoder_pass_graph, backend)
 
     def covers(self) -> bool:
         """Whether the graph runs this pass (inference only, and only while it has not failed)."""
@@ -216,13 +230,7 @@ class CompiledDecoderPass:
         for valid in (full_valid, sliding_valid):
             if valid is not None:
                 torch._dynamo.maybe_mark_dynamic(valid, 1)
-        try:
-            return self._graph(self.model, canvas_ids, probs, self_conditioning_mask, positions, keys, values,
-                               full_valid, sliding_valid)
-        except Exception as error:  # noqa: BLE001 - any compiler failure means "use the eager path"
-            self.failure = f"{type(error).__name__}: {error}"
-            logger.warning("compiled decoder pass unavailable (%s); running the exact eager path", self.failure)
-            return None
+        return self._run(canvas_ids, probs, self_conditioning_mask, positions, keys, values, full_valid, sliding_valid)
 
 
 def compile_decoder(model: DiffusionGemma, backend: str = "inductor") -> CompiledDecoderPass:
