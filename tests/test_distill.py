@@ -139,3 +139,58 @@ def test_a_fine_tune_mixes_teacher_rows_and_logs_certainty(teacher, tmp_path):
     wrong = RunConfig.from_dict({"init_from": str(model), "data": data, "train": {**train, "seq_len": 16}})
     with pytest.raises(TrainingError, match="rows of \\[32\\] tokens; train.seq_len is 16"):
         Trainer(wrong, tmp_path / "wrong")
+
+
+def test_a_draft_file_adds_its_rows_last_and_leaves_the_other_rows_as_they_were():
+    real = np.arange(1000, dtype=np.uint16)
+    extra = np.arange(5000, 5000 + 10 * 8, dtype=np.uint16)
+    draft = np.arange(7000, 7000 + 6 * 8, dtype=np.uint16)
+    three = MixedBatchSampler(real, extra, seq_len=8, batch_size=5, extra_rows=1, seed=3, draft=draft, draft_rows=2)
+    batch = three.batch(4)
+    assert [three.is_real(r) for r in range(5)] == [True, True, False, False, False]
+    assert [three.is_draft(r) for r in range(5)] == [False, False, False, True, True]
+    assert all(7000 <= int(row[0]) and (int(row[0]) - 7000) % 8 == 0 for row in batch[3:])  # whole draft rows
+    two = MixedBatchSampler(real, extra, seq_len=8, batch_size=3, extra_rows=1, seed=3)
+    assert torch.equal(batch[:3], two.batch(4))  # the real and teacher rows do not move
+    whole = MixedBatchSampler(real, extra, 8, 6, 1, seed=3, draft=draft, draft_rows=2)
+    halves = [MixedBatchSampler(real, extra, 8, 6, 1, seed=3, rank=r, world_size=2, draft=draft, draft_rows=2).batch(4)
+              for r in range(2)]
+    assert torch.equal(torch.cat(halves), whole.batch(4))
+    with pytest.raises(Exception, match="draft_rows 2 != none"):
+        two.load_state_dict(three.state_dict())
+    with pytest.raises(Exception, match="draft_tokens None != 48"):
+        three.load_state_dict(two.state_dict())
+    with pytest.raises(Exception, match="not whole rows of seq_len 8"):
+        MixedBatchSampler(real, extra, 8, 5, 1, draft=np.arange(12), draft_rows=1)
+    with pytest.raises(Exception, match="at least one real row"):
+        MixedBatchSampler(real, extra, 8, 4, 2, draft=draft, draft_rows=2)
+
+
+def test_a_fine_tune_trains_the_draft_file_rows_as_drafts_and_only_those(teacher, tmp_path, monkeypatch):
+    corpus, model = teacher
+    settings = DistillSettings(rows=8, prefix_tokens=16, new_tokens=16, seed=0)
+    rows = distill(str(model), [str(corpus)], tmp_path / "teacher.bin", settings, val_fraction=0.2)
+    data = {"sources": [str(corpus)], "val_fraction": 0.2, "distill": str(rows), "distill_fraction": 0.25,
+            "distill_draft": str(rows), "distill_draft_fraction": 0.25}
+    train = dict(objective="joint", steps=1, batch_size=4, seq_len=32, lr=1e-3, warmup=1, eval_every=1,
+                 eval_batches=1, save_every=1)
+    import printpress.train.loop as loop
+
+    seen, real_row_noise = [], loop.row_noise
+    monkeypatch.setattr(loop, "row_noise", lambda *a, **k: seen.append(k["draft_rows"]) or real_row_noise(*a, **k))
+    trainer = Trainer(RunConfig.from_dict({"init_from": str(model), "data": data, "train": train}), tmp_path / "fine")
+    assert (trainer.sampler.real_rows, trainer.sampler.extra_rows, trainer.sampler.draft_rows) == (2, 1, 1)
+    trainer.fit(progress=False)
+    assert seen and seen[0].tolist() == [False, False, False, True]
+
+    for change, message in [
+        ({"distill": None}, "data.distill_draft needs data.distill"),
+        ({"distill_fraction": 0.5, "distill_draft_fraction": 0.5}, "leave no real row in a batch of 4"),
+        ({"distill_draft_fraction": 0.0}, r"data.distill_draft_fraction 0.0 gives 0 of 4 rows"),
+    ]:
+        bad = {k: v for k, v in {**data, **change}.items() if v is not None}
+        with pytest.raises(TrainingError, match=message):
+            Trainer(RunConfig.from_dict({"init_from": str(model), "data": bad, "train": train}), tmp_path / "bad")
+    both = RunConfig.from_dict({"init_from": str(model), "data": data, "train": {**train, "draft_teacher_rows": True}})
+    with pytest.raises(TrainingError, match="leave train.draft_teacher_rows off"):
+        Trainer(both, tmp_path / "both")

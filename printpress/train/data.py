@@ -141,11 +141,13 @@ class BatchSampler:
 
 @dataclass
 class MixedBatchSampler:
-    """Batches of real windows with a fixed share of rows from a second token file (a teacher's continuations).
+    """Batches of real windows with a fixed share of rows from a second token file (a teacher's continuations),
+    and optionally a third (`draft`: continuations the trainer shows only as a speculative draft sees them).
 
-    Global rows ``[0, B - extra_rows)`` are real windows, rows ``[B - extra_rows, B)`` whole rows of the second
-    file (aligned, exactly ``seq_len`` tokens each). The layout is fixed, so `is_real(row)` needs no state, and
-    like `BatchSampler` batch k depends only on (seed, k), and rank r of w keeps rows ``[r*B/w, (r+1)*B/w)``.
+    Global rows ``[0, R)`` are real windows, then ``extra_rows`` whole rows of the second file, then ``draft_rows``
+    of the third (aligned, exactly ``seq_len`` tokens each). The layout is fixed, so `is_real(row)` and
+    `is_draft(row)` need no state, and like `BatchSampler` batch k depends only on (seed, k), and rank r of w keeps
+    rows ``[r*B/w, (r+1)*B/w)``.
     """
 
     real: np.ndarray
@@ -157,34 +159,54 @@ class MixedBatchSampler:
     rank: int = 0
     world_size: int = 1
     step: int = 0
+    draft: np.ndarray | None = None
+    draft_rows: int = 0
 
     def __post_init__(self) -> None:
         self.local_batch_size = rows_per_rank(self.batch_size, self.rank, self.world_size)
-        if not 0 < self.extra_rows < self.batch_size:
-            raise ConfigError(f"the mixed batch needs 0 < extra rows < batch size {self.batch_size}, got {self.extra_rows}")
-        if len(self.extra) % self.seq_len:
-            raise DataError(f"the second token file holds {len(self.extra)} tokens, not whole rows of seq_len {self.seq_len}")
-        self._real = BatchSampler(self.real, self.seq_len, self.batch_size - self.extra_rows, seed=self.seed)
-        self._extra = BatchSampler(self.extra, self.seq_len, self.extra_rows, seed=self.seed + 1, aligned=True)
+        if (self.draft is None) != (self.draft_rows == 0):
+            raise ConfigError("the mixed batch takes draft rows exactly when it is given a draft token file")
+        self.real_rows = self.batch_size - self.extra_rows - self.draft_rows
+        if self.extra_rows <= 0 or self.draft_rows < 0 or self.real_rows <= 0:
+            raise ConfigError(f"the mixed batch needs at least one real row and one teacher row in a batch of "
+                              f"{self.batch_size}, got {self.extra_rows} teacher and {self.draft_rows} draft rows")
+        for name, tokens in (("second", self.extra), ("draft", self.draft)):
+            if tokens is not None and len(tokens) % self.seq_len:
+                raise DataError(f"the {name} token file holds {len(tokens)} tokens, "
+                                f"not whole rows of seq_len {self.seq_len}")
+        self._parts = [BatchSampler(self.real, self.seq_len, self.real_rows, seed=self.seed),
+                       BatchSampler(self.extra, self.seq_len, self.extra_rows, seed=self.seed + 1, aligned=True)]
+        if self.draft is not None:
+            self._parts.append(BatchSampler(self.draft, self.seq_len, self.draft_rows, seed=self.seed + 2, aligned=True))
 
     def is_real(self, row: int) -> bool:
         """Whether global row `row` of every batch is a real window."""
-        return row < self.batch_size - self.extra_rows
+        return row < self.real_rows
+
+    def is_draft(self, row: int) -> bool:
+        """Whether global row `row` of every batch comes from the draft file."""
+        return row >= self.batch_size - self.draft_rows
 
     def batch(self, step: int) -> torch.Tensor:
         """This rank's rows of batch `step`: int64 ``(batch_size // world_size, seq_len)``."""
-        both = torch.cat([self._real.batch(step), self._extra.batch(step)])
+        rows = torch.cat([part.batch(step) for part in self._parts])
         lo = self.rank * self.local_batch_size
-        return both[lo : lo + self.local_batch_size]
+        return rows[lo : lo + self.local_batch_size]
+
+    def _sizes(self) -> dict[str, int]:
+        sizes = {"batch_size": self.batch_size, "seq_len": self.seq_len, "num_tokens": len(self.real),
+                 "extra_tokens": len(self.extra), "extra_rows": self.extra_rows}
+        if self.draft is not None:  # absent otherwise, so states saved before draft files existed still match
+            sizes |= {"draft_tokens": len(self.draft), "draft_rows": self.draft_rows}
+        return sizes
 
     def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "step": self.step, "batch_size": self.batch_size, "seq_len": self.seq_len,
-                "num_tokens": len(self.real), "extra_tokens": len(self.extra), "extra_rows": self.extra_rows}
+        return {"seed": self.seed, "step": self.step, **self._sizes()}
 
     def load_state_dict(self, state: dict[str, int], *, strict: bool = True) -> None:
-        expected = {"batch_size": self.batch_size, "seq_len": self.seq_len, "num_tokens": len(self.real),
-                    "extra_tokens": len(self.extra), "extra_rows": self.extra_rows}
-        mismatched = [f"{k} {state.get(k)} != {v}" for k, v in expected.items() if state.get(k) != v]
+        sizes = self._sizes()
+        mismatched = [f"{k} {state.get(k)} != {v}" for k, v in sizes.items() if state.get(k) != v]
+        mismatched += [f"{k} {state[k]} != none" for k in ("draft_tokens", "draft_rows") if k in state and k not in sizes]
         if mismatched and strict:
             raise DataError(f"cannot resume data position: {', '.join(mismatched)}")
         self.seed = int(state["seed"])

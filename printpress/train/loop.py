@@ -376,29 +376,51 @@ class Trainer:
             self._truncate_metrics(self.step)
 
     def _batch_sampler(self, train_tokens, tokenizer):
-        """Real windows, or with `data.distill` (a `printpress distill` token file) a fixed share of teacher rows."""
-        from printpress.data import open_token_file
+        """Real windows, or with `data.distill` (a `printpress distill` token file) a fixed share of teacher rows,
+        and with `data.distill_draft` a second teacher file whose rows are trained only as speculative drafts."""
         from printpress.train.data import BatchSampler, MixedBatchSampler
 
         settings, data = self.settings, self.run.data
         if settings.draft_teacher_rows and not data.get("distill"):
             raise TrainingError("train.draft_teacher_rows needs data.distill: the teacher rows are the draft rows")
+        if data.get("distill_draft") and not data.get("distill"):
+            raise TrainingError("data.distill_draft needs data.distill (the teacher rows trained as ordinary canvases)")
+        if data.get("distill_draft") and settings.draft_teacher_rows:
+            raise TrainingError("data.distill_draft names the draft rows itself; leave train.draft_teacher_rows off")
         if not data.get("distill"):
             return BatchSampler(train_tokens, settings.seq_len, settings.batch_size, seed=settings.seed,
                                 rank=self.env.rank, world_size=self.env.world,
                                 aligned=bool(data.get("aligned_windows", False)))
-        fraction = float(data.get("distill_fraction", 0.5))
-        rows = round(settings.batch_size * fraction)
-        if not 0 < rows < settings.batch_size:
-            raise TrainingError(f"data.distill_fraction {fraction} gives {rows} of {settings.batch_size} rows per batch; "
+        rows = self._teacher_rows("distill_fraction", 0.5)
+        draft_rows = self._teacher_rows("distill_draft_fraction", 0.25) if data.get("distill_draft") else 0
+        if rows + draft_rows >= settings.batch_size:
+            raise TrainingError(f"{rows} teacher and {draft_rows} draft rows leave no real row in a batch of "
+                                f"{settings.batch_size}: lower data.distill_fraction or data.distill_draft_fraction")
+        return MixedBatchSampler(train_tokens, self._teacher_tokens("distill", tokenizer), settings.seq_len,
+                                 settings.batch_size, rows, seed=settings.seed, rank=self.env.rank,
+                                 world_size=self.env.world, draft_rows=draft_rows,
+                                 draft=self._teacher_tokens("distill_draft", tokenizer) if draft_rows else None)
+
+    def _teacher_rows(self, key: str, default: float) -> int:
+        """Rows per batch that `data.<key>` (a share of the batch) asks for: at least one."""
+        fraction, batch = float(self.run.data.get(key, default)), self.settings.batch_size
+        rows = round(batch * fraction)
+        if not 0 < rows < batch:
+            raise TrainingError(f"data.{key} {fraction} gives {rows} of {batch} rows per batch; "
                                 "it must leave at least one teacher row and one real row")
-        teacher = open_token_file(data["distill"], tokenizer=tokenizer)
+        return rows
+
+    def _teacher_tokens(self, key: str, tokenizer):
+        """The token file `data.<key>` names, checked to hold whole rows of train.seq_len tokens."""
+        from printpress.data import open_token_file
+
+        path, seq_len = self.run.data[key], self.settings.seq_len
+        teacher = open_token_file(path, tokenizer=tokenizer)
         lengths = {count for _, _, count in teacher.meta.documents}
-        if lengths != {settings.seq_len}:
-            raise TrainingError(f"{data['distill']} holds rows of {sorted(lengths)} tokens; train.seq_len is "
-                                f"{settings.seq_len}: distil with --prefix-tokens + --new-tokens = seq_len")
-        return MixedBatchSampler(train_tokens, teacher.tokens, settings.seq_len, settings.batch_size, rows,
-                                 seed=settings.seed, rank=self.env.rank, world_size=self.env.world)
+        if lengths != {seq_len}:
+            raise TrainingError(f"{path} holds rows of {sorted(lengths)} tokens; train.seq_len is "
+                                f"{seq_len}: distil with --prefix-tokens + --new-tokens = seq_len")
+        return teacher.tokens
 
     def _main_first(self, build):
         """Rank 0 builds shared files (tokenizer, token files) while the others wait, then they reuse them."""
@@ -443,7 +465,11 @@ class Trainer:
         if hasattr(self.sampler, "is_real"):  # the AR loss stays on real text, never on a teacher's continuations
             ar_rows = torch.tensor([self.sampler.is_real(first_row + i) for i in range(tokens.shape[0])])
         if self.settings.objective != "ar":
-            draft_rows = ~ar_rows if self.settings.draft_teacher_rows and ar_rows is not None else None
+            draft_rows = None
+            if getattr(self.sampler, "draft_rows", 0):  # data.distill_draft: its rows, and only those, are drafts
+                draft_rows = torch.tensor([self.sampler.is_draft(first_row + i) for i in range(tokens.shape[0])])
+            elif self.settings.draft_teacher_rows and ar_rows is not None:
+                draft_rows = ~ar_rows
             noise = row_noise(tokens, first_row, step, self.settings.seed, self.diffusion, self.config.text.vocab_size,
                               teacher_draws=self.teacher is not None, draft_rows=draft_rows)
             if self.teacher is not None:
