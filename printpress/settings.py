@@ -114,6 +114,9 @@ class Setting:
     kind: type  # int, float, bool, str, or tuple (token ids): the value's type, the flag's and the HTTP field's
     help: str  # one phrase: the flag's help, and (as a sentence) the HTTP field's description
     default: object = None  # SamplerSettings' default (a checkpoint setting: the reference's, `REFERENCE`)
+    # What leaving it out means in the modes where that is not `default` (temperature in diffusion mode: the schedule
+    # as set, a multiplier of 1): the page's placeholders show it (GET /v1/settings `mode_defaults`).
+    mode_defaults: tuple[tuple[str, object], ...] = ()
     checkpoint: str | None = None  # the generation_config.json field that gives `Pipeline`'s default
     modes: tuple[str, ...] = MODES  # the modes that read it; given for another mode, it is refused (`refuse_unread`)
     check: Check | None = None  # the value's range, wherever it comes from (`check_setting`)
@@ -162,8 +165,8 @@ SETTINGS: tuple[Setting, ...] = (
             modes=CANVAS_MODES, check=_integer(1, MAX_DENOISING_STEPS), wire="steps",
             http=dict(ge=1, le=MAX_DENOISING_STEPS), editing=True, step_count=True),
     Setting("draft_steps", int, f"mode speculative: denoising steps per draft (default {SPECULATIVE_DRAFT_STEPS})",
-            modes=("speculative",), check=_integer(1, MAX_DENOISING_STEPS), http=dict(ge=1, le=MAX_DENOISING_STEPS),
-            stored=False, default_passes=False, step_count=True),
+            default=SPECULATIVE_DRAFT_STEPS, modes=("speculative",), check=_integer(1, MAX_DENOISING_STEPS),
+            http=dict(ge=1, le=MAX_DENOISING_STEPS), stored=False, default_passes=False, step_count=True),
     Setting("entropy_bound", float, "entropy bound for accepting positions per step",
             default=REFERENCE.entropy_bound, checkpoint="entropy_bound", modes=CANVAS_MODES, check=_positive,
             http=dict(gt=0, le=1e6), editing=True),
@@ -182,7 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("temperature", float, "modes ar and speculative: the sampling temperature (0 = greedy; default: the "
             "checkpoint's, else 0.8); mode diffusion and editing: a multiplier of the t_max -> t_min schedule (1 = as "
             "set, 0 = the coldest the sampler allows)", default=0.0, checkpoint="temperature",
-            check=_temperature(zero=" (greedy)"), http=dict(ge=0, le=10, **NOT_TINY), editing=True),
+            mode_defaults=(("diffusion", 1.0),), check=_temperature(zero=" (greedy)"),
+            http=dict(ge=0, le=10, **NOT_TINY), editing=True),
     # top_k asks for AR sampling, which diffusion never does: any value of it is refused there.
     Setting("top_k", int, "modes ar and speculative: sample among the k most likely tokens (default: the "
             "checkpoint's, else 50)", checkpoint="top_k", modes=("ar", "speculative"),

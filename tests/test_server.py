@@ -449,8 +449,11 @@ def test_settings_lists_every_http_setting_with_its_modes_bounds_and_the_models_
         assert entry["step"] == (1 if s.kind is int else None), s.wire
         assert entry["default"] == getattr(defaults, s.name, s.default), s.wire
         assert entry["choices"] == (list(s.choices) or None), s.wire
+        assert entry["mode_defaults"] == (dict(s.mode_defaults) or None), s.wire
     by_name = {entry["name"]: entry for entry in listed["data"]}
     assert by_name["temperature"]["default"] == pipe.generation_config.temperature  # the checkpoint's, as served
+    assert by_name["temperature"]["mode_defaults"] == {"diffusion": 1.0}  # there it scales the schedule: 1 = as set
+    assert by_name["draft_steps"]["default"] == 1
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])

@@ -176,8 +176,14 @@ def test_every_http_setting_has_a_field_enabled_in_the_modes_that_take_it(server
         page.select_option("select[name=mode]", mode)
         enabled = {s.wire for s in drawn if page.is_enabled(f"[name={s.wire}]")}
         assert enabled == {s.wire for s in drawn if mode in taking_modes(s)}, mode
-    assert page.get_attribute("input[name=temperature]", "placeholder") == (
-        f"model default ({server.app.state.printpress.pipeline.generation_config.temperature:g})")
+    # An empty box means the model's default, and for temperature in mode diffusion a multiplier of 1.
+    served = f"model default ({server.app.state.printpress.pipeline.generation_config.temperature:g})"
+    placeholders = {}
+    for mode in MODES:
+        page.select_option("select[name=mode]", mode)
+        placeholders[mode] = page.get_attribute("input[name=temperature]", "placeholder")
+    assert placeholders == {"diffusion": "model default (1)", "ar": served, "speculative": served}
+    assert page.get_attribute("input[name=draft_steps]", "placeholder") == "model default (1)"
     assert errors == []
     page.close()
 

@@ -388,6 +388,9 @@ class SettingInfo(BaseModel):
     default: bool | int | float | str | None = Field(
         description="The served model's value when the field is left out (its generation_config.json, else the "
                     "engine's); null when it has none of its own.")
+    mode_defaults: dict[str, bool | int | float | str] | None = Field(
+        description="What leaving the field out means in the modes where that differs from `default` (temperature "
+                    "in mode diffusion: 1, the schedule as set); null when it is `default` in every mode.")
     min: int | float | None = Field(description="The lowest value accepted (exclusive for some settings: the "
                                                 "server's message says so).")
     max: int | float | None = Field(description="The highest value accepted (by this server: step counts are capped "
@@ -413,7 +416,8 @@ def setting_list(defaults: SamplerSettings, max_steps: int) -> SettingList:
             high = max_steps if high is None else min(high, max_steps)
         data.append(SettingInfo(
             name=s.wire, kind=s.kind.__name__, help=s.description, modes=list(accepted_modes(s)), editing=s.editing,
-            choices=list(s.choices) or None, default=getattr(defaults, s.name, s.default), min=low, max=high,
+            choices=list(s.choices) or None, default=getattr(defaults, s.name, s.default),
+            mode_defaults=dict(s.mode_defaults) or None, min=low, max=high,
             step=1 if s.kind is int else None))
     return SettingList(data=data)
 

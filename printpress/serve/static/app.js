@@ -190,12 +190,18 @@
         input.type = s.kind === "int" || s.kind === "float" ? "number" : "text";
         for (const bound of ["min", "max", "step"]) if (s[bound] != null) input[bound] = String(s[bound]);
         if (input.type === "number" && s.step == null) input.step = "any";
-        input.placeholder = s.default === null ? "default" : `model default (${s.default})`;
+        input.placeholder = placeholder(s, form.elements.mode.value);
       }
     }
     input.name = s.name;
     label.append(`${s.name} `, input);
     return label;
+  }
+
+  /** What an empty box means for the chosen mode: the model's default, or the mode's own (`mode_defaults`). */
+  function placeholder(s, mode) {
+    const value = s.mode_defaults && mode in s.mode_defaults ? s.mode_defaults[mode] : s.default;
+    return value === null ? "default" : `model default (${value})`;
   }
 
   /** A field per setting the form has no field for yet (the mode box is the page's own, with its own words). */
@@ -238,7 +244,11 @@
     for (const label of form.querySelectorAll("[data-modes]")) {
       const active = label.dataset.modes.split(" ").includes(mode);
       label.classList.toggle("inactive", !active);
-      for (const input of label.querySelectorAll("input, select")) input.disabled = !active;
+      for (const input of label.querySelectorAll("input, select")) {
+        input.disabled = !active;
+        const s = fieldsByName[input.name];
+        if (s && s.mode_defaults && input.type === "number") input.placeholder = placeholder(s, mode);
+      }
     }
   }
 
