@@ -114,6 +114,11 @@ class BatchSampler:
         while True:
             yield self.next_batch()
 
+    def roles(self, first_row: int, count: int) -> tuple[None, None]:
+        """Every row is a real window: no rows to keep from the AR loss, none to train as drafts (see
+        `MixedBatchSampler.roles`)."""
+        return None, None
+
     def state_dict(self) -> dict[str, int]:
         """The data position; rank and world size are left out so a run may resume on another layout."""
         return {
@@ -186,6 +191,13 @@ class MixedBatchSampler:
     def is_draft(self, row: int) -> bool:
         """Whether global row `row` of every batch comes from the draft file."""
         return row >= self.batch_size - self.draft_rows
+
+    def roles(self, first_row: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For global rows ``[first_row, first_row + count)``: which are real windows (the AR loss sees only those)
+        and, with a draft file, which are its rows (trained only as drafts); (count,) bool each."""
+        rows = range(first_row, first_row + count)
+        real = torch.tensor([self.is_real(row) for row in rows])
+        return real, torch.tensor([self.is_draft(row) for row in rows]) if self.draft is not None else None
 
     def batch(self, step: int) -> torch.Tensor:
         """This rank's rows of batch `step`: int64 ``(batch_size // world_size, seq_len)``."""

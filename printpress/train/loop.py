@@ -461,15 +461,13 @@ class Trainer:
 
     # -- steps ---------------------------------------------------------------------------------------------
     def compute_loss(self, tokens: torch.Tensor, step: int, first_row: int) -> dict[str, torch.Tensor]:
-        noise, teacher, ar_rows = None, None, None
-        if hasattr(self.sampler, "is_real"):  # the AR loss stays on real text, never on a teacher's continuations
-            ar_rows = torch.tensor([self.sampler.is_real(first_row + i) for i in range(tokens.shape[0])])
+        noise, teacher = None, None
+        # The AR loss stays on real text (ar_rows), never on a teacher's continuations; data.distill_draft's rows
+        # are trained only as drafts, and with train.draft_teacher_rows all of data.distill's rows are.
+        ar_rows, draft_rows = self.sampler.roles(first_row, tokens.shape[0])
+        if draft_rows is None and self.settings.draft_teacher_rows:
+            draft_rows = ~ar_rows
         if self.settings.objective != "ar":
-            draft_rows = None
-            if getattr(self.sampler, "draft_rows", 0):  # data.distill_draft: its rows, and only those, are drafts
-                draft_rows = torch.tensor([self.sampler.is_draft(first_row + i) for i in range(tokens.shape[0])])
-            elif self.settings.draft_teacher_rows and ar_rows is not None:
-                draft_rows = ~ar_rows
             noise = row_noise(tokens, first_row, step, self.settings.seed, self.diffusion, self.config.text.vocab_size,
                               teacher_draws=self.teacher is not None, draft_rows=draft_rows)
             if self.teacher is not None:
