@@ -12,7 +12,16 @@ import sys
 from collections.abc import Iterable
 
 from printpress.errors import GenerationError
-from printpress.runtime_options import DTYPE_HELP, QUANTIZE, QUANTIZE_HELP, check_dtype, check_quantize
+from printpress.runtime_options import (
+    COMPILE,
+    COMPILE_HELP,
+    DTYPE_HELP,
+    QUANTIZE,
+    QUANTIZE_HELP,
+    check_compile,
+    check_dtype,
+    check_quantize,
+)
 from printpress.settings import SETTINGS, Setting, check_setting, refuse_canvas_steps, token_ids
 
 STDIN = "-"  # a prompt (or text) argument that says "read it from stdin"
@@ -21,7 +30,7 @@ STDIN = "-"  # a prompt (or text) argument that says "read it from stdin"
 def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                           settings: Iterable[Setting] = SETTINGS) -> None:
     """A flag per setting of `settings` (all but those named in `skip`), and the runtime flags (--dtype, --device,
-    --quantize: `load_options`)."""
+    --quantize, --compile: `load_options`)."""
     sampler = p.add_argument_group("sampler settings (default: the checkpoint's generation_config.json)")
     for s in settings:
         if s.name in skip:
@@ -35,10 +44,12 @@ def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()
 
 
 def add_runtime_arguments(runtime) -> None:
-    """--dtype, --device and --quantize (read back with `load_options`), on a parser or an argument group."""
+    """--dtype, --device, --quantize and --compile (read back with `load_options`), on a parser or an argument
+    group."""
     runtime.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     runtime.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE), help=QUANTIZE_HELP)
+    runtime.add_argument("--compile", default=None, metavar="|".join(COMPILE), help=COMPILE_HELP)
 
 
 def load_options(args: argparse.Namespace) -> dict:
@@ -46,7 +57,8 @@ def load_options(args: argparse.Namespace) -> dict:
     --dtype or --quantize ends in one line before a model is loaded (the device is checked by `load`, first)."""
     check_dtype(args.dtype)
     check_quantize(args.quantize)
-    return {"dtype": args.dtype, "device": args.device, "quantize": args.quantize}
+    check_compile(args.compile)
+    return {"dtype": args.dtype, "device": args.device, "quantize": args.quantize, "compile": args.compile}
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict:
@@ -76,8 +88,9 @@ def sampler_flags_given(args: argparse.Namespace) -> list[str]:
         words += ["--dtype", args.dtype]
     if args.device != "cpu":
         words += ["--device", args.device]
-    if args.quantize is not None:
-        words += ["--quantize", args.quantize]
+    for flag in ("quantize", "compile"):
+        if getattr(args, flag) is not None:
+            words += [f"--{flag}", getattr(args, flag)]
     return words
 
 

@@ -22,7 +22,7 @@ from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
 from printpress.request import Request, check_logprobs, check_prompts
-from printpress.runtime_options import check_dtype, check_quantize
+from printpress.runtime_options import check_compile, check_dtype, check_quantize
 from printpress.settings import (
     SETTINGS,
     SPECULATIVE_DRAFT_STEPS,
@@ -124,20 +124,30 @@ class Pipeline:
         dtype: str | torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         quantize: str | None = None,
+        compile: str | None = None,
     ) -> Pipeline:
         """`dtype`: float32 (the default; exact), bfloat16, float16, "auto" (measured: `printpress.precision`) or
         "checkpoint" (as saved). `quantize`: None (exact weights) or "int8" / "int8-head" (`printpress.quantize`;
-        not exact). Bad values are refused before anything is read."""
+        not exact). `compile`: None (the exact eager passes), "ar", "decoder" or "all" (`printpress.fast`: those
+        passes as one compiled graph each; not exact). Bad values are refused before anything is read."""
         from printpress.checkpoint import load_model
 
         check_dtype(dtype)
         check_quantize(quantize)
+        check_compile(compile)
         device = check_device(device)
         if path_or_id is None:
             path_or_id = default_model_path()
         model, config, generation_config, tokenizer = load_model(str(path_or_id), dtype=dtype, device=device,
                                                                  quantize=quantize)
         model.eval()
+        if compile is not None:
+            from printpress.fast import compile_ar_step, compile_decoder
+
+            if compile in ("ar", "all"):
+                compile_ar_step(model)
+            if compile in ("decoder", "all"):
+                compile_decoder(model)
         return cls(model, config, generation_config, tokenizer)
 
     def save_pretrained(self, folder: str | Path, dtype: str | torch.dtype | None = None,

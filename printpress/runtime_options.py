@@ -6,7 +6,9 @@ checks its flags without importing torch.
 
 - dtype: a name of `DTYPES` (the exact path is float32, the default), `AUTO` (a measured choice:
   `printpress.precision`) or `CHECKPOINT` (the dtype the checkpoint was saved in);
-- quantize: None, or a name of `QUANTIZE` (`printpress.quantize`: int8 weight-only linear layers; not exact).
+- quantize: None, or a name of `QUANTIZE` (`printpress.quantize`: int8 weight-only linear layers; not exact);
+- compile: None, or a name of `COMPILE` (`printpress.fast`: AR steps and/or decoder passes as one compiled graph
+  each; not exact).
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
 AUTO = "auto"  # bf16 where it is native and measured faster, fp32 elsewhere (printpress.precision)
 CHECKPOINT = "checkpoint"  # the dtype config.json records (float32 if it records none)
 QUANTIZE = ("int8", "int8-head")
+COMPILE = ("ar", "decoder", "all")  # which passes run compiled: AR steps, decoder passes, or both
 
 DTYPE_HELP = (f"float32 (default; exact), bfloat16, float16, {AUTO} (bfloat16 on a CUDA GPU that supports it or a CPU "
               f"with native bf16 matmul where a load-time measurement finds it faster, else float32), or {CHECKPOINT} "
               "(the dtype the checkpoint was saved in)")
 QUANTIZE_HELP = ("int8: weight-only int8 linear layers, one scale per output channel (opt-in, not exact; fewer bytes "
                  "per AR step: docs/benchmarks.md, 'int8 weights')")
+COMPILE_HELP = ("ar, decoder or all: run AR steps, decoder passes or both as one torch.compile graph each (opt-in, "
+                "not exact; faster per pass; the first passes compile, ~1 minute, cached on disk after that: "
+                "docs/generation.md, 'Compiled passes')")
 
 
 def check_dtype(dtype: object) -> None:
@@ -39,3 +45,10 @@ def check_quantize(quantize: object) -> None:
     if quantize is not None and quantize not in QUANTIZE:
         raise CheckpointError(f"quantize {quantize!r} is not supported; use {' or '.join(QUANTIZE)} (or leave it out "
                               "for the exact weights)")
+
+
+def check_compile(compile: object) -> None:
+    """Raise CheckpointError unless `compile` is None or a name of COMPILE."""
+    if compile is not None and compile not in COMPILE:
+        raise CheckpointError(f"compile {compile!r} is not supported; use {', '.join(COMPILE)} (or leave it out for "
+                              "the exact eager passes)")

@@ -18,9 +18,14 @@ from helpers import make_reference
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fast") / "gqa"
     make_reference("gqa").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(folder):
     return printpress.load(folder).model
 
 
@@ -172,3 +177,23 @@ def test_a_failing_decoder_graph_falls_back_to_the_exact_path_once(model, caplog
     assert "no compiler here" in compiled.failure
     assert sum("exact eager path" in r.message for r in caplog.records) == 1
     assert all(torch.equal(a, b) for a, b in zip(exact[0], fallback[0]))  # the exact path, bit for bit
+
+
+
+# -- the load option -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("choice, ar, decoder", [(None, False, False), ("ar", True, False), ("decoder", False, True),
+                                                 ("all", True, True)])
+def test_load_compiles_the_passes_it_is_asked_to(folder, choice, ar, decoder):
+    loaded = printpress.load(folder, compile=choice).model
+    assert (loaded.compiled_ar_step is not None, loaded.compiled_decoder is not None) == (ar, decoder)
+    assert all(graph is None or (graph.model is loaded and graph.backend == "inductor")
+               for graph in (loaded.compiled_ar_step, loaded.compiled_decoder))
+
+
+def test_load_refuses_an_unknown_compile_choice_before_reading_anything(tmp_path):
+    from printpress.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="compile 'fast' is not supported; use ar, decoder, all"):
+        printpress.load(tmp_path / "no such folder", compile="fast")
