@@ -92,6 +92,22 @@ def test_a_failing_graph_falls_back_to_the_exact_path_once(model, caplog):
     assert all(torch.equal(a, b) for a, b in zip(exact, fallback))  # the exact path, bit for bit
 
 
+def test_a_model_changed_after_compiling_runs_the_exact_path(folder, caplog):
+    """The graph keeps no guards on parameters (`input_and_code_guards`): its own check sends a model whose
+    parameters changed dtype (to bfloat16) to the exact path, never into a graph made for float32."""
+    model = printpress.load(folder).model
+    step = compile_ar_step(model, backend="eager")
+    calls = []
+    step._graph = lambda *args: calls.append(1)
+    model.to(torch.bfloat16)
+    batch, _ = padded_prompts(model.config.vocab_size)
+    with caplog.at_level(logging.WARNING, logger="printpress.fast"):
+        logits, _ = run_steps(model, batch, None, steps=2)
+    assert calls == [] and "changed dtype, device or shape" in step.failure
+    assert sum("exact eager path" in r.message for r in caplog.records) == 1
+    assert torch.isfinite(logits[-1]).all()  # what the eager path computes in bfloat16
+
+
 @pytest.mark.slow
 def test_inductor_compiles_the_step_of_the_shipped_model():
     pipe = printpress.load()
