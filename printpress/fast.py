@@ -179,15 +179,99 @@ class CompiledARStep(CompiledGraph):
 
 
 def compile_ar_step(model: DiffusionGemma, backend: str = "inductor") -> CompiledARStep:
-    """Run this model's AR steps through one compiled graph from now on (opt-in, not bit-exact); returns the
-    step object (`.failure` says why it fell back, if it did). `remove_compiled_ar_step` undoes it."""
+    """Run this model's encoder passes through compiled graphs from now on (opt-in, not bit-exact): AR steps (one
+    token per row) and unpadded blocks (speculative verifications, prompts: `CompiledEncoderBlock`). Returns the
+    step object (`.failure` says why it fell back, if it did; `model.compiled_encoder` is the block's).
+    `remove_compiled_ar_step` undoes both."""
     step = CompiledARStep(model, backend)
     model.compiled_ar_step = step
+    model.compiled_encoder = CompiledEncoderBlock(model, backend)
     return step
 
 
 def remove_compiled_ar_step(model: DiffusionGemma) -> None:
     model.compiled_ar_step = None
+    model.compiled_encoder = None
+
+
+# -- a block of the encoder (a verification, a prompt) ----------------------------------------------------------
+
+
+def encoder_block_graph(
+    model: DiffusionGemma,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    prefix_keys: list[torch.Tensor],
+    prefix_values: list[torch.Tensor],
+    full_mask: torch.Tensor | None,
+    sliding_mask: torch.Tensor | None,
+    last: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """A causal pass over a block `ids` (B, T) after the cache, as a pure function of tensors: the float32
+    next-token logits (B, T, V), or (B, 1, V) with `last`, and each layer's new keys and values, which the caller
+    writes into the cache.
+
+    The inputs are what the eager `encode` reads: the block's RoPE positions, each layer's cached keys/values
+    oldest first and the causal (and windowed) masks over them and the block (`DiffusionGemma._encoder_masks`)."""
+    b, t = ids.shape
+    x = model.embed(ids).reshape(b * t, -1)
+    ropes = model.rope(positions)
+    new_keys, new_values = [], []
+    for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
+        past_k, past_v = prefix_keys[index], prefix_values[index]
+
+        def joined(k, v, past_k=past_k, past_v=past_v):
+            new_keys.append(k)
+            new_values.append(v)
+            return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+        attended = layer.self_attn.attend(*layer.attention_inputs(x, (b, t), ropes[spec.sliding]),
+                                          sliding_mask if spec.sliding else full_mask, joined)
+        x = layer.after_attention(x, attended, (b, t), True)
+    hidden = model.norm(x).view(b, t, -1)
+    return model.logits(hidden[:, -1:] if last else hidden), new_keys, new_values
+
+
+class CompiledEncoderBlock(CompiledGraph):
+    """`model.encode(ids (B, T >= 2), cache, logits="all" | "last")` through one compiled graph for any T and cache
+    length: speculative verifications and unpadded prompts. See `compile_ar_step`."""
+
+    what = "compiled encoder block"
+
+    def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
+        super().__init__(model, encoder_block_graph, backend)
+
+    def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
+        """Whether this call is a block the graph runs: more than one token, none of them padding, logits wanted."""
+        return (self.failure is None and input_ids.shape[1] > 1 and logits in ("all", "last")
+                and isinstance(cache, KVCache) and not torch.is_grad_enabled()
+                and (attention_mask is None or bool(attention_mask.all())))
+
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache, logits: str) -> torch.Tensor | None:
+        """The block's logits, with the cache advanced; None if the graph failed (nothing was written)."""
+        model, t = self.model, input_ids.shape[1]
+        cache.check_room(t)
+        slots = torch.arange(cache.length, cache.length + t, device=input_ids.device)
+        masks = model._encoder_masks(cache, slots, None)
+        specs = model.specs
+        prefixes = [cache.sliding_prefix(i) if spec.sliding else cache.full_prefix(i) for i, spec in enumerate(specs)]
+        keys, values = [k for k, _ in prefixes], [v for _, v in prefixes]
+        torch._dynamo.maybe_mark_dynamic(input_ids, 1)  # any block length and cache length: one graph
+        for tensor in (*keys, *values):
+            torch._dynamo.maybe_mark_dynamic(tensor, 2)
+        for mask in (masks.full, masks.sliding):
+            if mask is not None:
+                torch._dynamo.maybe_mark_dynamic(mask, 2)
+                torch._dynamo.maybe_mark_dynamic(mask, 3)
+        out = self._run(input_ids, cache.row_positions(slots), keys, values, masks.full, masks.sliding,
+                        logits == "last")
+        if out is None:
+            return None
+        block_logits, new_keys, new_values = out
+        for index, (k, v) in enumerate(zip(new_keys, new_values)):
+            cache.write(index, k, v)
+        cache.advance(t, None)
+        return block_logits
 
 
 # -- the decoder pass -------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from printpress.cache import KVCache
 from printpress.config import FULL, SLIDING, LayerSpec, TextConfig
 
 if TYPE_CHECKING:
-    from printpress.fast import CompiledARStep, CompiledDecoderPass
+    from printpress.fast import CompiledARStep, CompiledDecoderPass, CompiledEncoderBlock
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LogitsMode = Literal["all", "last", "none"]
@@ -363,6 +363,8 @@ class DiffusionGemma(nn.Module):
         self._rope_memo: tuple | None = None  # (key, positions, tables) of the last canvas (`_canvas_rope`)
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
+        # ... and blocks of several unpadded tokens (verifications, prompts), with it (`CompiledEncoderBlock`).
+        self.compiled_encoder: CompiledEncoderBlock | None = None
         # Opt-in, not bit-exact: decoder passes through one compiled graph (`printpress.fast.compile_decoder`).
         self.compiled_decoder: CompiledDecoderPass | None = None
         # Opt-in, not exact: the logits from an int8 copy of the tied embedding (`printpress.quantize`, "int8-head").
@@ -477,6 +479,11 @@ class DiffusionGemma(nn.Module):
         step = self.compiled_ar_step
         if step is not None and step.covers(input_ids, cache, attention_mask, logits):
             out = step(input_ids, cache)
+            if out is not None:
+                return out
+        block = self.compiled_encoder
+        if block is not None and block.covers(input_ids, cache, attention_mask, logits):
+            out = block(input_ids, cache, logits)
             if out is not None:
                 return out
         t = input_ids.shape[1]

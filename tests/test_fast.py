@@ -103,8 +103,9 @@ def test_a_model_changed_after_compiling_runs_the_exact_path(folder, caplog):
     batch, _ = padded_prompts(model.config.vocab_size)
     with caplog.at_level(logging.WARNING, logger="printpress.fast"):
         logits, _ = run_steps(model, batch, None, steps=2)
-    assert calls == [] and "changed dtype, device or shape" in step.failure
-    assert sum("exact eager path" in r.message for r in caplog.records) == 1
+    assert calls == [] and all("changed dtype, device or shape" in graph.failure
+                               for graph in (step, model.compiled_encoder))  # the prompt is a block
+    assert sum("exact eager path" in r.message for r in caplog.records) == 2  # once per graph
     assert torch.isfinite(logits[-1]).all()  # what the eager path computes in bfloat16
 
 
@@ -194,6 +195,64 @@ def test_a_failing_decoder_graph_falls_back_to_the_exact_path_once(model, caplog
     assert sum("exact eager path" in r.message for r in caplog.records) == 1
     assert all(torch.equal(a, b) for a, b in zip(exact[0], fallback[0]))  # the exact path, bit for bit
 
+
+# -- the compiled encoder block --------------------------------------------------------------------------------
+
+
+def encoder_blocks(model):
+    """What blocks meet: a prompt into an empty cache (logits "last"), then blocks of 3 and 6 tokens (logits
+    "all"), the last after the 5-slot sliding ring has wrapped; each block's logits and the final cache."""
+    generator = torch.Generator().manual_seed(8)
+    vocab = model.config.vocab_size
+    cache = model.new_cache(2, 40)
+    blocks = [(torch.randint(3, vocab, (2, 7), generator=generator), "last"),
+              (torch.randint(3, vocab, (2, 3), generator=generator), "all"),
+              (torch.randint(3, vocab, (2, 6), generator=generator), "all")]
+    with torch.no_grad():
+        out = [model.encode(ids, cache, attention_mask=torch.ones_like(ids, dtype=torch.bool) if index == 0 else None,
+                            logits=logits) for index, (ids, logits) in enumerate(blocks)]
+    return out, cache
+
+
+@pytest.mark.slow  # compiles the block
+def test_the_encoder_block_is_one_graph_and_computes_the_exact_paths_logits_and_cache(model):
+    exact, exact_cache = encoder_blocks(model)
+    compile_ar_step(model, backend="eager")
+    block = model.compiled_encoder
+    try:
+        fast, fast_cache = encoder_blocks(model)
+    finally:
+        remove_compiled_ar_step(model)
+    assert block.failure is None and model.compiled_encoder is None
+    for a, b in zip(exact, fast):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-4
+    assert fast_cache.length == exact_cache.length == 16
+    assert torch.equal(fast_cache.slot_positions, exact_cache.slot_positions)
+    for exact_layer, fast_layer in zip(exact_cache.layers, fast_cache.layers):
+        assert (exact_layer.keys - fast_layer.keys).abs().max() < 1e-5
+        assert (exact_layer.values - fast_layer.values).abs().max() < 1e-5
+
+
+def test_padded_one_token_and_failing_blocks_run_the_exact_path(model, caplog):
+    exact, _ = encoder_blocks(model)
+    compile_ar_step(model, backend="eager")
+    block = model.compiled_encoder
+    ids, cache = torch.ones(2, 4, dtype=torch.long), model.new_cache(2, 8)
+    mask = torch.tensor([[False, True, True, True], [True] * 4])
+    try:
+        with torch.no_grad():
+            assert not block.covers(ids, cache, mask, "all")  # padding: the eager path's masks
+            assert not block.covers(ids[:, :1], cache, None, "last")  # one token: the AR step's graph
+            assert not block.covers(ids, cache, None, "none")
+            assert block.covers(ids, cache, torch.ones_like(mask), "all")
+        assert not block.covers(ids, cache, None, "all")  # training: the eager path
+        block._graph = lambda *args: (_ for _ in ()).throw(RuntimeError("no compiler here"))
+        with caplog.at_level(logging.WARNING, logger="printpress.fast"):
+            fallback, _ = encoder_blocks(model)
+    finally:
+        remove_compiled_ar_step(model)
+    assert "no compiler here" in block.failure
+    assert all(torch.equal(a, b) for a, b in zip(exact, fallback))  # the exact path, bit for bit
 
 
 # -- the load option -------------------------------------------------------------------------------------------
