@@ -72,9 +72,11 @@ def main() -> None:
                         "unfused), e.g. '1:4,2:8,7:-' (1 draft step, decoder canvas 32)")
     parser.add_argument("--repeat", type=int, default=1, help="decode each prompt this many times per setting "
                         "(the settings taking turns), summing the times")
+    parser.add_argument("--compile", default=None, help="load with printpress.load(compile=...) (ar, decoder, all): "
+                        "both sides run compiled passes; the first calls compile (a minute or two)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = printpress.load(args.model)
+    pipe = printpress.load(args.model, compile=args.compile)
     if args.costs:
         return pass_costs(pipe, args)
     if args.margins:
@@ -82,9 +84,9 @@ def main() -> None:
     if args.plot_only:
         return plot(json.loads(Path(args.out).read_text())["rows"], Path(args.out).with_suffix(".png"))
     prompts = [pipe.encode_text(p) for p in PROMPTS]
-    for prompt in prompts:  # warm-up: first calls pay one-off allocation costs
-        run_ar(pipe, prompt, 8)
-        run_speculative(pipe, prompt, 8, 1, 31, 32)
+    for prompt in prompts:  # warm-up: first calls pay one-off allocation costs (and compile, with --compile)
+        run_ar(pipe, prompt, args.tokens if args.compile else 8)
+        run_speculative(pipe, prompt, args.tokens if args.compile else 8, 1, 31, 32)
         if args.fused or args.only:
             run_speculative(pipe, prompt, 8, 1, 7, 32, 8)
 
