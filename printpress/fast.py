@@ -232,9 +232,21 @@ def encoder_block_graph(
     return model.logits(hidden[:, -1:] if last else hidden), new_keys, new_values
 
 
+def cached_prefixes(model: DiffusionGemma, cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's cached keys and values as the eager passes read them (the sliding ring oldest first), marked
+    dynamic in their length: the context grows with every block and canvas, and the graphs are compiled once for
+    any length."""
+    prefixes = [cache.sliding_prefix(i) if spec.sliding else cache.full_prefix(i) for i, spec in enumerate(model.specs)]
+    keys, values = [k for k, _ in prefixes], [v for _, v in prefixes]
+    for tensor in (*keys, *values):
+        torch._dynamo.maybe_mark_dynamic(tensor, 2)
+    return keys, values
+
+
 class CompiledEncoderBlock(CompiledGraph):
-    """`model.encode(ids (B, T >= 2), cache, logits="all" | "last")` through one compiled graph for any T and cache
-    length: speculative verifications and unpadded prompts. See `compile_ar_step`."""
+    """`model.encode(ids (B, T >= 2), cache, logits="all" | "last")` through compiled graphs for any T and cache
+    length (a few variants: logits for the last token or all, blocks of 2 tokens, whose experts are gathered
+    rather than run densely): speculative verifications and unpadded prompts. See `compile_ar_step`."""
 
     what = "compiled encoder block"
 
@@ -253,12 +265,8 @@ class CompiledEncoderBlock(CompiledGraph):
         cache.check_room(t)
         slots = torch.arange(cache.length, cache.length + t, device=input_ids.device)
         masks = model._encoder_masks(cache, slots, None)
-        specs = model.specs
-        prefixes = [cache.sliding_prefix(i) if spec.sliding else cache.full_prefix(i) for i, spec in enumerate(specs)]
-        keys, values = [k for k, _ in prefixes], [v for _, v in prefixes]
-        torch._dynamo.maybe_mark_dynamic(input_ids, 1)  # any block length and cache length: one graph
-        for tensor in (*keys, *values):
-            torch._dynamo.maybe_mark_dynamic(tensor, 2)
+        keys, values = cached_prefixes(model, cache)
+        torch._dynamo.maybe_mark_dynamic(input_ids, 1)  # any block length and cache length
         for mask in (masks.full, masks.sliding):
             if mask is not None:
                 torch._dynamo.maybe_mark_dynamic(mask, 2)
@@ -328,14 +336,10 @@ class CompiledDecoderPass(CompiledGraph):
             probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)
         c = canvas_ids.shape[1]
         positions = cache.row_positions(torch.arange(cache.length, cache.length + c, device=canvas_ids.device))
-        specs = self.model.specs
-        prefixes = [cache.sliding_prefix(i) if spec.sliding else cache.full_prefix(i) for i, spec in enumerate(specs)]
-        keys, values = [k for k, _ in prefixes], [v for _, v in prefixes]
+        keys, values = cached_prefixes(self.model, cache)
         full_valid = sliding_valid = None
         if not cache.all_valid():
             full_valid, sliding_valid = cache.prefix_valid(False), cache.prefix_valid(True)
-        for tensor in (*keys, *values):  # the context grows every canvas: compile once for any length
-            torch._dynamo.maybe_mark_dynamic(tensor, 2)
         for valid in (full_valid, sliding_valid):
             if valid is not None:
                 torch._dynamo.maybe_mark_dynamic(valid, 1)
