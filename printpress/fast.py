@@ -266,13 +266,16 @@ class CompiledEncoderBlock(CompiledGraph):
         slots = torch.arange(cache.length, cache.length + t, device=input_ids.device)
         masks = model._encoder_masks(cache, slots, None)
         keys, values = cached_prefixes(model, cache)
-        torch._dynamo.maybe_mark_dynamic(input_ids, 1)  # any block length and cache length
+        positions = cache.row_positions(slots)
+        # Any block length and cache length: every tensor whose size follows them is marked (one left static
+        # would pin the block length to the first one seen, and each new prompt length would compile again).
+        torch._dynamo.maybe_mark_dynamic(input_ids, 1)
+        torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
         for mask in (masks.full, masks.sliding):
             if mask is not None:
                 torch._dynamo.maybe_mark_dynamic(mask, 2)
                 torch._dynamo.maybe_mark_dynamic(mask, 3)
-        out = self._run(input_ids, cache.row_positions(slots), keys, values, masks.full, masks.sliding,
-                        logits == "last")
+        out = self._run(input_ids, positions, keys, values, masks.full, masks.sliding, logits == "last")
         if out is None:
             return None
         block_logits, new_keys, new_values = out
