@@ -23,7 +23,7 @@ from printpress.chat_command import register_chat
 from printpress.cli_flags import add_sampler_arguments, load_options, parse_ids, read_prompts, sampler_overrides
 from printpress.edit_command import register_edit
 from printpress.errors import PrintpressError
-from printpress.events import CommitEvent, DoneEvent
+from printpress.events import CommitEvent, DoneEvent, SpeculativeStats
 from printpress.eval.bench import register as register_bench
 from printpress.eval.command import register as register_eval
 from printpress.models_command import register_list, register_pull
@@ -150,7 +150,10 @@ def _stats_line(result) -> str:
     made = f" of {stats.new_tokens} generated" if stats.new_tokens != printed else ""
     line = (f"[{printed} tokens{made} in {stats.wall_time_s:.2f} s = {rate:.0f} tokens/s; "
             f"{stats.tokens_per_forward:.2f} tokens per forward over {stats.forward_passes} forwards")
-    if stats.denoising_steps:
+    if isinstance(stats, SpeculativeStats):  # its rounds, not canvases
+        line += (f", {stats.verifications} verifications of {stats.accepted_per_verification:.2f} tokens "
+                 f"({stats.accepted_drafts} of {stats.drafted_tokens} drafts kept)")
+    elif stats.denoising_steps:
         line += f", {stats.canvases} canvases"
     return line + "]"
 

@@ -1,9 +1,9 @@
 """`make demo`: generate with the shipped default model, both ways, and say what it measured.
 
 The default model (models/shakespeare-joint) was trained with the joint objective, so the same weights
-decode by diffusion (a canvas of 32 tokens denoised in parallel, drawn live when stderr is a terminal)
-and autoregressively (one token per forward). See its model card for how it was trained and how good
-each decoding is.
+decode by diffusion (a canvas of 32 tokens denoised in parallel, drawn live when stderr is a terminal),
+autoregressively (one token per forward) and speculatively (diffusion drafts that the AR side verifies: AR's
+greedy text in fewer passes). See its model card for how it was trained and how good each decoding is.
 """
 
 from __future__ import annotations
@@ -15,6 +15,14 @@ from printpress.pipeline import default_model_path
 from printpress.errors import PrintpressError
 
 PROMPT = "ROMEO.\n"  # the corpus writes a speaker as NAME. on a line of its own
+# After diffusion: the same weights decoding autoregressively, then greedy AR beside speculative decoding, whose
+# output is exactly greedy AR's, in fewer forward passes.
+DECODINGS = [
+    ("autoregressive decoding on the same weights (sampled at the default temperature 0.8, top-k 50)", ["--mode", "ar"]),
+    ("greedy autoregressive decoding (temperature 0)", ["--mode", "ar", "--temperature", "0"]),
+    ("speculative decoding: diffusion drafts, AR verifies (greedy: the same text as above, fewer passes)",
+     ["--mode", "speculative", "--temperature", "0"]),
+]
 
 
 def main() -> int:
@@ -28,9 +36,12 @@ def main() -> int:
     code = cli_main(["generate", "--seed", "0", "--max-new-tokens", "96", "--show-steps", "--stats", PROMPT])
     if code:
         return code
-    print("\n== autoregressive decoding on the same weights (sampled at the default temperature 0.8, top-k 50) ==",
-          flush=True)
-    return cli_main(["generate", "--seed", "0", "--max-new-tokens", "96", "--mode", "ar", "--stats", PROMPT])
+    for header, flags in DECODINGS:
+        print(f"\n== {header} ==", flush=True)
+        code = cli_main(["generate", "--seed", "0", "--max-new-tokens", "96", *flags, "--stats", PROMPT])
+        if code:
+            return code
+    return 0
 
 
 if __name__ == "__main__":
