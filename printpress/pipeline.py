@@ -129,7 +129,7 @@ class Pipeline:
         """`dtype`: float32 (the default; exact), bfloat16, float16, "auto" (measured: `printpress.precision`) or
         "checkpoint" (as saved). `quantize`: None (exact weights) or "int8" / "int8-head" (`printpress.quantize`;
         not exact). `compile`: None (the exact eager passes), "ar", "decoder" or "all" (`printpress.fast`: those
-        passes as one compiled graph each; not exact). Bad values are refused before anything is read."""
+        passes as torch.compile graphs; not exact). Bad values are refused before anything is read."""
         from printpress.checkpoint import load_model
 
         check_dtype(dtype)

@@ -7,8 +7,8 @@ checks its flags without importing torch.
 - dtype: a name of `DTYPES` (the exact path is float32, the default), `AUTO` (a measured choice:
   `printpress.precision`) or `CHECKPOINT` (the dtype the checkpoint was saved in);
 - quantize: None, or a name of `QUANTIZE` (`printpress.quantize`: int8 weight-only linear layers; not exact);
-- compile: None, or a name of `COMPILE` (`printpress.fast`: AR steps and/or decoder passes as one compiled graph
-  each; not exact).
+- compile: None, or a name of `COMPILE` (`printpress.fast`: the encoder's and/or the decoder's passes as compiled
+  graphs; not exact).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ DTYPE_HELP = (f"float32 (default; exact), bfloat16, float16, {AUTO} (bfloat16 on
               "(the dtype the checkpoint was saved in)")
 QUANTIZE_HELP = ("int8: weight-only int8 linear layers, one scale per output channel (opt-in, not exact; fewer bytes "
                  "per AR step: docs/benchmarks.md, 'int8 weights')")
-COMPILE_HELP = ("ar, decoder or all: run AR steps, decoder passes or both as one torch.compile graph each (opt-in, "
-                "not exact; faster per pass; the first passes compile, ~1 minute, cached on disk after that: "
-                "docs/generation.md, 'Compiled passes')")
+COMPILE_HELP = ("ar, decoder or all: run the encoder's passes (AR steps, verifications, prompts), the decoder's or both "
+                "as torch.compile graphs (opt-in, not exact; faster per pass; the first passes compile, ~1 minute, "
+                "cached on disk after that: docs/generation.md, 'compiled passes')")
 
 
 def check_dtype(dtype: object) -> None:
