@@ -87,7 +87,7 @@ def report(tiny, tmp_path_factory) -> dict:
                              "--heldout-data", str(corpus),
                              "--heldout-seq-len", "16", "--heldout-batch-size", "2", "--heldout-batches", "1",
                              "--forward-reps", "2", "--gguf-judge", "off", "--results", str(root / "results"),
-                             "--out", str(root / "pair.json"), "--no-progress"])
+                             "--out", str(root / "pair.json"), "--no-progress", "--python"])
     finally:
         mp.undo()
     assert code == 0
@@ -297,13 +297,24 @@ def test_the_terminal_shows_a_legend_one_headline_and_warns_of_too_few_samples(r
     header = out.splitlines()[0].split()
     assert header[:4] == ["side", "nll/char", "smollm", "tok/s"]
     legend = " ".join(line.strip() for line in out.splitlines() if line.startswith(("legend:", "  ")))
-    for column in ("nll/char:", "xAR cpu:", "fwd all:", "div=:", "TTFC s:", "st/can:", "H acc:", "stops:"):
+    for column in ("nll/char:", "xAR cpu:", "fwd all:", "div=:", "py:", "parse:", "TTFC s:", "st/can:", "H acc:",
+                   "stops:"):
         assert column in legend
     assert out.count("headline") == 1 and "the AR twin" in out.splitlines()[-1]
     # Two prompts x two seeds: one line on stderr, with the number and what to pass instead.
     warning = [line for line in report["_stderr"].splitlines() if "warning" in line]
     assert len(warning) == 1
     assert "only 4 sample(s) per side (2 prompt(s) x 2 seed(s))" in warning[0] and "--seeds 4" in warning[0]
+
+
+def test_python_shares_are_those_of_each_sides_samples(report):
+    from printpress.eval.python_syntax import python_validity
+
+    assert report["settings"]["python_syntax"] is True
+    for row in report["rows"]:
+        samples = [s for s in report["samples"] if s["side"] == row["label"]]
+        shares = python_validity([s["prompt"] for s in samples], [s["text"] for s in samples])
+        assert {k: row[k] for k in shares} == shares
 
 
 def test_card_plot_and_headline(report):

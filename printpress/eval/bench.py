@@ -140,6 +140,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "'mode=speculative,steps=1' (repeatable; keys: " + ", ".join(SETTING_KEYS) + ")")
     p.add_argument("--gguf-judge", choices=("auto", "on", "off"), default="auto",
                    help="also judge with SmolLM2-135M from GGUF (auto: when printpress.eval.gguf_judge exists)")
+    p.add_argument("--python", action="store_true",
+                   help="code: also the share of samples that are Python, or the start of it, and that parse "
+                        "(prompt + sample cut after its last newline; printpress.eval.python_syntax)")
     p.add_argument("--no-heldout", action="store_true", help="skip the held-out losses")
     p.add_argument("--heldout-data", nargs="+", default=["shakespeare"],
                    help="corpus for held-out losses and --heldout-prompts")
@@ -212,6 +215,12 @@ def _run(args: argparse.Namespace) -> int:
     samples = decode_all(pipes, sides, plan, args.max_new_tokens, progress)
     scores = judge_samples(samples, pipes["ar"], gguf, progress)
     rows = [summarize(side, samples[side.label], scores[side.label]) for side in sides]
+    if args.python:
+        from printpress.eval.python_syntax import python_validity
+
+        for row, side in zip(rows, sides, strict=True):
+            items = samples[side.label]
+            row.update(python_validity([s.prompt for s in items], [s.text for s in items]))
     diversity_reference = compare_with_ar(rows, samples)
     cost = forward_cost(pipes["diffusion"], reps=args.forward_reps)
     heldout = {} if args.no_heldout else heldout_figures(args, diffusion_path, ar_path, progress)
@@ -223,7 +232,7 @@ def _run(args: argparse.Namespace) -> int:
                      "samples_per_side": len(plan), "max_new_tokens": args.max_new_tokens,
                      "seeds": f"{args.seed}..{args.seed + len(plan) - 1}", "yardstick": args.yardstick,
                      "steps": args.steps, "entropy_bounds": args.entropy_bounds, "extra": args.setting,
-                     "threads": args.threads, "ar_sampling": AR_SAMPLING,
+                     "threads": args.threads, "ar_sampling": AR_SAMPLING, "python_syntax": args.python,
                      "canvas_length": pipes["diffusion"].canvas_length},
         "model": {"diffusion": diffusion_path, "ar": ar_path,
                   "parameters": sum(p.numel() for p in pipes["diffusion"].model.parameters())},
@@ -325,7 +334,7 @@ def draw_prompts(docs: Sequence[Document], n: int, exclude: Sequence[Document] =
     verbatim in an `exclude` document (a repeated stage direction, say) is skipped."""
     if n < 1:
         raise BenchError(f"--heldout-prompts must be a positive number of prompts, got {n}")
-    starts = [(doc.text, i) for doc in sorted(docs, key=lambda d: d.name) for i in _line_starts(doc.text)]
+    starts = [(doc.text, i) for doc in sorted(docs, key=lambda d: d.name) for i in _window_starts(doc)]
     random.Random(seed).shuffle(starts)
     prompts: list[str] = []
     for text, start in starts:
@@ -336,6 +345,18 @@ def draw_prompts(docs: Sequence[Document], n: int, exclude: Sequence[Document] =
             if len(prompts) == n:
                 return prompts
     raise BenchError(f"the held-out documents hold only {len(prompts)} usable prompt windows, {n} asked for")
+
+
+def _window_starts(doc: Document) -> list[int]:
+    """Where a prompt window may start: at a top-level statement of a Python module (so that a sample's indentation
+    is its own, and `--python` can parse it), at any line with text on it otherwise."""
+    if doc.name.endswith(".py"):
+        from printpress.eval.python_syntax import top_level_starts
+
+        starts = top_level_starts(doc.text)
+        if starts is not None:
+            return starts
+    return _line_starts(doc.text)
 
 
 def _line_starts(text: str) -> list[int]:

@@ -26,12 +26,23 @@ COLUMNS = [
     ("dist2", "5.3f", "distinct-2", "distinct_2", "share of distinct word bigrams"),
     ("rep4", "5.3f", "repeated 4-grams", "repeated_4gram_share", "share of repeated word 4-grams"),
     ("div=", "4.1f", "matched diversity", "matched_diversity", f"diversity matched to '{OWN_AR}'"),
+    ("py", "5.2f", "valid Python (so far)", "python_prefix_share", "share of samples that are Python or its start"),
+    ("parse", "5.2f", "parses as Python", "python_parses_share", "share of samples that parse as a whole module"),
     ("TTFC s", "7.3f", "first commit s", "time_to_first_commit_s", "seconds to the first commit"),
     ("st/can", "6.1f", "steps/canvas", "steps_per_canvas", "denoising steps per canvas"),
     ("H acc", "6.3f", "accepted entropy", "accepted_entropy_mean", "entropy of the accepted tokens"),
     ("acc/st", "6.2f", "accepted/step", "accepted_per_step", "tokens accepted per step"),
     ("stops", "5.2f", "adaptive stops", "adaptive_stop_rate", "share of canvases stopped early"),
 ]
+
+# Shown only when some side has them (`printpress bench --python`).
+OPTIONAL_KEYS = {"python_prefix_share", "python_parses_share"}
+
+
+def columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str, str]]:
+    """`COLUMNS`, less the optional ones no side has."""
+    return [c for c in COLUMNS if c[3] not in OPTIONAL_KEYS or any(c[3] in r for r in rows)]
+
 
 # The one headline printed: AR twin judge, wall clock, every diffusion side. The JSON's `headline` holds each
 # judge by wall clock and by CPU time, and over the sides of matched diversity only.
@@ -55,10 +66,11 @@ def print_table(rows: list[dict[str, Any]], heads: dict[str, dict[str, Any]], co
             text = format(value, fmt) if isinstance(value, (int, float)) else "-"
         return text.rjust(len(format(0.0, fmt)))
 
-    print(f"{'side':44s} " + " ".join(name.rjust(len(format(0.0, fmt))) for name, fmt, *_ in COLUMNS))
+    shown = columns(rows)
+    print(f"{'side':44s} " + " ".join(name.rjust(len(format(0.0, fmt))) for name, fmt, *_ in shown))
     for r in rows:
-        print(f"{r['label'][:44]:44s} " + " ".join(cell(r, key, fmt) for _, fmt, _, key, _ in COLUMNS))
-    legend = "; ".join(f"{name}: {meaning}" for name, _, _, _, meaning in COLUMNS)
+        print(f"{r['label'][:44]:44s} " + " ".join(cell(r, key, fmt) for _, fmt, _, key, _ in shown))
+    legend = "; ".join(f"{name}: {meaning}" for name, _, _, _, meaning in shown)
     print("\n".join(textwrap.wrap(legend, 118, initial_indent="legend: ", subsequent_indent="  ")))
     print(f"decoder forward (canvas {cost['canvas_length']}) {cost['decoder_forward_ms']:.2f} ms = "
           f"{cost['decoder_over_ar_step']:.2f} AR steps ({cost['ar_step_ms']:.2f} ms)")
@@ -131,10 +143,11 @@ def card_markdown(json_path: Path) -> str:
     rows = card.pop("rows")
     card.pop("samples")
     card.pop("headline")  # its figures are in `metrics`; the full ladders stay in the JSON
-    lines = ["## Sides", "", "| side | " + " | ".join(c[2] for c in COLUMNS) + " |",
-             "|---|" + "---|" * len(COLUMNS)]
+    shown = columns(rows)
+    lines = ["## Sides", "", "| side | " + " | ".join(c[2] for c in shown) + " |",
+             "|---|" + "---|" * len(shown)]
     for r in rows:
-        lines.append(f"| {r['label']} | " + " | ".join(_card_cell(r.get(c[3])) for c in COLUMNS) + " |")
+        lines.append(f"| {r['label']} | " + " | ".join(_card_cell(r.get(c[3])) for c in shown) + " |")
     return markdown(card, json_path.name) + "\n" + "\n".join(lines) + "\n"
 
 
