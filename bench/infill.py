@@ -1,6 +1,14 @@
-"""Infilling quality on held-out Shakespeare: diffusion infill against two AR baselines, same weights.
+"""Infilling quality on held-out Shakespeare or Python: diffusion infill against two AR baselines, same weights.
 
     OMP_NUM_THREADS=1 python bench/infill.py --spans 100 --out docs/results/infill.json
+    OMP_NUM_THREADS=1 python bench/infill.py --data stdlib --joint models/stdlib-code --ar runs/code-ar/model \
+        --spans 100 --out docs/results/code/infill.json
+
+Code (`--data stdlib`): every span is one simple statement of a held-out module (an assignment, call, return,
+raise, ...: one line, 12-70 characters, inside a function or class body), cut as the BPE reads code: the middle
+starts at the newline before the statement and holds its indentation, so the prefix ends at the end of the line
+before. Beside the figures below, `file_parses`: whether the whole module, with the generated middle in place of
+the true one, still parses (`ast.parse`).
 
 Spans are cut from the validation works of the shipped models (the 5% of works held out by
 `split_documents(load_corpus("shakespeare"), 0.05)`, as in their training recipe): half are whole
@@ -30,6 +38,7 @@ scored too, as the floor. Diffusion uses the checkpoint's sampler defaults, seed
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import random
 import statistics
@@ -64,10 +73,42 @@ def dialogue_lines(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def make_spans(count: int, seed: int = 0) -> list[dict]:
-    _, validation = split_documents(load_corpus("shakespeare"), val_fraction=0.05)
+def statement_lines(text: str) -> list[tuple[int, int]]:
+    """(start, end) of the one-line simple statements inside a block (indented) of a module, 12-70 characters, each
+    from the newline before it (so the middle holds the indentation) to its end; [] if the module does not parse."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    offsets = [0, *(i + 1 for i, ch in enumerate(text) if ch == "\n")]
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt) or hasattr(node, "body") or node.lineno != node.end_lineno:
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # a docstring
+            continue
+        line_start = offsets[node.lineno - 1]
+        line = text[line_start:text.find("\n", line_start)]
+        if node.col_offset == 0 or not 12 <= len(line.strip()) <= 70 or line.strip() != ast.get_source_segment(text, node):
+            continue  # top level, too short or long, or sharing its line with another statement or a comment
+        if line_start - 1 >= PREFIX_CHARS:
+            out.append((line_start - 1, line_start + len(line)))
+    return sorted(out)
+
+
+def make_spans(count: int, seed: int = 0, data: str = "shakespeare") -> list[dict]:
+    _, validation = split_documents(load_corpus(data), val_fraction=0.05)
     rng = random.Random(seed)
     spans = []
+    if data == "stdlib":
+        validation = [doc for doc in validation if statement_lines(doc.text)]
+        for _ in range(count):
+            doc = rng.choice(validation)
+            start, end = rng.choice(statement_lines(doc.text))
+            spans.append({"doc": doc.name, "kind": "statement", "start": start, "end": end,
+                          "prefix": doc.text[start - PREFIX_CHARS:start], "middle": doc.text[start:end],
+                          "suffix": doc.text[end:end + SUFFIX_CHARS]})
+        return spans
     for i in range(count):
         doc = rng.choice(validation)
         start, end = rng.choice(dialogue_lines(doc.text))
@@ -98,9 +139,17 @@ def token_accuracy(pipe, generated: str, true: str) -> float:
     return sum(1 for a, b in zip(want, got) if a == b) / len(want)
 
 
-def score(pipe, judge, span: dict, middle: str) -> dict:
+def score(pipe, judge, span: dict, middle: str, document: str | None = None) -> dict:
+    """The figures of one generated middle; with the span's whole `document` (code), also whether it parses."""
     prefix, suffix = span["prefix"], span["suffix"]
-    return {
+    parses = {}
+    if document is not None:
+        try:
+            ast.parse(document[:span["start"]] + middle + document[span["end"]:])
+            parses["file_parses"] = True
+        except (SyntaxError, ValueError):
+            parses["file_parses"] = False
+    return {**parses,
         "middle": middle,
         "exact": middle.strip() == span["middle"].strip(),
         "token_accuracy": token_accuracy(pipe, middle, span["middle"]),
@@ -114,6 +163,8 @@ def main() -> None:
     parser.add_argument("--joint", default=str(ROOT / "models" / "shakespeare-joint"))
     parser.add_argument("--ar", default=str(ROOT / "models" / "shakespeare-ar"))
     parser.add_argument("--spans", type=int, default=100)
+    parser.add_argument("--data", choices=("shakespeare", "stdlib"), default="shakespeare",
+                        help="the held-out corpus the spans are cut from (stdlib: Python statements)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "infill.json"))
     parser.add_argument("--note", default="", help="what else ran on the machine")
     parser.add_argument("--variant", choices=("main", "sampler", "core", "feedback"), default="main",
@@ -135,7 +186,9 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     pipe, judge = printpress.load(args.joint), printpress.load(args.ar)
-    spans = make_spans(args.spans)
+    spans = make_spans(args.spans, data=args.data)
+    documents = ({d.name: d.text for d in split_documents(load_corpus("stdlib"), val_fraction=0.05)[1]}
+                 if args.data == "stdlib" else {})
     methods = {
         "original (the true middle)": lambda s, i, n: s["middle"],
         "diffusion infill, oracle length": lambda s, i, n: editing.infill(
@@ -178,12 +231,12 @@ def main() -> None:
                 extra["length"] = out.stats.length
                 extra["candidates"] = [[c.length, c.join_nll, c.join_chars, c.middle] for c in out.candidates]
                 out = out.middle
-            records[name].append({"span": i, **score(pipe, judge, span, out), **extra})
+            records[name].append({"span": i, **score(pipe, judge, span, out, documents.get(span["doc"])), **extra})
         if (i + 1) % 10 == 0:
             print(f"{i + 1}/{len(spans)} spans", flush=True)
     command = (f"OMP_NUM_THREADS=1 python bench/infill.py --spans {args.spans} --variant {args.variant} "
-               f"--joint {args.joint} --out {args.out}")
-    meta = {"command": command, "threads": 1,
+               f"--data {args.data} --joint {args.joint} --ar {args.ar} --out {args.out}")
+    meta = {"command": command, "threads": 1, "data": args.data,
             "model": Path(args.joint).name, "judge": Path(args.ar).name, "spans": len(spans),
             "prefix_chars": PREFIX_CHARS, "suffix_chars": SUFFIX_CHARS, "join_chars": JOIN_CHARS,
             "sampler": "checkpoint defaults (32 steps, entropy bound 0.1, t 0.8->0.4), seed = span index",
@@ -214,7 +267,7 @@ def summarize(data: dict) -> dict:
     seconds = data["meta"].get("seconds_per_span") or {r["method"]: r["seconds_per_span"] for r in data["rows"]}
     rows = []
     for name, recs_all in records.items():
-        for kind in ("line", "words", "all"):
+        for kind in [*sorted({s["kind"] for s in spans}), "all"]:
             recs = [r for r in recs_all if kind == "all" or spans[r["span"]]["kind"] == kind]
             middles = [r["middle_nll"] for r in recs if r["middle_nll"] is not None]
             row = {"method": name, "kind": kind, "spans": len(recs),
@@ -222,6 +275,8 @@ def summarize(data: dict) -> dict:
                    "token_accuracy": statistics.mean(r["token_accuracy"] for r in recs),
                    "middle_nll_per_char": statistics.mean(middles) if middles else None,
                    "join_nll_per_char": statistics.mean(r["join_nll"] for r in recs),
+                   "file_parses": (statistics.mean(r["file_parses"] for r in recs) if "file_parses" in recs[0]
+                                   else None),
                    "seconds_per_span": seconds[name]}
             # Paired against AR-prefix-only on the same spans: mean difference of the join NLL and its standard error.
             base = {r["span"]: r["join_nll"] for r in records[BASELINE]}
@@ -231,7 +286,8 @@ def summarize(data: dict) -> dict:
             rows.append(row)
             print(f"{name:58s} {kind:5s} exact {row['exact_match']:.2f} tok-acc {row['token_accuracy']:.3f} "
                   f"middle {row['middle_nll_per_char'] or float('nan'):.3f} join {row['join_nll_per_char']:.3f}"
-                  f" ({row['join_minus_ar_prefix_only']:+.3f} vs AR) {row['seconds_per_span']:.2f} s/span", flush=True)
+                  f" ({row['join_minus_ar_prefix_only']:+.3f} vs AR) {row['seconds_per_span']:.2f} s/span"
+                  + ("" if row["file_parses"] is None else f" file parses {row['file_parses']:.2f}"), flush=True)
     search = {}
     for name, recs in records.items():
         if not any(r.get("candidates") for r in recs):
