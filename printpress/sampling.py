@@ -79,7 +79,50 @@ def uniform_tokens(length: int, vocab_size: int, generator: torch.Generator, dev
 
 def sample_canvas(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per canvas position from probs (C, V): one multinomial over all positions."""
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return multinomial_one(probs, generator)
+
+
+# A double within this relative distance of the true -log1p(-u) rounds to the same float as it, unless a float
+# rounding boundary lies in between (see `exponential_like_torch`). Vectorised log1p is within 1 ulp (2**-52).
+_LOG1P_SLACK = 2.0**-50
+
+
+def multinomial_one(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of `probs` (..., V): the tokens `torch.multinomial(probs, 1, generator=generator)` draws
+    (without its last dimension), with the generator left in the same state, in half the time on a CPU.
+
+    For one sample, torch.multinomial returns argmax(probs / q) with q ~ Exp(1) from `exponential_`, which computes
+    each q one element at a time from a double uniform u as -log1p(-u), then rounds it to float (5 ms of a
+    diffusion step's sampling at 32 x 4096). Here the same u come from one `uniform_` of doubles, and
+    `exponential_like_torch` makes the same floats from them, vectorised. Anything else (other dtypes, devices,
+    or probabilities torch.multinomial would refuse) goes to torch.multinomial itself."""
+    if probs.dtype != torch.float32 or probs.device.type != "cpu" or generator.device.type != "cpu" \
+            or not _valid_probabilities(probs):
+        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    uniform = torch.empty(probs.shape, dtype=torch.float64).uniform_(generator=generator)
+    return (probs / exponential_like_torch(uniform)).argmax(dim=-1)
+
+
+def exponential_like_torch(uniform: torch.Tensor) -> torch.Tensor:
+    """float32 (-log1p(-u)) of double uniforms u, bit-identical to what `Tensor.exponential_` makes of the same u.
+
+    `exponential_` uses the scalar libm log1p; torch's vectorised log1p can differ from it in the last bit of the
+    double. That changes the float only where a float rounding boundary lies within that bit, so those few
+    elements (about 1 in 10**8) are found (their doubles a little above and below round to different floats) and
+    recomputed with the scalar log1p of Python's math module (the same libm)."""
+    exact = torch.log1p(uniform.neg()).neg_()
+    rounded = exact.float()
+    near = (exact * (1 - _LOG1P_SLACK)).float() != (exact * (1 + _LOG1P_SLACK)).float()
+    if bool(near.any()):
+        flat, where = rounded.view(-1), near.view(-1).nonzero().squeeze(-1)
+        values = uniform.reshape(-1)[where].tolist()
+        flat[where] = torch.tensor([-math.log1p(-u) for u in values], dtype=torch.float64).float()
+    return rounded
+
+
+def _valid_probabilities(probs: torch.Tensor) -> bool:
+    """What torch.multinomial checks before drawing: finite, non-negative, and no row summing to zero."""
+    return bool(torch.isfinite(probs).all() and (probs >= 0).all() and (probs.sum(dim=-1) > 0).all())
 
 
 class StabilityTracker:
@@ -137,7 +180,7 @@ def sample_next_token(logits: torch.Tensor, settings: SamplerSettings, generator
         kth = torch.topk(scaled, settings.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator))
+    return int(multinomial_one(probs, generator))
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

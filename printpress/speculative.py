@@ -51,7 +51,7 @@ from printpress.canvas import denoise, denoise_step, step_event
 from printpress.errors import GenerationError
 from printpress.events import CommitEvent, Decode, Event, SpeculativeStats, StepEvent
 from printpress.request import Request, RequestState, model_device
-from printpress.sampling import SamplerSettings, sample_canvas, sample_next_token
+from printpress.sampling import SamplerSettings, multinomial_one, sample_canvas, sample_next_token
 
 DEFAULT_CANVAS = 32  # the shipped models' canvas, used when the caller does not pass the checkpoint's
 # Canvas length of each outcome's draft in a fused pass (fused_draft). It caps the drafts per round at
@@ -288,8 +288,8 @@ def sampled_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, genera
         residual = (p[i] - q[i]).clamp_(min=0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: a rejection is then a draw from p
             residual = p[i]
-        return tokens[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
-    return tokens + [int(torch.multinomial(p[m], 1, generator=generator))]
+        return tokens[:i] + [int(multinomial_one(residual, generator))]
+    return tokens + [int(multinomial_one(p[m], generator))]
 
 
 def _commit(state: _State, new: list[int], round_index: int, decode: Decode | None) -> Iterator[CommitEvent]:

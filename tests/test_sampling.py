@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
@@ -19,6 +21,8 @@ from printpress.sampling import (
     StabilityTracker,
     canvases_for,
     entropy_bound_accept,
+    exponential_like_torch,
+    multinomial_one,
     pad_after_eos,
     sample_canvas,
     sample_next_token,
@@ -324,3 +328,48 @@ def test_a_setting_refused_by_mode_names_the_modes_that_read_it():
         if s.default_passes and s.stored:
             for mode in MODES:
                 refuse_unread(mode, {s.name: getattr(defaults, s.name)}, defaults)  # asks for nothing: passes
+
+
+@pytest.mark.parametrize("shape", [(4096,), (32, 4096), (2, 3, 50)])
+@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
+def test_one_draw_per_row_is_torch_multinomials_and_leaves_the_generator_where_it_would(shape, seed):
+    probs = torch.softmax(3 * torch.randn(shape, generator=torch.Generator().manual_seed(seed)), dim=-1)
+    probs[..., :5] = 0  # impossible tokens stay impossible
+    ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        want = torch.multinomial(probs.reshape(-1, shape[-1]), 1, generator=theirs).view(shape[:-1])
+        assert torch.equal(multinomial_one(probs, ours), want)
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+def test_exponentials_are_bit_identical_to_tensor_exponential():
+    ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    want = torch.empty(3_000_000).exponential_(generator=theirs)
+    uniform = torch.empty(3_000_000, dtype=torch.float64).uniform_(generator=ours)
+    assert torch.equal(exponential_like_torch(uniform), want)
+
+
+def test_exponentials_near_a_float_rounding_boundary_take_the_scalar_log1p():
+    # u whose -log1p(-u) lies within a few double ulps of a point halfway between two floats: where a vectorised
+    # log1p's last bit can decide the float. They must come out as the scalar libm log1p rounds them.
+    floats = torch.rand(2000, generator=torch.Generator().manual_seed(0)).double() * 5 + 1e-3
+    halfway = (floats.float().double() + torch.nextafter(floats.float(), torch.tensor(10.0)).double()) / 2
+    uniform = torch.cat([-torch.expm1(-(halfway + k * 2.0**-52 * halfway)) for k in range(-3, 4)])
+    want = torch.tensor([float(torch.tensor(-math.log1p(-u), dtype=torch.float64).float()) for u in uniform.tolist()])
+    assert torch.equal(exponential_like_torch(uniform), want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_probabilities_torch_would_refuse_get_its_error(bad):
+    probs = torch.full((2, 8), 1 / 8)
+    probs[1, 3] = bad
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        multinomial_one(probs, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="invalid multinomial distribution"):
+        multinomial_one(torch.zeros(2, 8), torch.Generator().manual_seed(0))
+
+
+def test_other_dtypes_are_drawn_by_torch_multinomial_itself():
+    probs = torch.softmax(torch.randn(4, 64, dtype=torch.float64), dim=-1)
+    ours, theirs = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(multinomial_one(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(-1))
