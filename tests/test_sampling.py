@@ -330,7 +330,7 @@ def test_a_setting_refused_by_mode_names_the_modes_that_read_it():
                 refuse_unread(mode, {s.name: getattr(defaults, s.name)}, defaults)  # asks for nothing: passes
 
 
-@pytest.mark.parametrize("shape", [(4096,), (32, 4096), (2, 3, 50)])
+@pytest.mark.parametrize("shape", [(4096,), (32, 4096), (3, 30001), (2, 3, 50)])
 @pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
 def test_one_draw_per_row_is_torch_multinomials_and_leaves_the_generator_where_it_would(shape, seed):
     probs = torch.softmax(3 * torch.randn(shape, generator=torch.Generator().manual_seed(seed)), dim=-1)

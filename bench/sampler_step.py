@@ -1,0 +1,104 @@
+"""The exact sampler step with torch.multinomial against `printpress.sampling.multinomial_one`: time and tokens.
+
+One draw per canvas position is argmax(probs / q), q ~ Exp(1); torch.multinomial makes the q one element at a time
+(`Tensor.exponential_`), `multinomial_one` makes the same q from one vectorised uniform draw (docs/generation.md).
+Per canvas length, on the shipped model's logits after a 64-token prefix, one thread, the two sides interleaved:
+the bare draw over (canvas, vocabulary) probabilities and the whole exact sampler step
+(`printpress.canvas.denoise_step`: temperature, entropy, acceptance, draw, re-noising), each side with a generator
+seeded alike, so the tokens of every call are compared too.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sampler_step.py --out docs/results/sampler_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import printpress
+from printpress import canvas as canvas_step
+from printpress import sampling
+from printpress.sampling import SamplerSettings, StabilityTracker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Row:
+    """A canvas row for `denoise_step` (what `printpress.canvas.CanvasRow` asks of a request)."""
+
+    index: int
+    generator: torch.Generator
+    tracker: StabilityTracker | None
+    step: int
+    settings: SamplerSettings
+
+
+def torch_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--canvases", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--out", help="write the JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = printpress.load(ROOT / "models" / "shakespeare-joint").model
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    cache = model.new_cache(1, 64 + max(args.canvases))
+    settings = SamplerSettings(max_denoising_steps=32)
+    sides = {"torch.multinomial": torch_multinomial, "multinomial_one": sampling.multinomial_one}
+    report = {"model": "models/shakespeare-joint", "threads": 1, "reps": args.reps, "vocab": vocab,
+              "load_average_start": os.getloadavg()[0], "canvases": {}}
+    with torch.no_grad():
+        model.encode(torch.randint(3, vocab, (1, 64), generator=gen), cache, logits="none")
+        for c in args.canvases:
+            logits = model.denoise(torch.randint(3, vocab, (1, c), generator=gen), cache)
+            probs = torch.softmax(logits[0] / 0.8, dim=-1, dtype=torch.float32)
+            times = {f"{kind}, {name}": [] for kind in ("draw", "sampler step") for name in sides}
+            tokens = {name: [] for name in times}
+            generators = {name: torch.Generator().manual_seed(0) for name in times}
+            for rep in range(args.reps + 1):
+                for name, draw in (sides.items() if rep % 2 == 0 else reversed(sides.items())):
+                    key = f"draw, {name}"
+                    start = time.perf_counter()
+                    out = draw(probs, generators[key])
+                    times[key].append(time.perf_counter() - start)
+                    tokens[key].append(out)
+                    key = f"sampler step, {name}"
+                    row = Row(0, generators[key], None, 1 + rep % 32, settings)
+                    sampling.multinomial_one = draw  # what sample_canvas calls
+                    try:
+                        start = time.perf_counter()
+                        outcome = canvas_step.denoise_step(logits, [row], vocab)
+                        times[key].append(time.perf_counter() - start)
+                    finally:
+                        sampling.multinomial_one = sides["multinomial_one"]
+                    tokens[key].append(outcome.next_canvas)
+            result = {key: {"median_ms": 1e3 * statistics.median(t[1:]), "best_ms": 1e3 * min(t[1:])}
+                      for key, t in times.items()}
+            for kind in ("draw", "sampler step"):
+                a, b = (tokens[f"{kind}, {name}"] for name in sides)
+                result[f"{kind}: identical calls"] = f"{sum(torch.equal(x, y) for x, y in zip(a, b))} of {len(a)}"
+                before, after = (result[f"{kind}, {name}"]["median_ms"] for name in sides)
+                result[f"{kind}: speedup"] = before / after
+                print(f"canvas {c:3d} {kind:13s} torch.multinomial {before:6.2f} ms  multinomial_one {after:6.2f} ms  "
+                      f"{before / after:4.2f}x  identical {result[f'{kind}: identical calls']}")
+            report["canvases"][str(c)] = result
+    report["load_average_end"] = os.getloadavg()[0]
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
