@@ -25,6 +25,8 @@ def test_a_sample_is_cut_after_its_last_newline():
     ("x = = 1\n", False, False),
     ("def f(x):\n    y = 1\n  z = 2\n", False, False),         # a dedent to no enclosing level
     ("def f():\n    pass\nelse:\n", False, False),
+    ("def f():\n    return 1\nreturn 2\n", False, False),       # parses, but does not compile
+    ("def f():\n    return 1\nreturn (2,\n", False, True),      # unfinished: checked when it ends, as in a REPL
     ("x = '\x00'\n", False, False),                           # a NUL: ast raises ValueError, not SyntaxError
     ("x = '\\d'\n", True, True),                               # an invalid escape only warns
 ])

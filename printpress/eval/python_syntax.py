@@ -3,8 +3,8 @@
 A sample is its prompt followed by the generated text, cut after the last newline, so that a line the token
 budget cut short does not count against it. Two figures, pooled over a side's samples:
 
-- `python_parses_share`: the source parses as a whole module (`ast.parse`): every block, bracket and string
-  that the sample opened is closed again.
+- `python_parses_share`: the source is a whole module (it compiles: `ast.parse` plus the compiler's own checks,
+  such as `return` outside a function): every block, bracket and string that the sample opened is closed again.
 - `python_prefix_share`: the source is Python *or the start of it*: nothing in it is a syntax error, though a
   block, bracket or string may still be open (the interactive interpreter's test, `codeop.compile_command`,
   which tells "incomplete" from "invalid"). A budget of 64 tokens usually ends inside a function, so this is
@@ -29,12 +29,13 @@ def whole_lines(prompt: str, completion: str) -> str:
 
 
 def parses(source: str) -> bool:
-    """Whether `source` is a complete Python module."""
+    """Whether `source` is a complete Python module: it compiles, so what the parser alone lets through (`return`
+    outside a function, say) counts against it, as it does in `valid_prefix`."""
     try:
         with warnings.catch_warnings():  # invalid escape sequences and the like warn; they are not errors
             warnings.simplefilter("ignore")
-            ast.parse(source)
-    except (SyntaxError, ValueError):  # ValueError: a NUL character
+            compile(source, "<sample>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, OverflowError):  # ValueError: a NUL character
         return False
     return True
 
