@@ -16,8 +16,8 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,20 +25,12 @@ import torch
 import printpress
 from printpress import canvas as canvas_step
 from printpress import sampling
-from printpress.sampling import SamplerSettings, StabilityTracker
+from printpress.sampling import SamplerSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from roofline import Row  # noqa: E402  (a canvas row for denoise_step)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Row:
-    """A canvas row for `denoise_step` (what `printpress.canvas.CanvasRow` asks of a request)."""
-
-    index: int
-    generator: torch.Generator
-    tracker: StabilityTracker | None
-    step: int
-    settings: SamplerSettings
 
 
 def torch_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
