@@ -25,6 +25,7 @@ import torch
 
 import printpress
 from printpress.engine import DoneEvent, Request, run
+from printpress.eval.bench import heldout_prompts
 from printpress.speculative import speculative
 
 PROMPTS = ["ROMEO:\n", "To be, or not to be", "First Citizen:\nBefore we proceed"]
@@ -72,6 +73,10 @@ def main() -> None:
                         "unfused), e.g. '1:4,2:8,7:-' (1 draft step, decoder canvas 32)")
     parser.add_argument("--repeat", type=int, default=1, help="decode each prompt this many times per setting "
                         "(the settings taking turns), summing the times")
+    parser.add_argument("--heldout", type=int, default=None, metavar="N",
+                        help="instead of the three prompts, N held-out prompts of --heldout-data, as `printpress bench "
+                             "--heldout-prompts N` draws them (never seen by training or a distillation teacher)")
+    parser.add_argument("--heldout-data", default="shakespeare", help="corpus of --heldout (shakespeare, stdlib)")
     parser.add_argument("--compile", default=None, help="load with printpress.load(compile=...) (ar, decoder, all): "
                         "both sides run compiled passes; the first calls compile (a minute or two)")
     args = parser.parse_args()
@@ -83,7 +88,8 @@ def main() -> None:
         return tie_margins(pipe, args)
     if args.plot_only:
         return plot(json.loads(Path(args.out).read_text())["rows"], Path(args.out).with_suffix(".png"))
-    prompts = [pipe.encode_text(p) for p in PROMPTS]
+    texts = PROMPTS if args.heldout is None else heldout_prompts(args.heldout, [args.heldout_data], 0.05)
+    prompts = [pipe.encode_text(p) for p in texts]
     for prompt in prompts:  # warm-up: first calls pay one-off allocation costs
         run_ar(pipe, prompt, 8)
         run_speculative(pipe, prompt, 8, 1, 31, 32)
@@ -127,7 +133,7 @@ def main() -> None:
     meta = {
         "command": "python bench/speculative.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items()),
-        "model": args.model, "prompts": PROMPTS, "max_new_tokens": args.tokens, "threads": args.threads,
+        "model": args.model, "prompts": texts, "max_new_tokens": args.tokens, "threads": args.threads,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}",
         "decoding": "greedy (temperature 0); every speculative output checked identical to mode='ar'",
     }
