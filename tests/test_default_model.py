@@ -23,7 +23,7 @@ def test_default_is_the_shipped_joint_model(pipe):
     assert pipe.tokenizer is not None and pipe.canvas_length == 32
 
 
-@pytest.mark.parametrize("name", ["shakespeare-joint", "shakespeare-ar"])
+@pytest.mark.parametrize("name", ["shakespeare-joint", "shakespeare-ar", "stdlib-code-ar"])
 def test_shipped_folders_are_small_and_carry_a_model_card(name):
     folder = MODELS / name
     size = sum(p.stat().st_size for p in folder.iterdir())
