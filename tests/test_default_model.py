@@ -23,7 +23,7 @@ def test_default_is_the_shipped_joint_model(pipe):
     assert pipe.tokenizer is not None and pipe.canvas_length == 32
 
 
-@pytest.mark.parametrize("name", ["shakespeare-joint", "shakespeare-ar", "stdlib-code-ar"])
+@pytest.mark.parametrize("name", ["shakespeare-joint", "shakespeare-ar", "stdlib-code", "stdlib-code-ar"])
 def test_shipped_folders_are_small_and_carry_a_model_card(name):
     folder = MODELS / name
     size = sum(p.stat().st_size for p in folder.iterdir())
@@ -41,11 +41,14 @@ def test_default_model_generates_text_both_ways_and_repeatably(pipe):
     assert ar.stats.tokens_per_forward == 1.0 and ar.text.strip()
 
 
-def test_shipped_model_loads_in_transformers_with_the_same_logits(pipe):
+@pytest.mark.parametrize(("name", "prompt"), [("shakespeare-joint", "To be, or not to be"),
+                                            ("stdlib-code", "def parse(text):\n    return")])
+def test_shipped_model_loads_in_transformers_with_the_same_logits(name, prompt):
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(default_model_path(), dtype=torch.float32).eval()
-    ids = torch.tensor([pipe.tokenizer.encode("To be, or not to be", add_special_tokens=False).ids])
+    pipe = printpress.load(MODELS / name)
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(MODELS / name, dtype=torch.float32).eval()
+    ids = torch.tensor([pipe.tokenizer.encode(prompt, add_special_tokens=False).ids])
     canvas = torch.randint(0, pipe.config.text.vocab_size, (1, pipe.canvas_length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = ref(input_ids=ids, decoder_input_ids=canvas)

@@ -30,7 +30,7 @@ from helpers import word_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SHIPPED_PARAMETERS = {"shakespeare-joint": 5_569_176, "shakespeare-ar": 5_569_176,  # from their config.json
-                      "stdlib-code-ar": 5_569_176}
+                      "stdlib-code": 5_569_176, "stdlib-code-ar": 5_569_176}
 TINY_ID, OTHER_ID = "tiny-org/tiny-diffusion", "other-org/a-causal-lm"
 COMMIT, OLD_COMMIT = "1" * 40, "2" * 40
 
