@@ -23,8 +23,8 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -32,6 +32,9 @@ import torch.nn.functional as F
 
 import printpress
 from printpress.fast import CompiledARStep, ar_step_graph, input_and_code_guards
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compiled_ar import own_copy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {
@@ -64,9 +67,7 @@ def one_row_linears_as_reductions(enabled: bool):
 
 def step_with(pipe, name: str) -> CompiledARStep:
     step = CompiledARStep(pipe.model)
-    # A code object per side: dynamo keys its compiled entries by code object, so sides would share graphs.
-    graph = types.FunctionType(ar_step_graph.__code__.replace(co_name=f"ar_step_{len(name)}_{abs(hash(name))}"),
-                               ar_step_graph.__globals__)
+    graph = own_copy(ar_step_graph)  # a code object per side, so that the sides do not share graphs
     options = {"guard_filter_fn": input_and_code_guards, "cpp_wrapper": True, **OPTIONS[name]}
     step._graph = torch.compile(graph, backend="inductor", fullgraph=True, options=options)
     return step

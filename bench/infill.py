@@ -96,15 +96,20 @@ def statement_lines(text: str) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def make_spans(count: int, seed: int = 0, data: str = "shakespeare") -> list[dict]:
-    _, validation = split_documents(load_corpus(data), val_fraction=0.05)
+def heldout_documents(data: str) -> list:
+    """The held-out documents of `data`, split as the training recipes split it."""
+    return split_documents(load_corpus(data), val_fraction=0.05)[1]
+
+
+def make_spans(count: int, validation: list, seed: int = 0, code: bool = False) -> list[dict]:
     rng = random.Random(seed)
     spans = []
-    if data == "stdlib":
-        validation = [doc for doc in validation if statement_lines(doc.text)]
+    if code:
+        statements = {doc.name: statement_lines(doc.text) for doc in validation}
+        validation = [doc for doc in validation if statements[doc.name]]
         for _ in range(count):
             doc = rng.choice(validation)
-            start, end = rng.choice(statement_lines(doc.text))
+            start, end = rng.choice(statements[doc.name])
             spans.append({"doc": doc.name, "kind": "statement", "start": start, "end": end,
                           "prefix": doc.text[start - PREFIX_CHARS:start], "middle": doc.text[start:end],
                           "suffix": doc.text[end:end + SUFFIX_CHARS]})
@@ -186,9 +191,9 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     pipe, judge = printpress.load(args.joint), printpress.load(args.ar)
-    spans = make_spans(args.spans, data=args.data)
-    documents = ({d.name: d.text for d in split_documents(load_corpus("stdlib"), val_fraction=0.05)[1]}
-                 if args.data == "stdlib" else {})
+    validation = heldout_documents(args.data)
+    spans = make_spans(args.spans, validation, code=args.data == "stdlib")
+    documents = {d.name: d.text for d in validation} if args.data == "stdlib" else {}
     methods = {
         "original (the true middle)": lambda s, i, n: s["middle"],
         "diffusion infill, oracle length": lambda s, i, n: editing.infill(
