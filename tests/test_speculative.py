@@ -492,3 +492,33 @@ def test_cli_generates_in_speculative_mode(capsys):
     assert main([*common, "--mode", "speculative", "--fused-draft"]) == 0
     fused = json.loads(capsys.readouterr().out)
     assert fused["token_ids"] == ar["token_ids"] and fused["stats"]["denoising_steps"] == 1
+
+
+def _bench_module(name: str):
+    """A script of bench/ imported as a module (bench/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_draft_agreement_replay_is_the_speculative_run_when_drafter_is_verifier(name):
+    """bench/draft_agreement.py replays greedy speculative rounds from the verifier's AR text; with the model as its
+    own drafter it must count exactly the verifications and accepted drafts `speculative` makes (same noise)."""
+    replay = _bench_module("draft_agreement").replay
+    model = tiny_model(name)
+    vocab = model.config.vocab_size
+    for seed, (length, new) in enumerate([(3, 20), (9, 25), (14, 12)]):
+        prompt = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+        s = settings(max_new_tokens=new, max_denoising_steps=1)
+        (result,) = collect(speculative(model, [Request(prompt, s, seed)], canvas_length=8))[1]
+        counts = dict(tokens=0, verifications=0, tried=[0] * 8, matched=[0] * 8)
+        replay(model, prompt, result.token_ids, 7, 8, torch.Generator().manual_seed(seed), counts)
+        assert counts["verifications"] == result.stats.verifications
+        assert counts["tokens"] == new - 1
+        assert counts["tokens"] - counts["verifications"] == result.stats.accepted_drafts
