@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -242,6 +243,36 @@ def test_mistyped_settings_are_one_line_errors(corpus, tmp_path, capsys, setting
     assert train_main(["--config", str(config), "--out", str(tmp_path / "o"), "--set", setting]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_set_init_from_fine_tunes_a_from_scratch_config_and_refuses_another_architecture(corpus, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(toml_of(run_config(corpus, steps=2, eval_every=2, save_every=2)))
+    base = tmp_path / "base"
+    assert train_main(["--config", str(config), "--out", str(base), "--no-progress"]) == 0
+    # The config's [model] is the base's architecture: --set init_from makes the same config a fine-tune of it.
+    fine = tmp_path / "fine"
+    args = ["--config", str(config), "--out", str(fine), "--set", f"init_from={base / 'model'}",
+            "--set", "train.lr=1e-9", "--set", "train.min_lr=1e-10", "--no-progress"]
+    assert train_main(args) == 0
+    assert f"printpress train: loading {base / 'model'} (init_from)" in capsys.readouterr().err
+    assert json.loads((fine / "run.json").read_text())["init_from"] == str(base / "model")
+    # It started from the base's weights (at lr 1e-9 two steps move no weight by more than ~1e-8).
+    before, _, _, _ = load_model(base / "model")
+    after, _, _, _ = load_model(fine / "model")
+    for (name, x), (_, y) in zip(before.state_dict().items(), after.state_dict().items(), strict=True):
+        assert (x - y).abs().max() < 1e-6, name
+    # A [model] that is not the checkpoint's is refused by name, before any training.
+    wider = tmp_path / "wider.toml"
+    wider.write_text(re.sub(r"^hidden_size = (\d+)", lambda m: f"hidden_size = {2 * int(m[1])}", config.read_text(),
+                            count=1, flags=re.M))
+    assert train_main(["--config", str(wider), "--out", str(tmp_path / "w"), "--set",
+                       f"init_from={base / 'model'}", "--no-progress"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the "loading ..." stage line
+    assert last.startswith(f"printpress train: error: init_from {base / 'model'} is not the [model] of the run config: "
+                           "hidden_size=")
+    assert train_main(["--config", str(config), "--out", str(tmp_path / "x"), "--set", "steps=3"]) == 2
+    assert "--set 'steps=3': expected section.key=value, e.g. train.steps=200, or init_from=PATH" in capsys.readouterr().err
 
 
 def test_an_out_that_is_a_file_is_one_line_error(corpus, tmp_path, capsys):

@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start a fresh run in an --out that already holds one (its checkpoint, model and metrics "
                              "are replaced)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config value, e.g. --set train.steps=200 (repeatable); with --resume it "
-                             "changes the saved run, e.g. to extend or shorten it")
+                        help="override a config value, e.g. --set train.steps=200 (repeatable), or the checkpoint a "
+                             "fine-tune starts from, --set init_from=PATH; with --resume it changes the saved run, "
+                             "e.g. to extend or shorten it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

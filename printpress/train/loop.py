@@ -311,6 +311,7 @@ class Trainer:
         elif self.run.init_from:
             self.announce(f"loading {self.run.init_from} (init_from)")
             model, config, generation, tokenizer = load_model(self.run.init_from)
+            self._check_model_section(config)
         else:
             model, config, generation, tokenizer = None, None, None, None
         if tokenizer is None:
@@ -452,6 +453,22 @@ class Trainer:
         tokenizer = train_tokenizer(train, data.get("vocab_size", 4096))
         save_tokenizer(tokenizer, saved.parent, hf_config=False)
         return tokenizer
+
+    def _check_model_section(self, config: ModelConfig) -> None:
+        """A fine-tune keeps its checkpoint's architecture; a `[model]` section beside `init_from` (a from-scratch
+        recipe run with `--set init_from=...`) must describe that architecture, not silently another one."""
+        if not self.run.model:
+            return
+        built = self._new_model_config(config.text.vocab_size)
+        want, have = built.text.to_dict(), config.text.to_dict()
+        differ = [f"{name}={want.get(name)!r} (checkpoint: {have.get(name)!r})"
+                  for name in sorted(set(want) | set(have)) if want.get(name) != have.get(name)]
+        if built.canvas_length != config.canvas_length:
+            differ.append(f"canvas_length={built.canvas_length} (checkpoint: {config.canvas_length})")
+        if differ:
+            raise TrainingError(f"init_from {self.run.init_from} is not the [model] of the run config: "
+                                f"{', '.join(differ)}; a fine-tune keeps its checkpoint's architecture, so drop or "
+                                "fix those [model] values")
 
     def _new_model_config(self, vocab_size: int) -> ModelConfig:
         model = dict(self.run.model)
