@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -190,6 +191,19 @@ def forward_block_diffusion(
     return logits[:, :length], logits[:, length:]
 
 
+def mean_over_ranks(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """`total / count` for a loss that averages over counted items (kept targets, chosen positions), made exact under
+    data parallelism: each rank returns its `total` over the global count times the world size, so the ranks'
+    average (what DDP does to gradients and the training loop to logged figures) is the mean over every rank's
+    items, even when ranks hold different numbers of them (a batch whose real rows all sit on one rank). One
+    process: `total / count`, unchanged."""
+    if dist.is_available() and dist.is_initialized() and (world := dist.get_world_size()) > 1:
+        count = count.detach().clone()
+        dist.all_reduce(count)
+        return total * world / count.clamp(min=1)
+    return total / count.clamp(min=1)
+
+
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, pad_id: int | None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token NLL over the kept targets: not pads, and only in `rows` (a (B,) bool mask) when given."""
@@ -198,7 +212,7 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, pad_id: int | No
     keep = torch.ones_like(target, dtype=torch.bool) if pad_id is None else target != pad_id
     if rows is not None:
         keep = keep & rows[:, None]
-    return (loss * keep.reshape(-1)).sum() / keep.sum().clamp(min=1)
+    return mean_over_ranks((loss * keep.reshape(-1)).sum(), keep.sum())
 
 
 def certainty_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -211,7 +225,7 @@ def certainty_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tenso
         chosen = (noisy != clean) & (logits.argmax(dim=-1) == clean)
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-    return (entropy * chosen).sum() / chosen.sum().clamp(min=1)
+    return mean_over_ranks((entropy * chosen).sum(), chosen.sum())
 
 
 @dataclass
@@ -276,7 +290,7 @@ def step_distillation_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: tor
     else:
         kl = (log_q.exp() * (log_q - target)).sum(dim=-1)
     chosen = noisy != clean
-    return (kl * chosen).sum() / chosen.sum().clamp(min=1)
+    return mean_over_ranks((kl * chosen).sum(), chosen.sum())
 
 
 def denoising_loss(logits: torch.Tensor, clean: torch.Tensor, t: torch.Tensor, settings: DiffusionSettings) -> torch.Tensor:

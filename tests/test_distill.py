@@ -194,3 +194,38 @@ def test_a_fine_tune_trains_the_draft_file_rows_as_drafts_and_only_those(teacher
     both = RunConfig.from_dict({"init_from": str(model), "data": data, "train": {**train, "draft_teacher_rows": True}})
     with pytest.raises(TrainingError, match="leave train.draft_teacher_rows off"):
         Trainer(both, tmp_path / "both")
+
+
+@pytest.mark.slow  # two torchrun processes
+def test_two_processes_match_one_when_the_real_rows_all_sit_on_one_rank(teacher, tmp_path):
+    """With half of a batch of 4 from the teacher file, rank 0 holds both real rows and rank 1 none: the AR loss
+    and the certainty term must still be the means over the whole batch (each rank scales by the global count),
+    not the average of the ranks' means, which would halve the AR term's weight."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    corpus, model = teacher
+    rows = distill(str(model), [str(corpus)], tmp_path / "teacher.bin",
+                   DistillSettings(rows=8, prefix_tokens=16, new_tokens=16, seed=0), val_fraction=0.2)
+    config = tmp_path / "fine.toml"
+    config.write_text(f'init_from = "{model}"\n[data]\nsources = ["{corpus}"]\nval_fraction = 0.2\n'
+                      f'distill = "{rows}"\ndistill_fraction = 0.5\n[train]\nobjective = "joint"\nsteps = 3\n'
+                      'batch_size = 4\nseq_len = 32\nlr = 1e-3\nwarmup = 1\neval_every = 3\neval_batches = 1\n'
+                      'save_every = 3\ncertainty_weight = 1.0\n')
+    command = ["-m", "printpress.train.command", "--config", str(config), "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, *command, "--out", str(tmp_path / "one")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), *command, "--out", str(tmp_path / "two")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    records = [[json.loads(line) for line in (tmp_path / side / "metrics.jsonl").read_text().splitlines()]
+               for side in ("one", "two")]
+    for a, b in zip(*records, strict=True):
+        for key in ("ar", "certainty", "diffusion", "loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
