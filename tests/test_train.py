@@ -172,12 +172,15 @@ def test_every_shipped_recipe_parses_and_validates(name):
     check_memory(TextConfig(vocab_size=run.data["vocab_size"], **model), run.train, 1)
 
 
-@pytest.mark.parametrize("name", ["shakespeare-joint-distill", "shakespeare-joint-fewstep", "shakespeare-joint-draft"])
+@pytest.mark.parametrize("name", ["shakespeare-joint-distill", "shakespeare-joint-fewstep", "shakespeare-joint-draft",
+                                  "shakespeare-joint-continue", "shakespeare-joint-long"])
 def test_the_fine_tune_recipes_parse_and_validate_against_the_shipped_canvas(name):
     run = read_run_config(name, None, [])
-    assert run.init_from and not run.model  # a fine-tune: the model comes from init_from
+    assert run.init_from.startswith("runs/") and not run.model  # a fine-tune: the model comes from init_from
     run.train.validate(32)
-    assert run.data["distill"].startswith("runs/distill/")
+    teachers = [run.data[key] for key in ("distill", "distill_draft") if key in run.data]
+    assert all(path.startswith("runs/distill/") for path in teachers)
+    assert bool(teachers) == (name != "shakespeare-joint-continue")  # the continuation trains on real text only
 
 
 # -- a run that survives kills and refuses to clobber ----------------------------------------------------
