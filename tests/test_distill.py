@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,8 @@ from printpress.train.data import MixedBatchSampler, open_token_file
 from printpress.train.distill import DistillError, DistillSettings, distill
 from printpress.train.loop import RunConfig, Trainer, TrainingError
 from printpress.train.objectives import certainty_loss, next_token_loss
+
+from helpers import free_port
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, global_head_dim=16, num_global_key_value_heads=1,
@@ -201,12 +206,6 @@ def test_two_processes_match_one_when_the_real_rows_all_sit_on_one_rank(teacher,
     """With half of a batch of 4 from the teacher file, rank 0 holds both real rows and rank 1 none: the AR loss
     and the certainty term must still be the means over the whole batch (each rank scales by the global count),
     not the average of the ranks' means, which would halve the AR term's weight."""
-    import os
-    import subprocess
-    import sys
-
-    from helpers import free_port
-
     corpus, model = teacher
     rows = distill(str(model), [str(corpus)], tmp_path / "teacher.bin",
                    DistillSettings(rows=8, prefix_tokens=16, new_tokens=16, seed=0), val_fraction=0.2)
