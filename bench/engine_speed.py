@@ -24,10 +24,17 @@ Results: `<out>/engine_speed_<size>.json` and `<out>/engine_speed_<size>.png`, a
     .venv/bin/python bench/engine_speed.py --size small --out docs/results/
     .venv/bin/python bench/engine_speed.py --size large --out docs/results/
     .venv/bin/python bench/engine_speed.py --size small large --out docs/results/
+    python bench/engine_speed.py --size 1b --device cuda --dtype bfloat16 --out results/   # a GPU (scripts/gpu_check.sh)
 
 Sizes: `tiny` (0.19M parameters, smoke test only), `small` (10.9M parameters, 41.5 MiB fp32: a bit
 over a 32 MiB L3, but an AR step touches ~26 MiB), `large` (99.7M parameters, 380 MiB fp32: bandwidth-
-bound for small canvases, compute-bound from a canvas of a few dozen tokens).
+bound for small canvases, compute-bound from a canvas of a few dozen tokens), `1b` (1.0B parameters: for a GPU).
+
+`--device cuda --dtype bfloat16` runs both sides on a GPU in bf16. Token parity with the reference is demanded
+(the script exits otherwise) only on the CPU in float32, where printpress promises it; elsewhere the kernels'
+order of summation differs between the two implementations and the report records how many tokens agree and where
+the first difference falls. On a GPU, times are taken after `torch.cuda.synchronize()`, so the per-call decoder
+figures include the wait for the kernels, and the CPU roofline regimes are not computed.
 Notes and findings: docs/benchmarks-engine-notes.md.
 """
 
@@ -101,6 +108,15 @@ SIZES: dict[str, Size] = {
                   moe_intermediate_size=64, max_position_embeddings=1024),
         repeats=3,
     ),
+    # 1.0B parameters (1.9 GiB in bf16): the size issue 15 asks the GPU comparison at. Layers [sliding x5, full] x2.
+    "1b": Size(
+        text=dict(vocab_size=32768, hidden_size=2048, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, global_head_dim=512,
+                  num_global_key_value_heads=2, sliding_window=512, num_experts=8, top_k_experts=2,
+                  moe_intermediate_size=1024, max_position_embeddings=4096),
+        canvas_length=256, steps=32, prompt_lengths=(16, 64, 256), repeats=3,
+        canvas_sweep=(1, 16, 64, 256, 1024), sweep_prompt=256,
+    ),
     # The released model's routing (128 experts, top-8) at ~10M and ~100M parameters: the expert loop's
     # per-expert overhead, not the arithmetic, is what differs between implementations here.
     "small-moe128": Size(
@@ -136,6 +152,8 @@ class Settings:
     forward_reps: int
     sweep_prompt: int
     peak: float
+    device: str = "cpu"
+    dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = tuple(EOS_IDS)
     pad_token_id: int = PAD_ID
 
@@ -172,7 +190,17 @@ def build_reference(size: Size, settings: Settings):
         eos_token_id=list(settings.eos_token_ids), pad_token_id=settings.pad_token_id,
         sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
     )
-    return model
+    return model.to(device=settings.device, dtype=getattr(torch, settings.dtype))
+
+
+def exact(s: Settings) -> bool:
+    """Whether printpress promises the reference's tokens here: on the CPU, in float32."""
+    return s.device == "cpu" and s.dtype == "float32"
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def make_prompts(lengths: tuple[int, ...], vocab: int, seed: int) -> list[list[int]]:
@@ -197,9 +225,13 @@ class Meter:
 
 
 def metered(fn: Callable, meter: Meter, rows: Callable[[tuple, dict], int]) -> Callable:
+    sync = torch.cuda.is_available()  # a GPU call returns before its kernels finish: time them to the end
+
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         out = fn(*args, **kwargs)
+        if sync:
+            torch.cuda.synchronize()
         meter.seconds += time.perf_counter() - start
         meter.calls += 1
         meter.rows += rows(args, kwargs)
@@ -276,7 +308,7 @@ def run_reference(ref, meters: Meters, prompts: list[list[int]], s: Settings) ->
     start = time.perf_counter()
     for prompt in prompts:
         torch.manual_seed(s.seed)
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=s.max_new_tokens, max_denoising_steps=s.steps,
+        out = ref.generate(torch.tensor([prompt], device=s.device), max_new_tokens=s.max_new_tokens, max_denoising_steps=s.steps,
                            eos_token_id=list(s.eos_token_ids), pad_token_id=s.pad_token_id)
         tokens.append(out.sequences[0, len(prompt):].tolist())
     return finish(start, tokens, meters, s.pad_token_id)
@@ -359,14 +391,16 @@ def compare_generate(ref, pipe, prompts: list[list[int]], s: Settings) -> dict[s
             "printpress_accepted_only": lambda: run_printpress_accepted_only(pipe, pp_meters, prompts, s),
         }
         warm = {name: fn() for name, fn in sides.items()}  # warm-up, also the parity check
-        check_parity(warm["reference"].tokens, warm["printpress"].tokens, prompts)
+        if exact(s):
+            check_parity(warm["reference"].tokens, warm["printpress"].tokens, prompts)
         runs: dict[str, list[Run]] = {name: [] for name in sides}
         for repeat in range(s.repeats):
             for name, fn in sides.items():
                 runs[name].append(fn())
                 print(f"  repeat {repeat + 1}/{s.repeats} {name:17s} {runs[name][-1].seconds:8.3f} s", flush=True)
-        for run in runs["printpress"] + runs["reference"]:
-            check_parity(warm["reference"].tokens, run.tokens, prompts)
+        if exact(s):
+            for run in runs["printpress"] + runs["reference"]:
+                check_parity(warm["reference"].tokens, run.tokens, prompts)
     finally:
         unmeter(ref, "forward")
         unmeter(ref.model.encoder, "forward")
@@ -384,7 +418,9 @@ def compare_generate(ref, pipe, prompts: list[list[int]], s: Settings) -> dict[s
         "printpress_accepted_only_over_reference_tokens_per_s": result["printpress_accepted_only"]["tokens_per_s"]
         / ref_tps,
     }
-    result["parity"] = {"one_at_a_time_identical": True, "batch_rows_equal_one_at_a_time": batch_rows_equal}
+    result["parity"] = {"one_at_a_time_identical": True if exact(s) else agreement(warm["reference"].tokens,
+                                                                                  warm["printpress"].tokens),
+                        "batch_rows_equal_one_at_a_time": batch_rows_equal}
     result["reference_info"] = {"attn_implementation": getattr(ref.config, "_attn_implementation", None),
                                 "cache": "transformers default for generate (no cache_implementation set)"}
     return result
@@ -398,6 +434,16 @@ def check_parity(expected: list[list[int]], got: list[list[int]], prompts: list[
                      f"at new token {first}:\n  reference  {a}\n  printpress {b}")
 
 
+def agreement(expected: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
+    """Where parity is not promised (a GPU, half precision): how far the two sides' tokens agree."""
+    same = sum(x == y for a, b in zip(expected, got) for x, y in zip(a, b))
+    total = sum(max(len(a), len(b)) for a, b in zip(expected, got))
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if a == b else min(len(a), len(b)))
+             for a, b in zip(expected, got)]
+    return {"identical": expected == got, "same_position_share": same / total if total else 1.0,
+            "first_difference_per_prompt": first}
+
+
 # --------------------------------------------------------------------------------------------
 # 2. Profile of one printpress generate call
 # --------------------------------------------------------------------------------------------
@@ -409,12 +455,13 @@ def profile_generate(pipe, prompt: list[int], s: Settings, path: Path) -> dict[s
     pipe.generate(prompt, **kwargs)  # warm
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = s.device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         start = time.perf_counter()
         pipe.generate(prompt, **kwargs)
         profiled_s = time.perf_counter() - start
     averages = prof.key_averages()
-    table = averages.table(sort_by="self_cpu_time_total", row_limit=15)
+    table = averages.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15)
     top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     aten_self_ms = sum(e.self_cpu_time_total for e in averages) / 1e3
 
@@ -452,12 +499,14 @@ def profile_generate(pipe, prompt: list[int], s: Settings, path: Path) -> dict[s
 # --------------------------------------------------------------------------------------------
 
 
-def median_ms(fn: Callable[[], Any], reps: int) -> float:
+def median_ms(fn: Callable[[], Any], reps: int, device: str = "cpu") -> float:
     fn()  # warm (allocator, kernels)
     times = []
     for _ in range(reps):
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
@@ -465,26 +514,28 @@ def median_ms(fn: Callable[[], Any], reps: int) -> float:
 @torch.no_grad()
 def forward_costs(model, text: TextConfig, s: Settings, cache_bytes: dict[str, int]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(s.seed)
-    prompt = torch.randint(3, text.vocab_size, (1, s.sweep_prompt), generator=gen)
+    prompt = torch.randint(3, text.vocab_size, (1, s.sweep_prompt), generator=gen).to(s.device)
+    width = torch.finfo(getattr(torch, s.dtype)).bits // 8
+    regime_of = point_regime if s.device == "cpu" else (lambda *_: "not classified (the roofline here is a CPU's)")
 
     # AR: consecutive one-token encodes after the prompt, as AR decoding does (context grows by reps + 1).
     ar_cache = model.new_cache(1, s.sweep_prompt + s.forward_reps + 2)
     model.encode(prompt, ar_cache, logits="none")
-    token = torch.tensor([[5]])
-    ar_ms = median_ms(lambda: model.encode(token, ar_cache, logits="last"), s.forward_reps)
+    token = torch.tensor([[5]], device=s.device)
+    ar_ms = median_ms(lambda: model.encode(token, ar_cache, logits="last"), s.forward_reps, s.device)
 
     cache = model.new_cache(1, s.sweep_prompt)
     model.encode(prompt, cache, logits="none")
     points = []
     for c in s.canvas_sweep:
-        canvas = torch.randint(0, text.vocab_size, (1, c), generator=gen)
-        first_ms = median_ms(lambda: model.denoise(canvas, cache, None), s.forward_reps)
+        canvas = torch.randint(0, text.vocab_size, (1, c), generator=gen).to(s.device)
+        first_ms = median_ms(lambda: model.denoise(canvas, cache, None), s.forward_reps, s.device)
         # Steady state: self-conditioning on temperature-scaled logits, as the engine feeds them back.
         conditioning = (model.denoise(canvas, cache, None) / 0.8).to(model.dtype)
-        denoise_ms = median_ms(lambda: model.denoise(canvas, cache, conditioning), s.forward_reps)
+        denoise_ms = median_ms(lambda: model.denoise(canvas, cache, conditioning), s.forward_reps, s.device)
         logits = conditioning.float()
-        sampler_ms = median_ms(lambda: sampler_step(logits, text.vocab_size, s), s.forward_reps)
-        work = decoder_work(text, c, s.sweep_prompt)
+        sampler_ms = median_ms(lambda: sampler_step(logits, text.vocab_size, s), s.forward_reps, s.device)
+        work = decoder_work(text, c, s.sweep_prompt, bytes_per_weight=width)
         points.append({
             "canvas": c,
             "denoise_ms": denoise_ms,
@@ -496,11 +547,11 @@ def forward_costs(model, text: TextConfig, s: Settings, cache_bytes: dict[str, i
             "est_weight_mb": work["weight_bytes"] / 2**20,
             "est_gflop_per_s": work["flop"] / (denoise_ms * 1e6),
             "est_weight_gb_per_s": work["weight_bytes"] / (denoise_ms * 1e6),
-            "regime": point_regime(work["flop"], work["weight_bytes"], cache_bytes, denoise_ms),
+            "regime": regime_of(work["flop"], work["weight_bytes"], cache_bytes, denoise_ms),
         })
         print(f"  canvas {c:4d}: denoise {denoise_ms:8.2f} ms (first step {first_ms:7.2f}), sampler "
               f"{sampler_ms:6.2f} ms, {denoise_ms / ar_ms:6.2f} AR steps", flush=True)
-    ar_work = decoder_work(text, 1, s.sweep_prompt, ar=True)
+    ar_work = decoder_work(text, 1, s.sweep_prompt, ar=True, bytes_per_weight=width)
     at_canvas = next((p for p in points if p["canvas"] == s.canvas_length), None)
     return {
         "prompt_tokens": s.sweep_prompt,
@@ -508,7 +559,7 @@ def forward_costs(model, text: TextConfig, s: Settings, cache_bytes: dict[str, i
         "ar_step_ms": ar_ms,
         "ar_est_weight_mb": ar_work["weight_bytes"] / 2**20,
         "ar_est_weight_gb_per_s": ar_work["weight_bytes"] / (ar_ms * 1e6),
-        "ar_regime": point_regime(ar_work["flop"], ar_work["weight_bytes"], cache_bytes, ar_ms),
+        "ar_regime": regime_of(ar_work["flop"], ar_work["weight_bytes"], cache_bytes, ar_ms),
         "points": points,
         "break_even_tokens_per_forward": {p["canvas"]: p["ratio_to_ar_step"] for p in points},
         "break_even_at_canvas_length": None if at_canvas is None else at_canvas["ratio_to_ar_step"],
@@ -518,7 +569,7 @@ def forward_costs(model, text: TextConfig, s: Settings, cache_bytes: dict[str, i
 
 def sampler_step(logits: torch.Tensor, vocab: int, s: Settings) -> None:
     """The per-step sampler work, with the public sampling pieces the engine uses, for one row."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(logits.device).manual_seed(0)
     settings = sampling.SamplerSettings(max_denoising_steps=s.steps)
     processed = logits / sampling.step_temperature(s.steps, settings)
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
@@ -530,8 +581,9 @@ def sampler_step(logits: torch.Tensor, vocab: int, s: Settings) -> None:
     torch.where(accepted, sampled, noise)
 
 
-def decoder_work(text: TextConfig, canvas: int, context: int, ar: bool = False) -> dict[str, float]:
-    """Estimated FLOPs and weight bytes (fp32) of one pass over `canvas` new tokens after `context` cached ones.
+def decoder_work(text: TextConfig, canvas: int, context: int, ar: bool = False,
+                 bytes_per_weight: int = 4) -> dict[str, float]:
+    """Estimated FLOPs and weight bytes of one pass over `canvas` new tokens after `context` cached ones.
 
     Decoder (ar=False): self-conditioning (softmax @ E, an MLP) + layers + LM head. Encoder step (ar=True): layers
     + LM head on the last position. Experts: only the distinct experts the tokens route to are read (uniform routing
@@ -553,7 +605,7 @@ def decoder_work(text: TextConfig, canvas: int, context: int, ar: bool = False) 
         keys += canvas if not ar else 1
         flop += 2 * canvas * (attn + 3 * h * i + e * h + k * expert_params) + 4 * canvas * q * keys
         weights += attn + 3 * h * i + e * h + used_experts * expert_params
-    return {"flop": flop, "weight_bytes": 4 * weights}
+    return {"flop": flop, "weight_bytes": bytes_per_weight * weights}
 
 
 # --------------------------------------------------------------------------------------------
@@ -579,10 +631,12 @@ def cpu_caches() -> dict[str, int]:
     return out
 
 
-def machine() -> dict[str, Any]:
+def machine(s: Settings) -> dict[str, Any]:
     import transformers
 
     return {
+        "device": s.device,
+        "gpu": torch.cuda.get_device_name(0) if s.device.startswith("cuda") else None,
         "torch_threads": torch.get_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "cpu_count": os.cpu_count(),
@@ -592,7 +646,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "dtype": "float32",
+        "dtype": s.dtype,
     }
 
 
@@ -605,11 +659,11 @@ def regime(param_bytes: int, caches: dict[str, int]) -> str:
     """The model as a whole; `point_regime` says it per measured forward."""
     l3 = caches.get("L3")
     if l3 is None:
-        return f"fp32 parameters {param_bytes / 2**20:.1f} MiB (cache size unknown)"
+        return f"parameters {param_bytes / 2**20:.1f} MiB (cache size unknown)"
     if param_bytes <= l3:
-        return (f"fp32 parameters {param_bytes / 2**20:.1f} MiB fit in the {l3 / 2**20:.0f} MiB L3: cache-resident "
+        return (f"parameters {param_bytes / 2**20:.1f} MiB fit in the {l3 / 2**20:.0f} MiB L3: cache-resident "
                 "(compute- or overhead-bound)")
-    return (f"fp32 parameters {param_bytes / 2**20:.1f} MiB = {param_bytes / l3:.1f}x the {l3 / 2**20:.0f} MiB L3: "
+    return (f"parameters {param_bytes / 2**20:.1f} MiB = {param_bytes / l3:.1f}x the {l3 / 2**20:.0f} MiB L3: "
             "bandwidth-bound where a pass reads more weights than the L3 holds at low arithmetic intensity (small "
             "canvases), compute-bound for large canvases; see forward_cost.points[].regime")
 
@@ -680,7 +734,7 @@ def print_summary(report: dict[str, Any]) -> None:
     g, f, m = report["generate"], report["forward_cost"], report["model"]
     s = report["settings"]
     print(f"\n=== engine_speed --size {report['size']}: {m['parameters'] / 1e6:.2f}M parameters "
-          f"({m['parameter_bytes'] / 2**20:.1f} MiB fp32), threads {report['machine']['torch_threads']} ===")
+          f"({m['parameter_bytes'] / 2**20:.1f} MiB {s['dtype']}), threads {report['machine']['torch_threads']} ===")
     print(f"regime: {m['regime']}")
     print(f"{len(s['prompt_lengths'])} prompts of {s['prompt_lengths']} tokens, canvas {s['canvas_length']}, "
           f"{s['max_new_tokens']} new tokens, {s['steps']} steps, seed {s['seed']}, median of {s['repeats']}; "
@@ -696,7 +750,10 @@ def print_summary(report: dict[str, Any]) -> None:
           f"{ratios['printpress_batch_over_reference_tokens_per_s']:.2f}x batched; decoder ms ratio "
           f"{ratios['printpress_over_reference_decoder_ms']:.2f}; diffusion/AR (printpress) "
           f"{ratios['printpress_diffusion_over_printpress_ar_tokens_per_s']:.2f}x")
-    print(f"parity: one-at-a-time identical; batch rows equal alone: {g['parity']['batch_rows_equal_one_at_a_time']}")
+    parity = g["parity"]["one_at_a_time_identical"]
+    parity = "identical" if parity is True else (f"not promised here; {parity['same_position_share']:.1%} of positions "
+                                                f"agree, first differences {parity['first_difference_per_prompt']}")
+    print(f"parity, one at a time: {parity}; batch rows equal alone: {g['parity']['batch_rows_equal_one_at_a_time']}")
     print(f"decoder forward vs canvas (after {f['prompt_tokens']}-token prompt); AR step {f['ar_step_ms']:.2f} ms "
           f"({f['ar_regime']}):")
     for p in f["points"]:
@@ -722,20 +779,22 @@ def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, 
         steps=args.steps or size.steps, seed=args.seed, repeats=args.repeats or size.repeats,
         prompt_lengths=size.prompt_lengths, canvas_sweep=tuple(args.canvas_sweep or size.canvas_sweep),
         forward_reps=args.forward_reps or size.forward_reps, sweep_prompt=size.sweep_prompt, peak=args.peak,
+        device=args.device, dtype=args.dtype,
     )
     json_path, png_path, profile_path = output_paths(args.out, name, several)
     load_at_start = os.getloadavg()
     text = TextConfig(**size.text)
     params = text.num_parameters()
     caches = cpu_caches()
-    print(f"[{name}] {params / 1e6:.2f}M parameters ({4 * params / 2**20:.1f} MiB fp32); {regime(4 * params, caches)}",
-          flush=True)
+    width = torch.finfo(getattr(torch, s.dtype)).bits // 8
+    where = regime(width * params, caches) if s.device == "cpu" else f"on {s.device}"
+    print(f"[{name}] {params / 1e6:.2f}M parameters ({width * params / 2**20:.1f} MiB {s.dtype}); {where}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="printpress-engine-speed-") as folder:
         start = time.perf_counter()
         ref = build_reference(size, s)
         ref.save_pretrained(folder)
-        pipe = printpress.load(folder)
+        pipe = printpress.load(folder, device=s.device, dtype=s.dtype)
         print(f"[{name}] checkpoint built and loaded in {time.perf_counter() - start:.1f} s", flush=True)
     loaded = sum(p.numel() for p in pipe.model.parameters())
     prompts = make_prompts(s.prompt_lengths, text.vocab_size, s.seed)
@@ -751,13 +810,13 @@ def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, 
     report = {
         "size": name,
         "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "machine": machine(),
+        "machine": machine(s),
         "model": {
             "text_config": size.text,
             "parameters": params,
             "parameters_loaded_by_printpress": loaded,
-            "parameter_bytes": 4 * params,
-            "regime": regime(4 * params, caches),
+            "parameter_bytes": width * params,
+            "regime": where,
         },
         "settings": asdict(s),
         "generate": generate,
@@ -776,7 +835,7 @@ def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, 
     report["machine"]["load_average_at_start"] = load_at_start
     report["machine"]["load_average_at_end"] = os.getloadavg()
     json_path.write_text(json.dumps(report, indent=2))
-    title = (f"printpress {name}: {params / 1e6:.1f}M params ({4 * params / 2**20:.0f} MiB fp32), "
+    title = (f"printpress {name}: {params / 1e6:.1f}M params ({width * params / 2**20:.0f} MiB {s.dtype}), "
              f"{torch.get_num_threads()} thread(s), torch {torch.__version__}")
     plot(costs, generate, s, title, png_path)
     print_summary(report)
@@ -801,6 +860,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="multiply the (tied) embedding by this: peaked logits, so many tokens are accepted "
                              "per step and the adaptive stop fires (1 = plain random weights)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: both sides run there")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="both sides' weights and activations (token parity is demanded only for cpu float32)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -406,7 +406,7 @@ def load_tokenizer(folder: Path):
 def state_dict_for_save(model: DiffusionGemma) -> dict[str, torch.Tensor]:
     state = {}
     for name, tensor in model.state_dict().items():
-        state[checkpoint_key(name)] = tensor.detach().contiguous()
+        state[checkpoint_key(name)] = tensor.detach().cpu().contiguous()  # a model trained on a GPU saves too
     return state
 
 

@@ -147,6 +147,36 @@ def test_bad_settings_and_unknown_recipe_are_named(corpus, tmp_path):
         Trainer(RunConfig(), tmp_path / "empty", resume=True)
 
 
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "device 'tpu' is not cpu or cuda"),
+    ("cuda:x", "train.device 'cuda:x' is not a device name"),
+    pytest.param("cuda", "train.device cuda: this torch .* sees no CUDA device; train on cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_a_device_it_cannot_train_on_is_refused_before_starting(corpus, tmp_path, device, message):
+    with pytest.raises(TrainingError, match=message):
+        Trainer(run_config(corpus, device=device), tmp_path)
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_bfloat16_precision_autocasts_the_step_and_keeps_float32_weights(corpus, tmp_path):
+    """Autocast changes the matmuls' precision, not what is trained or saved: the losses stay near float32's,
+    though not equal to them, and the checkpoint is float32."""
+    runs = {}
+    for precision in ("float32", "bfloat16"):
+        out = tmp_path / precision
+        Trainer(run_config(corpus, steps=3, eval_every=3, save_every=3, precision=precision), out).fit(progress=False)
+        runs[precision] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for full, half in zip(runs["float32"], runs["bfloat16"]):
+        assert half["loss"] != full["loss"]
+        assert half["loss"] == pytest.approx(full["loss"], rel=0.02)
+    assert runs["bfloat16"][-1]["val_ar"] == pytest.approx(runs["float32"][-1]["val_ar"], rel=0.02)
+    model, _, _, _ = load_model(tmp_path / "bfloat16" / "model")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with pytest.raises(TrainingError, match="precision 'float16' is not float32 or bfloat16"):
+        Trainer(run_config(corpus, precision="float16"), tmp_path / "fp16")
+
+
 def test_resume_can_shorten_a_run_with_set(corpus, tmp_path):
     trainer = Trainer(run_config(corpus, steps=10), tmp_path)
     for _ in range(3):

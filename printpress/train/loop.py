@@ -78,6 +78,10 @@ class TrainSettings:
     # continuations can teach the drafts without narrowing diffusion sampling, which learns from the real rows.
     draft_teacher_rows: bool = False
     fsdp: bool = False
+    # Where the steps run: cpu, or cuda (one process on one GPU). The data, the noise and every random draw stay on
+    # the CPU (the same draws on any device) and only the batch moves; checkpoints are saved from the CPU.
+    device: str = "cpu"
+    precision: str = "float32"  # float32, or bfloat16: autocast (bf16 matmuls; fp32 weights, gradients, optimizer)
 
     def validate(self, canvas_length: int) -> None:
         def need(ok: bool, message: str) -> None:
@@ -110,6 +114,9 @@ class TrainSettings:
         need(not (self.draft_teacher_rows and self.draft_fraction > 0),
              "draft_teacher_rows picks the draft rows itself (the teacher rows); leave draft_fraction at 0")
         need(not self.draft_teacher_rows or self.objective != "ar", "draft_teacher_rows needs a diffusion or joint objective")
+        need(self.device == "cpu" or self.device.split(":")[0] == "cuda",
+             f"device {self.device!r} is not cpu or cuda (cuda:N for another GPU)")
+        need(self.precision in ("float32", "bfloat16"), f"precision {self.precision!r} is not float32 or bfloat16")
         need(int(self.step_distill_refresh) > 0, f"step_distill_refresh must be positive (got {self.step_distill_refresh})")
         if self.step_distill_weight > 0:
             need(self.objective != "ar", "step_distill_weight needs a diffusion or joint objective")
@@ -191,7 +198,9 @@ def init_distributed() -> Dist:
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return Dist()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # gloo: data-parallel runs train on CPU processes (a GPU run is one process: `training_device`), and NCCL,
+        # which a CUDA build would pick on a GPU machine, reduces only GPU tensors.
+        dist.init_process_group("gloo")
     return Dist(dist.get_rank(), dist.get_world_size())
 
 
@@ -233,11 +242,33 @@ def estimate_memory_bytes(text: TextConfig, settings: TrainSettings, world: int)
     return 16 * params + 4 * (tokens * per_token + attention)
 
 
-def check_memory(text: TextConfig, settings: TrainSettings, world: int) -> None:
-    need, have = estimate_memory_bytes(text, settings, world), available_memory_bytes()
+def check_memory(text: TextConfig, settings: TrainSettings, world: int, device: torch.device | None = None) -> None:
+    on_gpu = device is not None and device.type == "cuda"
+    need = estimate_memory_bytes(text, settings, world)
+    have = torch.cuda.mem_get_info(device)[0] if on_gpu else available_memory_bytes()
     if need > 0.8 * have:
-        raise TrainingError(f"this run needs about {need / 2**30:.1f} GiB but the machine has {have / 2**30:.1f} GiB; "
+        where = f"{device} has {have / 2**30:.1f} GiB free" if on_gpu else f"the machine has {have / 2**30:.1f} GiB"
+        raise TrainingError(f"this run needs about {need / 2**30:.1f} GiB but {where}; "
                             "reduce batch_size, seq_len or the model size, or raise grad_accum")
+
+
+def training_device(settings: TrainSettings, world: int) -> torch.device:
+    """`train.device` as a torch device, or a TrainingError saying why it cannot train there."""
+    try:
+        device = torch.device(settings.device)
+    except RuntimeError:
+        raise TrainingError(f"train.device {settings.device!r} is not a device name (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainingError(f"train.device {settings.device}: this torch ({torch.__version__}) sees no CUDA "
+                                "device; train on cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise TrainingError(f"train.device {settings.device}: torch sees {torch.cuda.device_count()} GPU(s), "
+                                "numbered from 0")
+        if world > 1:
+            raise TrainingError("train.device cuda trains as one process on one GPU; data parallelism across GPUs "
+                                "is not built yet: run it without torchrun")
+    return device
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -321,9 +352,11 @@ class Trainer:
         if model is None:
             config = self._new_model_config(tokenizer.get_vocab_size())
         settings.validate(config.canvas_length)
-        check_memory(config.text, settings, self.env.world)  # before allocating anything large
+        self.device = training_device(settings, self.env.world)
+        check_memory(config.text, settings, self.env.world, self.device)  # before allocating anything large
         if model is None:
             model = DiffusionGemma(config.text)
+        model.to(self.device)
         self.config, self.model = config, model
         self.generation = generation or GenerationConfig.from_dict(self.run.generation, config.text)
         data = self.run.data
@@ -488,9 +521,23 @@ class Trainer:
             noise = row_noise(tokens, first_row, step, self.settings.seed, self.diffusion, self.config.text.vocab_size,
                               teacher_draws=self.teacher is not None, draft_rows=draft_rows)
             if self.teacher is not None:
-                teacher = TeacherDraws(self.teacher, noise[3], noise[4])
+                teacher = TeacherDraws(self.teacher, *self._moved(noise[3:]))
                 noise = noise[:3]
-        return self.wrapped(tokens, noise, None, ar_rows, teacher)
+        return self._forward(tokens, noise, ar_rows, teacher)
+
+    def _forward(self, tokens: torch.Tensor, noise=None, ar_rows: torch.Tensor | None = None,
+                 teacher: TeacherDraws | None = None) -> dict[str, torch.Tensor]:
+        """The (wrapped) training module on the training device, under autocast with `precision` bfloat16.
+        Everything is drawn on the CPU first, so a run draws the same batches and noise on any device."""
+        tokens, ar_rows = self._moved((tokens, ar_rows))
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.settings.precision == "bfloat16"):
+            return self.wrapped(tokens, self._moved(noise), None, ar_rows, teacher)
+
+    def _moved(self, tensors):
+        """A tuple of tensors (or Nones) on the training device; None stays None."""
+        if tensors is None or self.device.type == "cpu":
+            return tensors
+        return tuple(None if t is None else t.to(self.device, non_blocking=True) for t in tensors)
 
     def train_step(self) -> dict[str, float]:
         settings, env = self.settings, self.env
@@ -539,7 +586,7 @@ class Trainer:
         NLL per token, averaged over the ranks."""
         self.model.eval()
         # Through the (possibly DDP/FSDP-wrapped) training module, so sharded weights are gathered.
-        losses = evaluate_losses(self.wrapped, self.eval_windows, self.settings.objective, self.diffusion,
+        losses = evaluate_losses(self._forward, self.eval_windows, self.settings.objective, self.diffusion,
                                  self.config.text.vocab_size, self.settings.seed, self.env.rank)
         return self._all_reduce_mean(losses)
 
