@@ -198,6 +198,10 @@ def exact(s: Settings) -> bool:
     return s.device == "cpu" and s.dtype == "float32"
 
 
+def element_bytes(dtype: str) -> int:
+    return torch.finfo(getattr(torch, dtype)).bits // 8
+
+
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -515,7 +519,7 @@ def median_ms(fn: Callable[[], Any], reps: int, device: str = "cpu") -> float:
 def forward_costs(model, text: TextConfig, s: Settings, cache_bytes: dict[str, int]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(s.seed)
     prompt = torch.randint(3, text.vocab_size, (1, s.sweep_prompt), generator=gen).to(s.device)
-    width = torch.finfo(getattr(torch, s.dtype)).bits // 8
+    width = element_bytes(s.dtype)
     regime_of = point_regime if s.device == "cpu" else (lambda *_: "not classified (the roofline here is a CPU's)")
 
     # AR: consecutive one-token encodes after the prompt, as AR decoding does (context grows by reps + 1).
@@ -786,7 +790,7 @@ def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, 
     text = TextConfig(**size.text)
     params = text.num_parameters()
     caches = cpu_caches()
-    width = torch.finfo(getattr(torch, s.dtype)).bits // 8
+    width = element_bytes(s.dtype)
     where = regime(width * params, caches) if s.device == "cpu" else f"on {s.device}"
     print(f"[{name}] {params / 1e6:.2f}M parameters ({width * params / 2**20:.1f} MiB {s.dtype}); {where}", flush=True)
 
