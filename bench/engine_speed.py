@@ -24,7 +24,7 @@ Results: `<out>/engine_speed_<size>.json` and `<out>/engine_speed_<size>.png`, a
     .venv/bin/python bench/engine_speed.py --size small --out docs/results/
     .venv/bin/python bench/engine_speed.py --size large --out docs/results/
     .venv/bin/python bench/engine_speed.py --size small large --out docs/results/
-    python bench/engine_speed.py --size 1b --device cuda --dtype bfloat16 --out results/   # a GPU (scripts/gpu_check.sh)
+    python bench/engine_speed.py --size 1b --device cuda --dtype bfloat16 --out results/   # GPU: scripts/gpu_check.sh
 
 Sizes: `tiny` (0.19M parameters, smoke test only), `small` (10.9M parameters, 41.5 MiB fp32: a bit
 over a 32 MiB L3, but an AR step touches ~26 MiB), `large` (99.7M parameters, 380 MiB fp32: bandwidth-

@@ -3,7 +3,8 @@
 The default model (models/shakespeare-joint) was trained with the joint objective, so the same weights
 decode by diffusion (a canvas of 32 tokens denoised in parallel, drawn live when stderr is a terminal),
 autoregressively (one token per forward) and speculatively (diffusion drafts that the AR side verifies: exactly
-AR's greedy text; on this model it is not faster, see docs/benchmarks-speculative.md). See its model card for how it was trained and how good each decoding is.
+AR's greedy text; on this model not faster, see docs/benchmarks-speculative.md). See its model card for how it
+was trained and how good each decoding is.
 """
 
 from __future__ import annotations
