@@ -65,6 +65,13 @@ class DiffusionSettings:
     # Of those rows, the share shaped as a fused draft sees its canvas (`fused_draft`: the canvas starts where the
     # token being committed goes, so its first position is noise too).
     draft_fused_share: float = 0.0
+    # Sampler states (after d3LLM's trajectory states, for a uniform-state sampler): the share of self-conditioned
+    # rows whose canvas is what a later sampler step sees: a share of the noised positions, the first pass's most
+    # certain ones, hold that pass's own samples (at `sampler_states_temperature`) instead of uniform noise, and
+    # the pass is fed back. The target stays the clean token, so the model learns to revise its own plausible
+    # mistakes, not only to replace noise (`sampler_state`). 0 turns it off.
+    sampler_states: float = 0.0
+    sampler_states_temperature: float = 0.7
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -111,7 +118,8 @@ def add_uniform_noise(
 
 
 def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settings: DiffusionSettings,
-              vocab_size: int, teacher_draws: bool = False, draft_rows: torch.Tensor | None = None):
+              vocab_size: int, teacher_draws: bool = False, draft_rows: torch.Tensor | None = None,
+              sampler_states: bool = False):
     """Noise per row from a generator keyed by (seed, step, global row): the same on any number of ranks.
 
     Returns (noisy, t, self-conditioning flags), plus, with `teacher_draws`, the per-token draws of the few-step
@@ -122,8 +130,12 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
     one (clean) and whose other positions are all noise (t = 1), with no previous step to condition on.
     `draft_rows` (B,) bool names the draft rows instead (`train.draft_teacher_rows`: the teacher's rows), with no
     draw for the choice.
+
+    With `sampler_states` (and `settings.sampler_states` > 0), two more tensors come last, drawn last per row:
+    the share of each canvas's noised positions `sampler_state` fills with the model's own samples (B,), 0 for a
+    row left as it is (not chosen, not self-conditioned, or a draft row), and the inverse-CDF draws (B, L).
     """
-    noisy, levels, use, uniform, renoise = [], [], [], [], []
+    noisy, levels, use, uniform, renoise, keep, state_uniform = [], [], [], [], [], [], []
     length = tokens.shape[1]
     for offset in range(tokens.shape[0]):
         g = torch.Generator().manual_seed(hash_seed(seed, step, first_row + offset))
@@ -140,11 +152,20 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
             fused = settings.draft_fused_share > 0 and float(torch.rand(1, generator=g)) < settings.draft_fused_share
             row = draft_noise(tokens[offset : offset + 1], settings.block, vocab_size, g, keep_first=not fused)
             t, flag = torch.ones_like(t), torch.zeros_like(flag)
+        if sampler_states and settings.sampler_states > 0:
+            chosen = bool(flag) and float(torch.rand(1, generator=g)) < settings.sampler_states
+            share = torch.rand(1, generator=g)
+            keep.append(share if chosen else torch.zeros(1))
+            state_uniform.append(torch.rand(1, length, generator=g))
         noisy.append(row)
         levels.append(t)
         use.append(flag)
     noise = (torch.cat(noisy), torch.cat(levels), torch.cat(use))
-    return (*noise, torch.cat(uniform), torch.cat(renoise)) if teacher_draws else noise
+    if teacher_draws:
+        noise = (*noise, torch.cat(uniform), torch.cat(renoise))
+    if keep:
+        noise = (*noise, torch.cat(keep), torch.cat(state_uniform))
+    return noise
 
 
 def draft_noise(tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None,
@@ -293,6 +314,29 @@ def step_distillation_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: tor
     return mean_over_ranks((kl * chosen).sum(), chosen.sum())
 
 
+@torch.no_grad()
+def sampler_state(clean: torch.Tensor, noisy: torch.Tensor, first: torch.Tensor, keep: torch.Tensor,
+                  uniform: torch.Tensor, block: int, temperature: float) -> torch.Tensor:
+    """`noisy` (B, L) turned into a state the sampler visits after a step from it (`settings.sampler_states`).
+
+    `first` (B, L, V) is the first (self-conditioning) pass's logits on `noisy`. In each canvas of row b, the
+    round(keep[b] * n) noised positions (of its n) where that pass is most certain take a sample of it at
+    `temperature` (inverse CDF with `uniform`), as the sampler keeps its lowest-entropy samples and re-noises
+    the rest; the other noised positions keep their uniform noise. A sample can be wrong, and the denoiser is
+    still asked for the clean token there: that is the point.
+    """
+    batch, length = clean.shape
+    scaled = first.float() / temperature
+    probs = torch.softmax(scaled, dim=-1)
+    entropy = -(probs * torch.log_softmax(scaled, dim=-1)).sum(-1)
+    noised = noisy != clean
+    entropy = entropy.masked_fill(~noised, float("inf")).view(batch, -1, block)
+    rank = entropy.argsort(dim=-1).argsort(dim=-1)  # 0 = the most certain noised position of the canvas
+    count = torch.round(keep.view(batch, 1) * noised.view(batch, -1, block).sum(-1))  # (B, blocks)
+    chosen = (rank < count[..., None]).view(batch, length) & noised
+    return torch.where(chosen, sample_inverse_cdf(probs, uniform), noisy)
+
+
 def denoising_loss(logits: torch.Tensor, clean: torch.Tensor, t: torch.Tensor, settings: DiffusionSettings) -> torch.Tensor:
     """Cross-entropy of the clean token at every canvas position, weighted per block by the noise level."""
     per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1), reduction="none")
@@ -341,8 +385,9 @@ class TrainStep(nn.Module):
         if noise is None:
             noisy, t = add_uniform_noise(tokens, settings.block, model.config.vocab_size, generator, settings.t_low)
             use = torch.rand(tokens.shape[0], generator=generator, device=tokens.device) < settings.self_conditioning
+            states = []
         else:
-            noisy, t, use = noise
+            noisy, t, use, *states = noise
         self_cond = None
         # Decided by the setting, not by this batch's draws: under data parallelism every rank must run the
         # same passes (FSDP gathers each layer's weights in lockstep).
@@ -351,6 +396,9 @@ class TrainStep(nn.Module):
             # chosen rows; the others get a zero signal, exactly like the first denoising step at inference.
             with torch.no_grad():
                 _, self_cond = forward_block_diffusion(model, tokens, noisy, settings.block)
+            if states:  # (keep, uniform) from row_noise: some rows move on to a later sampler step's state
+                noisy = sampler_state(tokens, noisy, self_cond, *states, settings.block,
+                                      settings.sampler_states_temperature)
         ar_logits, denoise_logits = forward_block_diffusion(model, tokens, noisy, settings.block, self_cond, use)
         diffusion = denoising_loss(denoise_logits, tokens, t, settings)
         out = {"diffusion": diffusion.detach()}

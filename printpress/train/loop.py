@@ -77,6 +77,10 @@ class TrainSettings:
     # Draft rows are exactly the teacher rows (data.distill), which are then seen only in the draft shape: greedy
     # continuations can teach the drafts without narrowing diffusion sampling, which learns from the real rows.
     draft_teacher_rows: bool = False
+    # Sampler states (objectives.sampler_state): the share of self-conditioned rows trained on a later sampler
+    # step's state, some noised positions holding the first pass's own samples at this temperature; 0 = off.
+    sampler_states: float = 0.0
+    sampler_states_temperature: float = 0.7
     fsdp: bool = False
     # Where the steps run: cpu, or cuda (one process on one GPU). The data, the noise and every random draw stay on
     # the CPU (the same draws on any device) and only the batch moves; checkpoints are saved from the CPU.
@@ -114,6 +118,12 @@ class TrainSettings:
         need(not (self.draft_teacher_rows and self.draft_fraction > 0),
              "draft_teacher_rows picks the draft rows itself (the teacher rows); leave draft_fraction at 0")
         need(not self.draft_teacher_rows or self.objective != "ar", "draft_teacher_rows needs a diffusion or joint objective")
+        need(0 <= self.sampler_states <= 1, f"sampler_states must be in [0, 1] (got {self.sampler_states})")
+        need(self.sampler_states_temperature > 0,
+             f"sampler_states_temperature must be > 0 (got {self.sampler_states_temperature})")
+        need(self.sampler_states == 0 or (self.objective != "ar" and self.self_conditioning > 0),
+             "sampler_states needs a diffusion or joint objective with self_conditioning > 0 (the states come "
+             "from the self-conditioning pass)")
         need(self.device == "cpu" or self.device.split(":")[0] == "cuda",
              f"device {self.device!r} is not cpu or cuda (cuda:N for another GPU)")
         need(self.precision in ("float32", "bfloat16"), f"precision {self.precision!r} is not float32 or bfloat16")
@@ -382,7 +392,9 @@ class Trainer:
                                            step_distill_temperature=settings.step_distill_temperature,
                                            step_distill_divergence=settings.step_distill_divergence,
                                            draft_fraction=settings.draft_fraction,
-                                           draft_fused_share=settings.draft_fused_share)
+                                           draft_fused_share=settings.draft_fused_share,
+                                           sampler_states=settings.sampler_states,
+                                           sampler_states_temperature=settings.sampler_states_temperature)
         self.teacher = None
         if settings.step_distill_weight > 0:  # a frozen copy, outside the optimizer and the DDP wrapper
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
@@ -519,10 +531,11 @@ class Trainer:
             draft_rows = ~ar_rows
         if self.settings.objective != "ar":
             noise = row_noise(tokens, first_row, step, self.settings.seed, self.diffusion, self.config.text.vocab_size,
-                              teacher_draws=self.teacher is not None, draft_rows=draft_rows)
-            if self.teacher is not None:
-                teacher = TeacherDraws(self.teacher, *self._moved(noise[3:]))
-                noise = noise[:3]
+                              teacher_draws=self.teacher is not None, draft_rows=draft_rows,
+                              sampler_states=self.diffusion.sampler_states > 0)
+            if self.teacher is not None:  # its two draws follow the first three; any sampler states come last
+                teacher = TeacherDraws(self.teacher, *self._moved(noise[3:5]))
+                noise = noise[:3] + noise[5:]
         return self._forward(tokens, noise, ar_rows, teacher)
 
     def _forward(self, tokens: torch.Tensor, noise=None, ar_rows: torch.Tensor | None = None,
