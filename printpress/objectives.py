@@ -267,6 +267,24 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     return index.squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def most_certain_samples(logits: torch.Tensor, uniform: torch.Tensor, block: int, count: torch.Tensor,
+                         temperature: float, eligible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a sampler step keeps: in each canvas of `block` positions, the `count` (B, blocks) positions (of the
+    `eligible` ones (B, L), default all) where softmax(logits / temperature) has the lowest entropy, as a (B, L)
+    mask, and a sample of that softmax at every position (inverse CDF with `uniform` (B, L))."""
+    batch, length = uniform.shape
+    scaled = logits.float() / temperature
+    probs = torch.softmax(scaled, dim=-1)
+    entropy = -(probs * torch.log_softmax(scaled, dim=-1)).sum(-1)
+    if eligible is not None:
+        entropy = entropy.masked_fill(~eligible, float("inf"))
+    rank = entropy.view(batch, -1, block).argsort(dim=-1).argsort(dim=-1)  # 0 = the most certain position
+    kept = (rank < count[..., None]).view(batch, length)
+    if eligible is not None:
+        kept = kept & eligible
+    return kept, sample_inverse_cdf(probs, uniform)
+
+
 @torch.no_grad()
 def two_step_targets(clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, draws: TeacherDraws,
                      settings: DiffusionSettings) -> torch.Tensor:
@@ -279,16 +297,10 @@ def two_step_targets(clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, 
     at the step that committed it).
     """
     block = settings.block
-    batch, length = clean.shape
     _, first = forward_block_diffusion(draws.teacher, clean, noisy, block)
     first = first.float()
-    scaled = first / settings.step_distill_temperature
-    probs = torch.softmax(scaled, dim=-1)
-    entropy = -(probs * torch.log_softmax(scaled, dim=-1)).sum(-1)
-    rank = entropy.view(batch, -1, block).argsort(dim=-1).argsort(dim=-1)  # 0 = the most certain position
     keep = block - torch.round(t * block / 2)  # (B, blocks)
-    kept = (rank < keep[..., None]).view(batch, length)
-    sampled = sample_inverse_cdf(probs, draws.uniform)
+    kept, sampled = most_certain_samples(first, draws.uniform, block, keep, settings.step_distill_temperature)
     second_input = torch.where(kept, sampled, draws.renoise)
     _, second = forward_block_diffusion(draws.teacher, clean, second_input, block, first)
     return torch.where(kept[..., None], torch.log_softmax(first, dim=-1), torch.log_softmax(second.float(), dim=-1))
@@ -325,16 +337,10 @@ def sampler_state(clean: torch.Tensor, noisy: torch.Tensor, first: torch.Tensor,
     the rest; the other noised positions keep their uniform noise. A sample can be wrong, and the denoiser is
     still asked for the clean token there: that is the point.
     """
-    batch, length = clean.shape
-    scaled = first.float() / temperature
-    probs = torch.softmax(scaled, dim=-1)
-    entropy = -(probs * torch.log_softmax(scaled, dim=-1)).sum(-1)
     noised = noisy != clean
-    entropy = entropy.masked_fill(~noised, float("inf")).view(batch, -1, block)
-    rank = entropy.argsort(dim=-1).argsort(dim=-1)  # 0 = the most certain noised position of the canvas
-    count = torch.round(keep.view(batch, 1) * noised.view(batch, -1, block).sum(-1))  # (B, blocks)
-    chosen = (rank < count[..., None]).view(batch, length) & noised
-    return torch.where(chosen, sample_inverse_cdf(probs, uniform), noisy)
+    count = torch.round(keep.view(-1, 1) * noised.view(clean.shape[0], -1, block).sum(-1))  # (B, blocks)
+    chosen, sampled = most_certain_samples(first, uniform, block, count, temperature, eligible=noised)
+    return torch.where(chosen, sampled, noisy)
 
 
 def denoising_loss(logits: torch.Tensor, clean: torch.Tensor, t: torch.Tensor, settings: DiffusionSettings) -> torch.Tensor:
