@@ -246,6 +246,9 @@ def test_the_yardstick_preset_parses_and_explicit_options_win():
     args = _parse("--yardstick", "--steps", "4", "--seeds", "1", "--setting", "steps=2")
     assert (args.steps, args.seeds, args.max_new_tokens) == ([4], 1, 64)
     assert args.setting == [*YARDSTICK_SETTINGS, "steps=2"]
+    # A setting the preset already measures (here spelled differently) is taken once, not refused as a repeat.
+    again = _parse("--yardstick", "--setting", "confidence_threshold=2,steps=24,entropy_bound=12", "--setting", "steps=2")
+    assert again.setting == [*YARDSTICK_SETTINGS, "steps=2"]
     assert _parse("--yardstick", "--prompts-file", "p.txt").heldout_prompts is None
     plain = _parse()
     assert (plain.heldout_prompts, plain.seeds, plain.max_new_tokens, plain.steps, plain.setting) == (

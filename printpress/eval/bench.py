@@ -68,6 +68,7 @@ from printpress.eval.bench_sides import (
     BenchError,
     decode_all,
     default_sides,
+    describe,
     parse_setting,
     seed_plan,
 )
@@ -163,13 +164,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options left unset from the --yardstick preset, or from the plain defaults without it.
-    Explicit options win; --setting adds sides to the preset's; --prompts-file replaces its held-out prompts."""
+    Explicit options win; --setting adds sides to the preset's (one the preset already measures is taken once, so
+    a script written before the preset grew still runs); --prompts-file replaces its held-out prompts."""
     preset = YARDSTICK if args.yardstick else PLAIN
     for key, value in preset.items():
         if getattr(args, key) is None and not (key == "heldout_prompts" and args.prompts_file is not None):
             setattr(args, key, list(value) if isinstance(value, list) else value)
     if args.yardstick:
-        args.setting = [*YARDSTICK_SETTINGS, *args.setting]
+        preset_labels = {describe(parse_setting(text)) for text in YARDSTICK_SETTINGS}
+        args.setting = [*YARDSTICK_SETTINGS,
+                        *(text for text in args.setting if describe(parse_setting(text)) not in preset_labels)]
     return args
 
 
