@@ -71,7 +71,7 @@ class DiffusionSettings:
     # the pass is fed back. The target stays the clean token, so the model learns to revise its own plausible
     # mistakes, not only to replace noise (`sampler_state`). 0 turns it off.
     sampler_states: float = 0.0
-    sampler_states_temperature: float = 0.7
+    sampler_states_temperature: float = 0.4
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:

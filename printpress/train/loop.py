@@ -80,7 +80,7 @@ class TrainSettings:
     # Sampler states (objectives.sampler_state): the share of self-conditioned rows trained on a later sampler
     # step's state, some noised positions holding the first pass's own samples at this temperature; 0 = off.
     sampler_states: float = 0.0
-    sampler_states_temperature: float = 0.7
+    sampler_states_temperature: float = 0.4
     fsdp: bool = False
     # Where the steps run: cpu, or cuda (one process on one GPU). The data, the noise and every random draw stay on
     # the CPU (the same draws on any device) and only the batch moves; checkpoints are saved from the CPU.
