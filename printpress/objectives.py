@@ -435,16 +435,17 @@ def evaluate_losses(step: Callable[..., dict[str, torch.Tensor]], windows: Seque
     sharded weights are gathered).
 
     The one held-out evaluation: the training loop's validation (`Trainer.evaluate`, which averages the ranks'
-    figures) and `printpress bench` on a saved model both call it. The noise of window i is `row_noise` at step
-    -1 from global row i * 10_000 + rank * 1000: the same draws at every evaluation of a run, so two
-    evaluations differ only by the weights.
+    figures) and `printpress bench` on a saved model both call it. `windows` are this rank's shards of the global
+    validation batches (`data.eval_batches`), and the noise of a row is `row_noise` at step -1 keyed by its place
+    in the global batch (batch i's rows from i * 10_000): the same draws at every evaluation of a run and on any
+    number of ranks, so two evaluations differ only by the weights.
     """
     settings = dataclasses.replace(settings, draft_fraction=0.0)  # held-out figures stay comparable across runs
     sums: dict[str, float] = {}
     for index, tokens in enumerate(windows):
         noise = None
         if objective != "ar":
-            noise = row_noise(tokens, index * 10_000 + rank * 1000, -1, seed, settings, vocab_size)
+            noise = row_noise(tokens, index * 10_000 + rank * len(tokens), -1, seed, settings, vocab_size)
         out = step(tokens, noise)
         for key in ("ar", "diffusion"):
             if key in out:

@@ -79,10 +79,21 @@ def test_two_process_torchrun_matches_one_process(corpus, tmp_path, fsdp):
     assert done.returncode == 0, done.stderr[-3000:]
     for (step_a, a), (step_b, b) in zip(losses(single), losses(double), strict=True):
         assert step_a == step_b and a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    # The held-out figures too: both world sizes evaluate the same windows with the same noise.
+    held_out = [held_out_figures(run) for run in (single, double)]
+    assert held_out[0] and held_out[0].keys() == held_out[1].keys()
+    for key, value in held_out[0].items():
+        assert held_out[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     one, _, _, _ = load_model(single / "model")
     two, _, _, _ = load_model(double / "model")
     for (name, x), y in zip(one.state_dict().items(), two.state_dict().values()):
         assert (x - y).abs().max() < 1e-5, name
+
+
+def held_out_figures(out: Path) -> dict[tuple[int, str], float]:
+    """{(step, val_ar | val_diffusion): value} of a run's metrics.jsonl."""
+    records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return {(r["step"], k): v for r in records for k, v in r.items() if k.startswith("val_")}
 
 
 def toml_of(run: RunConfig) -> str:

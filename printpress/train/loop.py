@@ -380,7 +380,8 @@ class Trainer:
             if len(tokens.tokens) <= settings.seq_len:
                 raise TrainingError(f"the {name} split has {len(tokens.tokens)} tokens, fewer than seq_len={settings.seq_len}")
         self.sampler = self._batch_sampler(splits.train.tokens, tokenizer)
-        self.eval_windows = list(eval_batches(splits.val.tokens, settings.seq_len, max(1, settings.batch_size // self.env.world),
+        # The global batch, sharded by eval_batches itself: every world size evaluates the same windows.
+        self.eval_windows = list(eval_batches(splits.val.tokens, settings.seq_len, settings.batch_size,
                                               max_batches=settings.eval_batches, rank=self.env.rank,
                                               world_size=self.env.world))
         self.diffusion = DiffusionSettings(block=config.canvas_length, t_low=settings.t_low,
