@@ -215,7 +215,7 @@ def test_every_shipped_recipe_parses_and_validates(name):
 
 @pytest.mark.parametrize("name", ["shakespeare-joint-distill", "shakespeare-joint-fewstep", "shakespeare-joint-draft",
                                   "shakespeare-joint-continue", "shakespeare-joint-long", "shakespeare-joint-long-t09",
-                                  "shakespeare-joint-long-states"])
+                                  "shakespeare-joint-long-states", "stdlib-code-joint-draft", "stdlib-code-long-states"])
 def test_the_fine_tune_recipes_parse_and_validate_against_the_shipped_canvas(name):
     run = read_run_config(name, None, [])
     assert run.init_from.startswith("runs/") and not run.model  # a fine-tune: the model comes from init_from
