@@ -114,6 +114,15 @@ def toml_of(run: RunConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def test_the_objective_settings_default_as_the_training_settings_do():
+    from printpress.objectives import DiffusionSettings
+    from printpress.train.loop import TrainSettings, objective_settings
+
+    shared = objective_settings(TrainSettings())  # an objective setting missing from TrainSettings raises here
+    assert shared and "block" not in shared
+    assert DiffusionSettings(block=32, **shared) == DiffusionSettings(block=32)  # one default, written twice
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 
 

@@ -284,6 +284,11 @@ def training_device(settings: TrainSettings, world: int) -> torch.device:
 # -- the run ---------------------------------------------------------------------------------------------
 
 
+def objective_settings(settings: TrainSettings) -> dict[str, Any]:
+    """The `DiffusionSettings` fields (all but `block`, the canvas length) taken from the training settings."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(DiffusionSettings) if f.name != "block"}
+
+
 class Trainer:
     def __init__(self, run: RunConfig, out: str | Path, resume: bool = False, overrides=(),
                  overwrite: bool = False, announce: Callable[[str], None] | None = None) -> None:
@@ -384,18 +389,8 @@ class Trainer:
         self.eval_windows = list(eval_batches(splits.val.tokens, settings.seq_len, settings.batch_size,
                                               max_batches=settings.eval_batches, rank=self.env.rank,
                                               world_size=self.env.world))
-        self.diffusion = DiffusionSettings(block=config.canvas_length, t_low=settings.t_low,
-                                           self_conditioning=settings.self_conditioning,
-                                           weighting=settings.weighting, ar_weight=settings.ar_weight,
-                                           certainty_weight=settings.certainty_weight,
-                                           certainty_temperature=settings.certainty_temperature,
-                                           step_distill_weight=settings.step_distill_weight,
-                                           step_distill_temperature=settings.step_distill_temperature,
-                                           step_distill_divergence=settings.step_distill_divergence,
-                                           draft_fraction=settings.draft_fraction,
-                                           draft_fused_share=settings.draft_fused_share,
-                                           sampler_states=settings.sampler_states,
-                                           sampler_states_temperature=settings.sampler_states_temperature)
+        # Every objective setting but the canvas length is a training setting of the same name.
+        self.diffusion = DiffusionSettings(block=config.canvas_length, **objective_settings(settings))
         self.teacher = None
         if settings.step_distill_weight > 0:  # a frozen copy, outside the optimizer and the DDP wrapper
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
