@@ -72,6 +72,11 @@ class DiffusionSettings:
     # mistakes, not only to replace noise (`sampler_state`). 0 turns it off.
     sampler_states: float = 0.0
     sampler_states_temperature: float = 0.4
+    # AR soft targets: at a noised canvas position i the target becomes (1 - w) one-hot(x_i) + w p_AR(. | x_<i),
+    # the joint model's own AR distribution from the same forward (detached), with w = ar_target_weight *
+    # t ** ar_target_power per block (`ar_target_loss`). 0 turns it off.
+    ar_target_weight: float = 0.0
+    ar_target_power: float = 1.0
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -249,6 +254,30 @@ def certainty_loss(logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tenso
     return mean_over_ranks((entropy * chosen).sum(), chosen.sum())
 
 
+def ar_target_loss(logits: torch.Tensor, ar_logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor,
+                   t: torch.Tensor, settings: DiffusionSettings) -> torch.Tensor:
+    """What soft AR targets add to the denoising loss: the mean over canvas positions of
+    w_i * (CE(p_AR(. | x_<i), q_i) - CE(one-hot x_i, q_i)), so that the sum with `denoising_loss` is the
+    cross-entropy against the mixed target (1 - w_i) one-hot(x_i) + w_i p_AR(. | x_<i).
+
+    w_i = ar_target_weight * t ** ar_target_power at noised positions (0 where the canvas shows the clean token,
+    and at the sequence's first token, which has no AR prediction). Why it helps where the canvas is noise: a
+    decoder that sees only the prefix and noise cannot know x_i beyond p(x_i | prefix), and p_AR(. | x_<i) is
+    the one-hot target averaged over x_i given the true tokens before it, a lower-variance target with the same
+    mean (Rao-Blackwell). Where the canvas shows clean neighbours after i it ignores them, hence the weight's fall
+    with t. `ar_logits` are the clean half's logits (AR logits[:, i] predict token i + 1), not differentiated.
+    """
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    hard = -log_q.gather(-1, clean.unsqueeze(-1)).squeeze(-1)
+    teacher = torch.softmax(ar_logits.detach().float()[:, :-1], dim=-1)  # p_AR(. | x_<i) for i = 1..L-1
+    soft = torch.zeros_like(hard)
+    soft[:, 1:] = -(teacher * log_q[:, 1:]).sum(dim=-1)
+    weight = settings.ar_target_weight * t.repeat_interleave(settings.block, dim=1) ** settings.ar_target_power
+    weight = weight * (noisy != clean)
+    weight[:, 0] = 0.0
+    return (weight * (soft - hard)).mean()
+
+
 @dataclass
 class TeacherDraws:
     """What few-step self-distillation needs beyond the batch: the frozen teacher and, per token, the random
@@ -413,6 +442,10 @@ class TrainStep(nn.Module):
             certainty = certainty_loss(denoise_logits, tokens, noisy, settings.certainty_temperature)
             out["certainty"] = certainty.detach()
             loss = loss + settings.certainty_weight * certainty
+        if settings.ar_target_weight > 0:
+            soft = ar_target_loss(denoise_logits, ar_logits, tokens, noisy, t, settings)
+            out["ar_target"] = soft.detach()
+            loss = loss + soft
         if settings.step_distill_weight > 0 and teacher is not None:
             distill = step_distillation_loss(denoise_logits, tokens, noisy, t, teacher, settings)
             out["step_distill"] = distill.detach()

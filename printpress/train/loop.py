@@ -81,6 +81,10 @@ class TrainSettings:
     # step's state, some noised positions holding the first pass's own samples at this temperature; 0 = off.
     sampler_states: float = 0.0
     sampler_states_temperature: float = 0.4
+    # AR soft targets (objectives.ar_target_loss): noised canvas positions learn towards the model's own AR
+    # distribution, with weight ar_target_weight * t ** ar_target_power; 0 = off. Needs the joint objective.
+    ar_target_weight: float = 0.0
+    ar_target_power: float = 1.0
     fsdp: bool = False
     # Where the steps run: cpu, or cuda (one process on one GPU). The data, the noise and every random draw stay on
     # the CPU (the same draws on any device) and only the batch moves; checkpoints are saved from the CPU.
@@ -124,6 +128,10 @@ class TrainSettings:
         need(self.sampler_states == 0 or (self.objective != "ar" and self.self_conditioning > 0),
              "sampler_states needs a diffusion or joint objective with self_conditioning > 0 (the states come "
              "from the self-conditioning pass)")
+        need(0 <= self.ar_target_weight <= 1, f"ar_target_weight must be in [0, 1] (got {self.ar_target_weight})")
+        need(self.ar_target_power >= 0, f"ar_target_power must be >= 0 (got {self.ar_target_power})")
+        need(self.ar_target_weight == 0 or self.objective == "joint",
+             "ar_target_weight needs the joint objective (the AR distribution comes from its clean half)")
         need(self.device == "cpu" or self.device.split(":")[0] == "cuda",
              f"device {self.device!r} is not cpu or cuda (cuda:N for another GPU)")
         need(self.precision in ("float32", "bfloat16"), f"precision {self.precision!r} is not float32 or bfloat16")
@@ -643,7 +651,7 @@ class Trainer:
         """One line on how the run ended: steps, time, the last step's losses and the last held-out losses."""
         parts = [f"trained {self.step} steps ({self.elapsed / 60:.1f} min of training)"]
         if self.last_record:
-            keys = [k for k in ("loss", "ar", "diffusion", "certainty", "step_distill") if k in self.last_record]
+            keys = [k for k in ("loss", "ar", "diffusion", "certainty", "ar_target", "step_distill") if k in self.last_record]
             parts.append("last step " + ", ".join(f"{k} {self.last_record[k]:.3f}" for k in keys))
         if self.last_eval:
             parts.append(f"held-out at step {self.last_eval['step']} "
