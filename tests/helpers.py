@@ -294,3 +294,14 @@ def open_page(browser, server):
     page.fill("input[name=steps]", "8")
     page.fill("input[name=seed]", "21")
     return page, errors
+
+
+def bench_module(name: str):
+    """A script of bench/ imported as a module (bench/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

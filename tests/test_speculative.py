@@ -13,6 +13,8 @@ from printpress.model import DiffusionGemma
 from printpress.sampling import MODES, SamplerSettings
 from printpress.speculative import greedy_accept, sampled_accept, speculative
 
+from helpers import bench_module
+
 # Sliding windows smaller than the prompts, so the rings wrap and rollback must restore overwritten slots.
 TINY = {
     "ring3": {"vocab_size": 8, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 3,
@@ -494,23 +496,11 @@ def test_cli_generates_in_speculative_mode(capsys):
     assert fused["token_ids"] == ar["token_ids"] and fused["stats"]["denoising_steps"] == 1
 
 
-def _bench_module(name: str):
-    """A script of bench/ imported as a module (bench/ is not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_draft_agreement_replay_is_the_speculative_run_when_drafter_is_verifier(name):
     """bench/draft_agreement.py replays greedy speculative rounds from the verifier's AR text; with the model as its
     own drafter it must count exactly the verifications and accepted drafts `speculative` makes (same noise)."""
-    replay = _bench_module("draft_agreement").replay
+    replay = bench_module("draft_agreement").replay
     model = tiny_model(name)
     vocab = model.config.vocab_size
     for seed, (length, new) in enumerate([(3, 20), (9, 25), (14, 12)]):
