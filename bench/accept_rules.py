@@ -14,7 +14,8 @@ engine's own rule). The rules:
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rules.py --rule stock -- bench --heldout-prompts 24 --seeds 3 \
         --max-new-tokens 64 --steps 8 --entropy-bounds 4 --setting steps=8,entropy_bound=4,temperature=1.05 \
-        --setting steps=16,entropy_bound=1,temperature=1.05 --no-heldout --out docs/results/levers/screens/spread-stock.json
+        --setting steps=16,entropy_bound=1,temperature=1.05 --no-heldout \
+        --out docs/results/levers/screens/spread-stock.json
     OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rules.py --rule spread --eps 0.3 -- bench ... --out .../spread-eps03.json
 
 Not engine options: the screens (docs/benchmarks.md §7, "Decoding screens") found none better at matched diversity.

@@ -261,11 +261,12 @@ def ar_target_loss(logits: torch.Tensor, ar_logits: torch.Tensor, clean: torch.T
     cross-entropy against the mixed target (1 - w_i) one-hot(x_i) + w_i p_AR(. | x_<i).
 
     w_i = ar_target_weight * t ** ar_target_power at noised positions (0 where the canvas shows the clean token,
-    and at the sequence's first token, which has no AR prediction). Why it helps where the canvas is noise: a
-    decoder that sees only the prefix and noise cannot know x_i beyond p(x_i | prefix), and p_AR(. | x_<i) is
-    the one-hot target averaged over x_i given the true tokens before it, a lower-variance target with the same
-    mean (Rao-Blackwell). Where the canvas shows clean neighbours after i it ignores them, hence the weight's fall
-    with t. `ar_logits` are the clean half's logits (AR logits[:, i] predict token i + 1), not differentiated.
+    and at the sequence's first token, which has no AR prediction). The idea: a decoder that sees only the prefix
+    and noise cannot know x_i beyond p(x_i | prefix), and p_AR(. | x_<i) is the one-hot target averaged over x_i
+    given the true tokens before it, a lower-variance target with the same mean (Rao-Blackwell). Where the canvas
+    shows clean tokens after i it ignores them, hence the weight's fall with t. Measured on the shipped model with
+    w = t, the diffusion text came out worse (docs/benchmarks.md §7, L10). `ar_logits` are the clean half's
+    logits (AR logits[:, i] predict token i + 1), not differentiated.
     """
     log_q = torch.log_softmax(logits.float(), dim=-1)
     hard = -log_q.gather(-1, clean.unsqueeze(-1)).squeeze(-1)

@@ -651,7 +651,8 @@ class Trainer:
         """One line on how the run ended: steps, time, the last step's losses and the last held-out losses."""
         parts = [f"trained {self.step} steps ({self.elapsed / 60:.1f} min of training)"]
         if self.last_record:
-            keys = [k for k in ("loss", "ar", "diffusion", "certainty", "ar_target", "step_distill") if k in self.last_record]
+            terms = ("loss", "ar", "diffusion", "certainty", "ar_target", "step_distill")
+            keys = [k for k in terms if k in self.last_record]
             parts.append("last step " + ", ".join(f"{k} {self.last_record[k]:.3f}" for k in keys))
         if self.last_eval:
             parts.append(f"held-out at step {self.last_eval['step']} "
