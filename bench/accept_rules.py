@@ -16,7 +16,8 @@ engine's own rule). The rules:
         --max-new-tokens 64 --steps 8 --entropy-bounds 4 --setting steps=8,entropy_bound=4,temperature=1.05 \
         --setting steps=16,entropy_bound=1,temperature=1.05 --no-heldout \
         --out docs/results/levers/screens/spread-stock.json
-    OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rules.py --rule spread --eps 0.3 -- bench ... --out .../spread-eps03.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rules.py --rule spread --eps 0.3 -- bench ... \
+        --out docs/results/levers/screens/spread-eps03.json
 
 Not engine options: the screens (docs/benchmarks.md §7, "Decoding screens") found none better at matched diversity.
 """
@@ -84,7 +85,8 @@ def track_steps(steps_of_rows: list[tuple[int, int]]):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rule", choices=("stock", "spread", "window"), required=True)
-    p.add_argument("--eps", type=float, default=0.3, help="spread: entropy (nats) below which neighbours are kept together")
+    p.add_argument("--eps", type=float, default=0.3,
+                   help="spread: entropy (nats) below which neighbours are kept together")
     p.add_argument("--lead", type=float, default=1.0, help="window: how fast the window opens (1: the whole canvas "
                                                           "at the last step)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then printpress arguments (bench ...)")
