@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-AR_SAMPLING = "diffusion model, AR decoding"
+from printpress.eval.bench_sides import AR_TWIN, OWN_AR
 
 
 def judged(row: dict) -> str:
@@ -27,11 +27,16 @@ def judged(row: dict) -> str:
     return f"{row['judge_ar_twin_nll_per_char']:.3f} / " + ("-" if smol is None else f"{smol:.3f}")
 
 
+def diversity_line(report: dict) -> float:
+    """The least word entropy a matched side may have, as the report's own reference recorded it."""
+    reference = report["diversity_reference"]
+    return reference["unigram_entropy_nats"] * (1 - reference["entropy_tolerance"])
+
+
 def matched(row: dict, report: dict) -> str:
     if row.get("matched_diversity"):
         return "yes"
-    reference = report["diversity_reference"]
-    line = reference["unigram_entropy_nats"] * (1 - reference["entropy_tolerance"])
+    reference, line = report["diversity_reference"], diversity_line(report)
     repeats_ok = row["repeated_4gram_share"] <= reference["repeated_4gram_share"] + reference["repeat_slack"]
     if repeats_ok and row["unigram_entropy_nats"] < line:
         return f"no ({100 * (line - row['unigram_entropy_nats']) / line:.1f}% short)"
@@ -41,9 +46,9 @@ def matched(row: dict, report: dict) -> str:
 def cell(row: dict | None, report: dict) -> str:
     if row is None:
         return "—"
-    if row["label"] == AR_SAMPLING or row["model"] == "ar":
+    if row["label"] in (AR_TWIN, OWN_AR):
         return f"{judged(row)}, {row['unigram_entropy_nats']:.2f}"
-    twin = next(r for r in report["rows"] if r["model"] == "ar")["tokens_per_s"]
+    twin = next(r for r in report["rows"] if r["label"] == AR_TWIN)["tokens_per_s"]
     speed = f"{row['tokens_per_s'] / twin:.2f}×"
     if row.get("adaptive_stops") or row["kind"] == "speculative":
         speed += f" ({row['tokens_per_forward']:.2f})"
@@ -66,9 +71,7 @@ def table(reports: list[dict], names: list[str]) -> str:
         rows = [next((r for r in report["rows"] if r["label"] == label), None) for report in reports]
         lines.append(f"| {label} | " + " | ".join(cell(row, report) for row, report in zip(rows, reports)) + " |")
     lines.append("| held-out AR / diffusion loss | " + " | ".join(heldout(report) for report in reports) + " |")
-    lines_note = ", ".join(
-        f"{name} {r['diversity_reference']['unigram_entropy_nats'] * (1 - r['diversity_reference']['entropy_tolerance']):.2f}"
-        for name, r in zip(names, reports))
+    lines_note = ", ".join(f"{name} {diversity_line(report):.2f}" for name, report in zip(names, reports))
     lines.append("")
     lines.append("(× AR, with tokens per forward where the adaptive stop fired; AR twin / SmolLM2 nats/char; word "
                  "entropy; matched to AR sampling's diversity on the same weights. Temperature-0 rows: speed, "
