@@ -17,7 +17,14 @@ from printpress import cli
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
 from printpress.corpora import Document, load_corpus, split_documents
 from printpress.engine import Pipeline
-from printpress.eval.bench import YARDSTICK_SETTINGS, apply_preset, draw_prompts, heldout_prompts, register
+from printpress.eval.bench import (
+    YARDSTICK_SETTINGS,
+    apply_preset,
+    choose_prompts,
+    draw_prompts,
+    heldout_prompts,
+    register,
+)
 from printpress.eval.bench_sides import (
     AR_TWIN,
     OWN_AR,
@@ -219,6 +226,20 @@ def test_heldout_prompts_are_deterministic_and_never_training_text(tmp_path):
         assert 80 <= len(prompt) <= 160 and prompt.endswith("\n")
         assert any(("\n" + prompt) in ("\n" + d.text) for d in val)  # whole lines of a held-out document
         assert not any(prompt in d.text for d in train)
+
+
+def test_heldout_skip_draws_the_prompts_after_the_first_k(tmp_path, capsys):
+    corpus = _corpus(tmp_path / "corpus")
+    first_six = heldout_prompts(6, [str(corpus)], 0.05)
+    prompts, source = choose_prompts(_parse("--heldout-prompts", "4", "--heldout-skip", "2", "--heldout-data",
+                                            str(corpus)))
+    assert prompts == first_six[2:]  # disjoint from the first two, which a run without the skip decodes
+    assert "the 2 drawn first skipped" in source
+    assert choose_prompts(_parse("--heldout-prompts", "2", "--heldout-data", str(corpus)))[0] == first_six[:2]
+    for argv, words in [(["--heldout-skip", "3"], "got 3 without --heldout-prompts"),
+                        (["--heldout-prompts", "2", "--heldout-skip", "-1"], "--heldout-skip must be a number")]:
+        assert cli.main(["bench", *argv, "--no-heldout"]) == 2
+        assert words in capsys.readouterr().err
 
 
 def test_draw_prompts_skips_windows_found_in_training_text_and_says_when_it_runs_out():

@@ -128,6 +128,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heldout-prompts", type=int, default=None, metavar="N",
                    help=f"N prompts drawn (fixed seed) from the held-out documents of --heldout-data: whole lines, "
                         f"at most {HELDOUT_PROMPT_CHARS} characters, none found in a training document")
+    p.add_argument("--heldout-skip", type=int, default=0, metavar="K",
+                   help="draw K + N held-out prompts and use the last N: a prompt set disjoint from the first K's "
+                        "(the yardstick's are the first 24), to check a screen's result on other prompts")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--seed", type=int, default=0,
                    help="prompt i is decoded with seed SEED + i on every side (with --seeds, see there)")
@@ -189,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError(f"--threads must be positive, got {args.threads}")
     if args.prompts_file is not None and args.heldout_prompts is not None:
         raise BenchError("give --prompts-file or --heldout-prompts, not both")
+    if args.heldout_skip < 0 or (args.heldout_skip and args.heldout_prompts is None):
+        raise BenchError(f"--heldout-skip must be a number of held-out prompts >= 0, given with --heldout-prompts; "
+                         f"got {args.heldout_skip}" + ("" if args.heldout_prompts else " without --heldout-prompts"))
     if not 0 <= args.seed < 2**62:
         raise BenchError(f"--seed must be an integer in [0, 2**62), got {args.seed}")
     if min(args.heldout_seq_len, args.heldout_batch_size, args.heldout_batches) < 1:
@@ -297,12 +303,14 @@ def choose_prompts(args: argparse.Namespace) -> tuple[list[str], str]:
     if args.heldout_prompts is None:
         source = f"the file {args.prompts_file}" if args.prompts_file else "the eight built-in Shakespeare openings"
         return read_prompts(args.prompts_file, args.limit), source
-    prompts = heldout_prompts(args.heldout_prompts, args.heldout_data, args.heldout_val_fraction)
+    skip = args.heldout_skip
+    prompts = heldout_prompts(skip + args.heldout_prompts, args.heldout_data, args.heldout_val_fraction)[skip:]
     if args.limit is not None:
         prompts = prompts[: args.limit]
     source = (f"{args.heldout_prompts} windows of whole lines (<= {HELDOUT_PROMPT_CHARS} characters, seed "
-              f"{HELDOUT_PROMPT_SEED}) from the held-out documents of {' '.join(args.heldout_data)} "
-              f"(val_fraction {args.heldout_val_fraction}), none found in a training document")
+              f"{HELDOUT_PROMPT_SEED}{f', the {skip} drawn first skipped' if skip else ''}) from the held-out "
+              f"documents of {' '.join(args.heldout_data)} (val_fraction {args.heldout_val_fraction}), none found in "
+              "a training document")
     return prompts, source
 
 
