@@ -2,8 +2,8 @@
 
 After each decoder pass (`denoise`), a step is (docs/generation.md, "The algorithm"):
 
-    temperature -> softmax -> entropy -> entropy-bound acceptance -> sample the accepted positions, re-noise
-    the others -> the adaptive stop
+    temperature -> softmax -> entropy -> entropy-bound acceptance (within a window, opt-in) -> sample the
+    accepted positions, re-noise the others -> the adaptive stop
 
 `denoise_step` does the first five for a batch of rows, each with its own settings, step count and generator;
 `advance` applies the stop to one row. The callers differ only around it: the diffusion loop batches requests
@@ -34,6 +34,7 @@ from printpress.sampling import (
     step_temperature,
     token_entropy,
     uniform_tokens,
+    window_open,
 )
 
 
@@ -104,8 +105,12 @@ def denoise_step(
     accepted = torch.empty(argmax.shape, dtype=torch.bool, device=argmax.device)
     next_canvas = torch.empty_like(argmax)
     for j, row in enumerate(rows):
-        # The bound is compared row by row as a Python float, exactly as the reference compares it.
-        accepted[j] = entropy_bound_accept(entropy[j : j + 1], row.settings.entropy_bound)[0]
+        # The bound is compared row by row as a Python float, exactly as the reference compares it. With a window
+        # (`window_lead`, opt-in) only its leading positions may be kept; the rest are re-noised.
+        opened = window_open(free, row.settings.window_lead, row.step, row.settings.max_denoising_steps)
+        if opened < free:
+            accepted[j, opened:] = False
+        accepted[j, :opened] = entropy_bound_accept(entropy[j : j + 1, :opened], row.settings.entropy_bound)[0]
         next_canvas[j] = renoise(probs[j, :free], accepted[j], row.settings, row.generator, vocab_size)
     return StepOutcome(processed, probs, argmax, entropy, entropy.mean(dim=-1), accepted, next_canvas)
 

@@ -292,6 +292,7 @@ class GenerationConfig:
     t_max: float = 0.8
     stability_threshold: int = 1
     confidence_threshold: float = 0.005
+    window_lead: float = 0.0  # printpress's left-to-right window (0: off, as the reference; printpress.settings)
     eos_token_id: list[int] | None = None
     pad_token_id: int | None = 0
     bos_token_id: int | None = 2
@@ -346,7 +347,7 @@ class GenerationConfig:
 
         for name in ("max_new_tokens", "max_denoising_steps", "stability_threshold"):
             need(_integer(getattr(self, name)), name, "an integer")
-        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold", "temperature"):
+        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold", "window_lead", "temperature"):
             need(_number(getattr(self, name)), name, "a number")
         need(self.top_k is None or _integer(self.top_k), "top_k", "an integer or null")
         for name in ("pad_token_id", "bos_token_id"):
@@ -363,6 +364,7 @@ class GenerationConfig:
             "t_max": float(self.t_max),
             "stability_threshold": self.stability_threshold,
             "confidence_threshold": float(self.confidence_threshold),
+            **({"window_lead": float(self.window_lead)} if self.window_lead else {}),  # written only when set
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
             "bos_token_id": self.bos_token_id,

@@ -72,6 +72,16 @@ def entropy_bound_accept(entropy: torch.Tensor, entropy_bound: float) -> torch.T
     return torch.scatter(torch.zeros_like(sorted_accept), dim=-1, index=order, src=sorted_accept)
 
 
+def window_open(free: int, lead: float, step: int, steps: int) -> int:
+    """How many leading positions of `free` the left-to-right window lets a step keep (`window_lead`): at step j of
+    N (j = N - step + 1, `step` counting down from N), the first ceil(free * lead * j / N), all of them once
+    lead * j >= N, and all of them when `lead` is 0 (off: the entropy bound alone, as the reference)."""
+    done = steps - step + 1
+    if not lead or lead * done >= steps:
+        return free
+    return math.ceil(free * lead * done / steps)
+
+
 def uniform_tokens(length: int, vocab_size: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """A (1, length) canvas of uniformly random tokens; one randint call, as the reference draws."""
     return torch.randint(0, vocab_size, (1, length), generator=generator, device=device)

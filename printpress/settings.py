@@ -74,6 +74,10 @@ def _positive(label: str, value: object) -> None:
     _require(_is_real(value) and math.isfinite(value) and value > 0, f"{label} must be > 0 and finite, got {value!r}")
 
 
+def _non_negative(label: str, value: object) -> None:
+    _require(_is_real(value) and math.isfinite(value) and value >= 0, f"{label} must be >= 0 and finite, got {value!r}")
+
+
 def _temperature(zero: str | None) -> Check:
     """A temperature: within [MIN_TEMPERATURE, MAX_TEMPERATURE], or exactly 0 when `zero` says what 0 means."""
     span = f"between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}"
@@ -187,6 +191,14 @@ SETTINGS: tuple[Setting, ...] = (
             "set, 0 = the coldest the sampler allows)", default=0.0, checkpoint="temperature",
             mode_defaults=(("diffusion", 1.0),), check=_temperature(zero=" (greedy)"),
             http=dict(ge=0, le=10, **NOT_TINY), editing=True),
+    # Opt-in, off (0) in the reference: the canvas opens left to right in coarse strides (after semi-autoregressive
+    # decoding of masked models), so a step keeps only positions of the window, under the same entropy bound. It
+    # made the code model's text better at its 32-step default and worse at 8 steps (docs/benchmarks.md §7,
+    # "Decoding screens"). Not token-exact to the reference when set: it changes which positions are kept.
+    Setting("window_lead", float, "left-to-right window (0 = off): at step j of N a step may keep only the first "
+            "ceil(canvas * min(1, window_lead * j / N)) positions, so 1 opens the whole canvas at the last step and "
+            "1.5 two thirds of the way", default=0.0, checkpoint="window_lead", modes=("diffusion",),
+            check=_non_negative, http=dict(ge=0, le=1e6), editing=True),
     # top_k asks for AR sampling, which diffusion never does: any value of it is refused there.
     Setting("top_k", int, "modes ar and speculative: sample among the k most likely tokens (default: the "
             "checkpoint's, else 50)", checkpoint="top_k", modes=("ar", "speculative"),
@@ -332,8 +344,8 @@ class SamplerSettings:
     """Everything that decides the tokens of one request, apart from the prompt and the seed.
 
     One field per stored entry of `SETTINGS` (mode, max_new_tokens, max_denoising_steps, entropy_bound, t_min,
-    t_max, stability_threshold, confidence_threshold, temperature, top_k, eos_token_ids, sample_accepted_only,
-    fused_draft),
+    t_max, stability_threshold, confidence_threshold, window_lead, temperature, top_k, eos_token_ids,
+    sample_accepted_only, fused_draft),
     with that entry's default, plus the checkpoint's pad id. Names follow the checkpoint's generation_config.json.
     `temperature` and `top_k` are the AR model's sampling (`mode="ar"` and `"speculative"`); the diffusion
     sampler uses the linear schedule `t_max -> t_min` instead, which a `temperature` given in diffusion mode

@@ -330,12 +330,33 @@ def test_absurd_sizes_are_refused_before_any_allocation(reference_checkpoints, t
     ({"max_denoising_steps": "a", "eos_token_id": 1}, "max_denoising_steps must be an integer"),
     ({"eos_token_id": "x"}, "eos_token_id must be a token id, a list of them, or null"),
     ({"t_max": [1], "eos_token_id": 1}, "t_max must be a number"),
+    ({"window_lead": "1.5", "eos_token_id": 1}, "window_lead must be a number"),
 ])
 def test_mistyped_generation_config_is_refused_at_load(reference_checkpoints, tmp_path, content, message):
     folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
     (folder / "generation_config.json").write_text(json.dumps(content))
     with pytest.raises(ConfigError, match=f"invalid generation_config: {message}"):
         load_model(folder)
+
+
+def test_a_window_lead_in_generation_config_is_the_default_and_survives_a_save(reference_checkpoints, tmp_path):
+    """printpress's own sampler key: read as the default when present, written back only when set, so a reference
+    file stays as it was."""
+    import printpress
+
+    folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
+    pipe = printpress.load(folder)
+    assert pipe.default_settings().window_lead == 0.0 and "window_lead" not in pipe.generation_config.to_dict()
+    data = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**data, "window_lead": 1.5}))
+    windowed = printpress.load(folder)
+    assert windowed.default_settings().window_lead == 1.5
+    assert windowed.settings(window_lead=0).window_lead == 0  # a request may still turn it off
+    again = printpress.load(windowed.save_pretrained(tmp_path / "copy"))
+    assert again.generation_config.to_dict()["window_lead"] == 1.5
+    prompt = [2, 5, 7]
+    assert (again.generate(prompt, seed=1, max_new_tokens=8).token_ids
+            == pipe.generate(prompt, seed=1, max_new_tokens=8, window_lead=1.5).token_ids)
 
 
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors"])

@@ -155,6 +155,7 @@ MPS = pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine
         (["--mode", "ar", "--temperature", "1e-38"], "temperature must be >= 0 and finite: 0 (greedy) or between"),
         (["--mode", "speculative", "--temperature", "nan"], "temperature must be >= 0 and finite"),
         (["--confidence-threshold", "nan"], "confidence_threshold must be > 0 and finite, got nan"),
+        (["--window-lead", "-1"], "window_lead must be >= 0 and finite, got -1.0"),
         # An int32 overflow traceback, and a 25 GB allocation for the stability history.
         (["--steps", "100000000000"], "steps (max_denoising_steps) must be a positive integer no larger than 4096"),
         (["--stability-threshold", "100000000"], "stability_threshold must be an integer >= 0 no larger than 4096"),

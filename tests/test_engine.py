@@ -4,6 +4,7 @@ changing any request's tokens, streams its steps, and rejects bad input with one
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -406,6 +407,9 @@ def test_bad_input_raises_one_clear_generation_error(models_, prompt, settings, 
                                                  "'diffusion' uses it)"),
         (dict(mode="ar", confidence_threshold=0.5), "confidence_threshold=0.5 does not apply to mode='ar'"),
         (dict(mode="ar", sample_accepted_only=True), "sample_accepted_only=True does not apply to mode='ar'"),
+        (dict(mode="speculative", window_lead=1.5), "window_lead=1.5 does not apply to mode='speculative' (only mode "
+                                                    "'diffusion' uses it)"),
+        (dict(window_lead=-1.0), "window_lead must be >= 0 and finite, got -1.0"),
         (dict(mode="speculative", stability_threshold=3), "stability_threshold=3 does not apply to mode='speculative' "
                                                           "(only mode 'diffusion' uses it)"),
         (dict(mode="speculative", confidence_threshold=0.5), "confidence_threshold=0.5 does not apply to "
@@ -462,6 +466,28 @@ def test_sample_accepted_only_is_opt_in_repeatable_and_keeps_the_acceptance(mode
     assert pipe.generate(PROMPTS[0], seed=4, **settings).token_ids == expected
     with pytest.raises(GenerationError, match="sample_accepted_only must be true or false"):
         pipe.generate(PROMPTS[0], seed=4, sample_accepted_only="yes", **settings)
+
+
+def test_window_lead_keeps_only_the_opened_positions_and_is_off_by_default(models_):
+    ref, pipe = models_["peaked"]
+    settings = dict(max_new_tokens=24, max_denoising_steps=6, t_min=0.05, t_max=0.1, entropy_bound=50.0,
+                    confidence_threshold=1e-9)  # a loose bound: without the window most positions would be kept
+    # Off (0, the default) is the reference's sampler, token for token; 0 given explicitly is the same request.
+    expected, _ = reference_tokens(ref, PROMPTS[0], 4, **settings)
+    assert pipe.generate(PROMPTS[0], seed=4, **settings).token_ids == expected
+    assert pipe.generate(PROMPTS[0], seed=4, window_lead=0.0, **settings).token_ids == expected
+    steps = [e for e in pipe.stream(PROMPTS[0], seed=4, window_lead=1.5, **settings) if isinstance(e, StepEvent)]
+    length = pipe.canvas_length
+    opened = [math.ceil(length * 1.5 * j / 6) if 1.5 * j < 6 else length for j in range(1, 7)]
+    assert opened[:3] == [math.ceil(length / 4), math.ceil(length / 2), math.ceil(3 * length / 4)]
+    for event in steps:
+        kept = [i for i, a in enumerate(event.accepted) if a]
+        assert kept and max(kept) < opened[event.step - 1]  # nothing kept beyond the window
+    assert {e.step for e in steps} == set(range(1, 7))
+    # Inside the window the loose bound keeps every position it opened: the window is the only limit here.
+    first = steps[0]
+    assert first.accepted == [i < opened[0] for i in range(length)]
+    assert pipe.generate(PROMPTS[0], seed=4, window_lead=1.5, **settings).token_ids != expected
 
 
 # -- continuous batching --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from printpress.sampling import (
     sample_next_token,
     step_temperature,
     token_entropy,
+    window_open,
     uniform_tokens,
 )
 
@@ -85,6 +86,16 @@ def test_acceptance_takes_the_lowest_entropy_positions_within_the_bound():
     # sorted: 0.01, 0.02, 0.05, 0.30, 2.0 -> sums before each: 0, 0.01, 0.03, 0.08, 0.38
     assert entropy_bound_accept(entropy, 0.1).tolist() == [[True, True, False, True, True]]
     assert entropy_bound_accept(entropy, 0.005).tolist() == [[False, True, False, False, False]]
+
+
+def test_the_window_opens_left_to_right_and_fully_once_lead_times_step_reaches_the_count():
+    # 32 positions, 8 steps (`step` counts down: 8 is the first): lead 1 opens 4, 8, ..., 32; lead 1.5 opens 6, 12,
+    # 18, 24, 30 (ceil(32 * 1.5 * j / 8)), then all from j = 6, where 1.5 * 6 >= 8.
+    assert [window_open(32, 1.0, step, 8) for step in range(8, 0, -1)] == [4, 8, 12, 16, 20, 24, 28, 32]
+    assert [window_open(32, 1.5, step, 8) for step in range(8, 0, -1)] == [6, 12, 18, 24, 30, 32, 32, 32]
+    assert [window_open(5, 1.0, step, 3) for step in (3, 2, 1)] == [2, 4, 5]  # ceil(5/3), ceil(10/3), all
+    assert window_open(32, 0.0, 8, 8) == 32  # off: every position, as the reference
+    assert window_open(32, 0.5, 1, 8) == 16  # a lead under 1 never opens fully; the last argmax commits the rest
 
 
 def test_random_draws_match_the_reference_global_rng_order():
@@ -280,7 +291,8 @@ def test_flags_and_http_fields_are_derived_from_the_settings():
 
     assert flags() == {s.flag for s in SETTINGS}
     assert flags(settings=EDITING) == {"--steps", "--entropy-bound", "--t-min", "--t-max", "--stability-threshold",
-                                       "--confidence-threshold", "--temperature", "--sample-accepted-only"}
+                                       "--confidence-threshold", "--temperature", "--sample-accepted-only",
+                                       "--window-lead"}
     wire = {s.wire for s in SETTINGS if s.http is not None}
     assert wire == {s.wire for s in SETTINGS} - {"max_new_tokens", "eos"}
     for request in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
