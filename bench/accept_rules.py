@@ -10,7 +10,10 @@ engine's own rule). The rules:
   (near-certain tokens are kept together); the bound counts only the kept positions.
 - `window`: left to right in coarse strides (after semi-autoregressive decoding of masked models): at step j of N
   only the first ceil(C * min(1, lead * j / N)) of the canvas's C positions may be kept, under the same bound; the
-  rest are re-noised. The last step keeps all, and the committed canvas is the last pass's argmax as always.
+  rest are re-noised. The last step keeps all, and the committed canvas is the last pass's argmax as always. This
+  one is now the engine's opt-in setting `window_lead` (`--setting steps=32,entropy_bound=1,window_lead=1.5` gives
+  the same tokens); `--rule window --lead L` sets it on every diffusion side that does not set it itself, so the
+  screens' commands still run as written.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rules.py --rule stock -- bench --heldout-prompts 24 --seeds 3 \
         --max-new-tokens 64 --steps 8 --entropy-bounds 4 --setting steps=8,entropy_bound=4,temperature=1.05 \
@@ -19,19 +22,18 @@ engine's own rule). The rules:
     OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rules.py --rule spread --eps 0.3 -- bench ... \
         --out docs/results/levers/screens/spread-eps03.json
 
-Not engine options: the screens (docs/benchmarks.md §7, "Decoding screens") found none better at matched diversity.
+The spread rule is not an engine option: the screens (docs/benchmarks.md §7, "Decoding screens") found it no better
+at matched diversity. The window helped the code model at its 32-step default, and became `window_lead`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
 
 import printpress.canvas
-import printpress.diffusion
 from printpress.cli import main as printpress_main
 from printpress.sampling import entropy_bound_accept
 
@@ -55,31 +57,14 @@ def spread_accept(eps: float):
     return accept
 
 
-def window_accept(lead: float, steps_of_rows: list[tuple[int, int]]):
-    """The window rule; `steps_of_rows` holds (steps left, steps in all) of each row the current step decides, in
-    the order `denoise_step` asks (filled by `track_steps`)."""
+def window_everywhere(lead: float):
+    """The engine's window (`printpress.sampling.window_open`) with `lead` for every row that has none of its own."""
+    original = printpress.canvas.window_open
 
-    def accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
-        left, total = steps_of_rows.pop(0)
-        done = total - left + 1  # this step's number, 1..total
-        length = entropy.shape[-1]
-        open_until = math.ceil(length * min(1.0, lead * done / total))
-        blocked = torch.arange(length, device=entropy.device) >= open_until
-        kept = entropy_bound_accept(entropy.masked_fill(blocked, float("inf")), bound)
-        return kept & ~blocked
+    def opened(free: int, row_lead: float, step: int, steps: int) -> int:
+        return original(free, row_lead or lead, step, steps)
 
-    return accept
-
-
-def track_steps(steps_of_rows: list[tuple[int, int]]):
-    """A wrapper of the diffusion loop's step that notes each row's step before the acceptance rule runs."""
-    original = printpress.diffusion.denoise_step
-
-    def step(logits, rows, *args, **kwargs):
-        steps_of_rows[:] = [(row.step, row.settings.max_denoising_steps) for row in rows]
-        return original(logits, rows, *args, **kwargs)
-
-    return step
+    return opened
 
 
 def main() -> int:
@@ -94,9 +79,7 @@ def main() -> int:
     if args.rule == "spread":
         printpress.canvas.entropy_bound_accept = spread_accept(args.eps)
     elif args.rule == "window":
-        steps_of_rows: list[tuple[int, int]] = []
-        printpress.diffusion.denoise_step = track_steps(steps_of_rows)
-        printpress.canvas.entropy_bound_accept = window_accept(args.lead, steps_of_rows)
+        printpress.canvas.window_open = window_everywhere(args.lead)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return printpress_main(command)
 

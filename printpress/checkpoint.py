@@ -22,7 +22,13 @@ import torch
 from safetensors.torch import save_file
 
 from printpress import catalog, hub
-from printpress.config import GenerationConfig, ModelConfig, read_json
+from printpress.config import (
+    PRINTPRESS_GENERATION_FILE,
+    GenerationConfig,
+    ModelConfig,
+    read_json,
+    read_printpress_generation,
+)
 from printpress.errors import CheckpointError
 from printpress.model import DiffusionGemma
 from printpress.runtime_options import AUTO, CHECKPOINT, check_dtype, check_quantize
@@ -331,7 +337,8 @@ def load_model(
     folder = resolve_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
     generation = GenerationConfig.from_checkpoint(
-        read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {},
+        {**(read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}),
+         **read_printpress_generation(folder)},
         config.text,
     )
     choice = None
@@ -453,6 +460,8 @@ def save_model(
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
         generation = generation_config or GenerationConfig.from_dict({}, config.text)
         (tmp / "generation_config.json").write_text(json.dumps(generation.to_dict(), indent=2) + "\n")
+        if generation.printpress_dict():  # printpress's own defaults, which transformers would refuse in that file
+            (tmp / PRINTPRESS_GENERATION_FILE).write_text(json.dumps(generation.printpress_dict(), indent=2) + "\n")
         if tokenizer is not None:
             from printpress.tokenizer import save_tokenizer
 

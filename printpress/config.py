@@ -279,6 +279,10 @@ class ModelConfig:
 # transformers reads it (do_sample false, its default, means greedy).
 AR_TEMPERATURE, AR_TOP_K = 0.8, 50
 _AR_KEYS = ("do_sample", "temperature", "top_k")
+# printpress's own generation defaults (GenerationConfig.printpress_dict), beside generation_config.json: transformers'
+# DiffusionGemmaGenerationConfig raises on any key it does not know, so they cannot go in that file.
+PRINTPRESS_GENERATION_FILE = "printpress_generation.json"
+PRINTPRESS_GENERATION_KEYS = ("window_lead",)
 
 
 @dataclass
@@ -292,7 +296,9 @@ class GenerationConfig:
     t_max: float = 0.8
     stability_threshold: int = 1
     confidence_threshold: float = 0.005
-    window_lead: float = 0.0  # printpress's left-to-right window (0: off, as the reference; printpress.settings)
+    # printpress's own sampler defaults, which the reference's generation config refuses as unknown keys: stored in
+    # PRINTPRESS_GENERATION_FILE beside generation_config.json (`printpress_dict`), read back merged into it.
+    window_lead: float = 0.0  # the left-to-right window (0: off, as the reference; printpress.settings)
     eos_token_id: list[int] | None = None
     pad_token_id: int | None = 0
     bos_token_id: int | None = 2
@@ -364,12 +370,15 @@ class GenerationConfig:
             "t_max": float(self.t_max),
             "stability_threshold": self.stability_threshold,
             "confidence_threshold": float(self.confidence_threshold),
-            **({"window_lead": float(self.window_lead)} if self.window_lead else {}),  # written only when set
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
             "bos_token_id": self.bos_token_id,
             **self._ar_sampling_dict(),
         }
+
+    def printpress_dict(self) -> dict[str, Any]:
+        """The defaults of printpress's own settings that are set (`PRINTPRESS_GENERATION_FILE`); {} when none is."""
+        return {"window_lead": float(self.window_lead)} if self.window_lead else {}
 
     def _ar_sampling_dict(self) -> dict[str, Any]:
         """AR sampling in transformers' keys, written only when it is not printpress's default (so a default
@@ -397,6 +406,20 @@ def _integer(value: Any) -> bool:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_printpress_generation(folder: Path) -> dict[str, Any]:
+    """A checkpoint folder's PRINTPRESS_GENERATION_FILE ({} without one); a key that is not one of printpress's own
+    generation defaults is refused, so the file cannot quietly override generation_config.json."""
+    path = folder / PRINTPRESS_GENERATION_FILE
+    if not path.exists():
+        return {}
+    data = read_json(path)
+    unknown = sorted(set(data) - set(PRINTPRESS_GENERATION_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; it holds printpress's own generation "
+                          f"defaults ({', '.join(PRINTPRESS_GENERATION_KEYS)}), the rest go in generation_config.json")
+    return data
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

@@ -6,6 +6,11 @@
 Writes models/NAME (fp16 safetensors, config, generation config, tokenizer) and models/NAME/README.md:
 training command, wall time, parameter count, final validation losses, samples in both decoding modes,
 tokens per forward at the default settings, and each sample's NLL under a judge model's AR head.
+
+After a change of a shipped folder's generation defaults (its generation_config.json), measure the card's
+samples again at the new defaults, keeping the rest of the card:
+
+    python scripts/ship_model.py --refresh models/stdlib-code --judge models/stdlib-code-ar
 """
 
 from __future__ import annotations
@@ -69,6 +74,52 @@ def fmt_sample(row: dict) -> str:
             f"{judged}*\n")
 
 
+def default_generation(g) -> str:
+    """The card's line of generation defaults."""
+    window = f", window lead {g.window_lead}" if g.window_lead else ""
+    return (f"{g.max_denoising_steps} denoising steps, entropy bound {g.entropy_bound}, t {g.t_max}→{g.t_min}{window}, "
+            f"{g.max_new_tokens} new tokens")
+
+
+def measure_samples(pipe, judge, prompts: list[str], objective: str) -> tuple[dict, list[tuple[str, list[dict]]]]:
+    """The card's samples in both decoding modes (diffusion at the folder's defaults) and their summary figures."""
+    measured, sections = {}, []
+    if objective != "ar":
+        diffusion_rows, tpf = samples(pipe, judge, prompts, "diffusion")
+        measured["diffusion_tokens_per_forward"] = tpf
+        measured["diffusion_judge_nll_per_char"] = statistics.mean(r["judge_nll_per_char"] for r in diffusion_rows) if judge else None
+        sections.append(("Diffusion decoding (the default settings below, seeds 0-3)", diffusion_rows))
+    ar_rows, _ = samples(pipe, judge, prompts, "ar", temperature=0.8, top_k=50)
+    measured["ar_judge_nll_per_char"] = statistics.mean(r["judge_nll_per_char"] for r in ar_rows) if judge else None
+    sections.append(("Autoregressive decoding on the same weights (temperature 0.8, top-k 50, seeds 0-3)", ar_rows))
+    return measured, sections
+
+
+def sample_sections(sections: list[tuple[str, list[dict]]]) -> str:
+    return "".join(f"\n## {title}\n\n" + "\n".join(fmt_sample(r) for r in rows) for title, rows in sections)
+
+
+def refresh(folder: Path, judge_folder: str | None) -> None:
+    """Measure a shipped folder's samples again at its generation defaults; the rest of its card stays."""
+    card_json = json.loads((folder / "card.json").read_text())
+    pipe = printpress.load(folder)
+    judge = printpress.load(judge_folder) if judge_folder else None
+    prompts = [row["prompt"] for row in next(iter(card_json["samples"].values()))]  # the card's own prompts
+    measured, sections = measure_samples(pipe, judge, prompts, card_json["objective"])
+    card_json.update(measured, samples={t: r for t, r in sections})
+    (folder / "card.json").write_text(json.dumps(card_json, indent=2) + "\n")
+    head = (folder / "README.md").read_text().split("\n## ")[0].rstrip("\n") + "\n"
+    lines = []
+    for line in head.splitlines():
+        if line.startswith("| default generation |"):
+            line = f"| default generation | {default_generation(pipe.generation_config)} |"
+        elif line.startswith("| tokens per forward (default settings") and "diffusion_tokens_per_forward" in measured:
+            line = f"| tokens per forward (default settings, 4 prompts) | {measured['diffusion_tokens_per_forward']:.2f} |"
+        lines.append(line)
+    (folder / "README.md").write_text("\n".join(lines) + "\n" + sample_sections(sections))
+    print(json.dumps(measured, indent=2))
+
+
 def base_card(where: str | None) -> dict | None:
     """The card (a card.json, or a model folder holding one) of the checkpoint a fine-tune started from."""
     if not where:
@@ -79,9 +130,10 @@ def base_card(where: str | None) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--run", required=True)
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--refresh", metavar="FOLDER", help="only measure this shipped folder's samples again")
+    parser.add_argument("--run")
+    parser.add_argument("--name")
+    parser.add_argument("--recipe")
     parser.add_argument("--judge", help="a model folder whose AR head scores the samples")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "models"))
     parser.add_argument("--before", action="append", default=[], metavar="COMMAND",
@@ -91,6 +143,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a generation default to ship, e.g. entropy_bound=1.0 (as measured by the yardstick)")
     args = parser.parse_args()
+    if args.refresh:
+        return refresh(Path(args.refresh), args.judge)
+    if not (args.run and args.name and args.recipe):
+        parser.error("--run, --name and --recipe are needed to ship a run (or give --refresh FOLDER)")
     run, folder = Path(args.run), Path(args.out) / args.name
     model, config, generation, tokenizer = load_model(run / "model")
     for item in args.set:
@@ -116,14 +172,8 @@ def main() -> None:
     if base:
         measured["fine_tuned_from"] = {k: base[k] for k in ("objective", "steps", "tokens_seen", "train_wall_seconds",
                                                              "final_eval") if k in base}
-    if objective != "ar":
-        diffusion_rows, tpf = samples(pipe, judge, corpus["prompts"], "diffusion")
-        measured["diffusion_tokens_per_forward"] = tpf
-        measured["diffusion_judge_nll_per_char"] = statistics.mean(r["judge_nll_per_char"] for r in diffusion_rows) if judge else None
-        sections.append(("Diffusion decoding (the default settings below, seeds 0-3)", diffusion_rows))
-    ar_rows, _ = samples(pipe, judge, corpus["prompts"], "ar", temperature=0.8, top_k=50)
-    measured["ar_judge_nll_per_char"] = statistics.mean(r["judge_nll_per_char"] for r in ar_rows) if judge else None
-    sections.append(("Autoregressive decoding on the same weights (temperature 0.8, top-k 50, seeds 0-3)", ar_rows))
+    figures, sections = measure_samples(pipe, judge, corpus["prompts"], objective)
+    measured.update(figures)
     (folder / "card.json").write_text(json.dumps({**measured, "samples": {t: r for t, r in sections}}, indent=2) + "\n")
 
     g = generation
@@ -149,7 +199,7 @@ objective **{objective}**. Weights are fp16 in the Hugging Face `diffusion_gemma
 | training wall time | {measured['train_wall_seconds'] / 60:.0f} min on 2 CPU cores (one thread per run, other jobs beside it) |
 | parameters | {params:,} |
 | held-out loss (nats/token, step {last_eval['step']}) | {evals} |
-| default generation | {g.max_denoising_steps} denoising steps, entropy bound {g.entropy_bound}, t {g.t_max}→{g.t_min}, {g.max_new_tokens} new tokens |
+| default generation | {default_generation(g)} |
 """
     if base:
         card += (f"| fine-tuned from | `{run_config.get('init_from')}`: {base['steps']} steps "
@@ -160,8 +210,7 @@ objective **{objective}**. Weights are fp16 in the Hugging Face `diffusion_gemma
     if judge:
         card += f"| judge | AR head of `{Path(args.judge).name}`; NLL per character of each continuation, lower is better |\n"
     card += "\nReproduce the samples: `python scripts/ship_model.py` (see its docstring).\n"
-    for title, rows in sections:
-        card += f"\n## {title}\n\n" + "\n".join(fmt_sample(r) for r in rows)
+    card += sample_sections(sections)
     (folder / "README.md").write_text(card)
     print(json.dumps(measured, indent=2))
 

@@ -296,12 +296,17 @@ def open_page(browser, server):
     return page, errors
 
 
-def bench_module(name: str):
-    """A script of bench/ imported as a module (bench/ is not a package)."""
+def script_module(relative: str):
+    """A script of the repository (`bench/x.py`, `scripts/y.py`: neither folder is a package) imported as a module."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def bench_module(name: str):
+    """A script of bench/ imported as a module."""
+    return script_module(f"bench/{name}.py")

@@ -19,12 +19,7 @@ def test_spread_skips_a_neighbour_of_a_kept_position_unless_it_is_near_certain()
     assert stock[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 6]
 
 
-def test_the_window_opens_with_the_steps_and_is_whole_at_the_last():
-    entropy = torch.full((1, 32), 0.01)
-    entropy[0, 20] = 0.0  # the most certain position lies outside the first step's window
-    steps: list[tuple[int, int]] = [(8, 8), (4, 8), (1, 8)]  # (steps left, steps in all) as the loop asks
-    rule = accept_rules.window_accept(1.0, steps)
-    assert rule(entropy, 4.0)[0].nonzero().flatten().tolist() == [0, 1, 2, 3]  # step 1 of 8: 4 positions
-    assert rule(entropy, 4.0)[0].nonzero().flatten().tolist() == list(range(20))  # step 5 of 8: 20 positions
-    assert bool(rule(entropy, 4.0).all())  # the last step: the whole canvas
-    assert steps == []
+def test_the_window_rule_is_the_engines_window_lead_for_rows_without_their_own():
+    opened = accept_rules.window_everywhere(1.5)
+    assert [opened(32, 0.0, step, 8) for step in range(8, 0, -1)] == [6, 12, 18, 24, 30, 32, 32, 32]
+    assert opened(32, 1.0, 8, 8) == 4  # a row's own window_lead wins

@@ -330,7 +330,6 @@ def test_absurd_sizes_are_refused_before_any_allocation(reference_checkpoints, t
     ({"max_denoising_steps": "a", "eos_token_id": 1}, "max_denoising_steps must be an integer"),
     ({"eos_token_id": "x"}, "eos_token_id must be a token id, a list of them, or null"),
     ({"t_max": [1], "eos_token_id": 1}, "t_max must be a number"),
-    ({"window_lead": "1.5", "eos_token_id": 1}, "window_lead must be a number"),
 ])
 def test_mistyped_generation_config_is_refused_at_load(reference_checkpoints, tmp_path, content, message):
     folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
@@ -339,24 +338,34 @@ def test_mistyped_generation_config_is_refused_at_load(reference_checkpoints, tm
         load_model(folder)
 
 
-def test_a_window_lead_in_generation_config_is_the_default_and_survives_a_save(reference_checkpoints, tmp_path):
-    """printpress's own sampler key: read as the default when present, written back only when set, so a reference
-    file stays as it was."""
+def test_printpress_generation_defaults_live_beside_generation_config_and_survive_a_save(reference_checkpoints,
+                                                                                          tmp_path):
+    """printpress's own sampler defaults (window_lead) go in their own file: transformers refuses any key its
+    generation config does not know, so generation_config.json stays the reference's and the folder loads there."""
     import printpress
+    from transformers import DiffusionGemmaForBlockDiffusion
 
     folder = copy_folder(reference_checkpoints["gqa"], tmp_path / "c")
     pipe = printpress.load(folder)
-    assert pipe.default_settings().window_lead == 0.0 and "window_lead" not in pipe.generation_config.to_dict()
-    data = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**data, "window_lead": 1.5}))
+    assert pipe.default_settings().window_lead == 0.0 and pipe.generation_config.printpress_dict() == {}
+    (folder / "printpress_generation.json").write_text(json.dumps({"window_lead": 1.5}))
     windowed = printpress.load(folder)
     assert windowed.default_settings().window_lead == 1.5
     assert windowed.settings(window_lead=0).window_lead == 0  # a request may still turn it off
-    again = printpress.load(windowed.save_pretrained(tmp_path / "copy"))
-    assert again.generation_config.to_dict()["window_lead"] == 1.5
+    saved = windowed.save_pretrained(tmp_path / "copy")
+    assert json.loads((saved / "printpress_generation.json").read_text()) == {"window_lead": 1.5}
+    assert "window_lead" not in json.loads((saved / "generation_config.json").read_text())
+    DiffusionGemmaForBlockDiffusion.from_pretrained(saved)  # the reference still loads the folder
+    assert not (pipe.save_pretrained(tmp_path / "plain") / "printpress_generation.json").exists()
     prompt = [2, 5, 7]
-    assert (again.generate(prompt, seed=1, max_new_tokens=8).token_ids
+    assert (printpress.load(saved).generate(prompt, seed=1, max_new_tokens=8).token_ids
             == pipe.generate(prompt, seed=1, max_new_tokens=8, window_lead=1.5).token_ids)
+    (folder / "printpress_generation.json").write_text(json.dumps({"window_lead": 1.5, "max_denoising_steps": 3}))
+    with pytest.raises(ConfigError, match="printpress_generation.json: unknown key.s. max_denoising_steps; it holds"):
+        load_model(folder)
+    (folder / "printpress_generation.json").write_text(json.dumps({"window_lead": "wide"}))
+    with pytest.raises(ConfigError, match="invalid generation_config: window_lead must be a number"):
+        load_model(folder)
 
 
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
