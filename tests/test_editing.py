@@ -75,6 +75,16 @@ def test_sample_accepted_only_keeps_the_clamp_too(pipe):
     assert steps and all(e.tokens[4:] == [30, 31] for e in steps)
 
 
+def test_the_window_opens_over_the_free_positions_only(pipe):
+    # 6 free positions, 5 steps, lead 1: a step j may keep only the first ceil(6 j / 5) of them (2, 3, 4, 5, 6); the
+    # clamped suffix is kept throughout, and a loose bound keeps every position the window opened.
+    events = events_of(pipe, "w7", "w30 w31", length=6, seed=3, window_lead=1.0, entropy_bound=1e3)
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert [e.accepted for e in steps] == [[i < opened for i in range(6)] + [True, True] for opened in (2, 3, 4, 5, 6)]
+    plain = [e for e in events_of(pipe, "w7", "w30 w31", length=6, seed=3, entropy_bound=1e3) if isinstance(e, StepEvent)]
+    assert plain[0].accepted == [True] * CANVAS
+
+
 def test_special_tokens_are_never_chosen_for_the_middle(pipe):
     # Declaring almost the whole vocabulary end-of-sequence leaves only [UNK] (3) and w120..w127 choosable.
     result = editing.infill(pipe, "w7", "w9", length=CANVAS - 1, seed=2, eos_token_ids=list(range(1, 120)))
