@@ -24,6 +24,7 @@ from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationRe
 from printpress.request import Request, check_logprobs, check_prompts
 from printpress.runtime_options import check_compile, check_dtype, check_quantize
 from printpress.settings import (
+    BY_NAME,
     SETTINGS,
     SPECULATIVE_DRAFT_STEPS,
     SamplerSettings,
@@ -210,6 +211,9 @@ class Pipeline:
         refuse_unread(settings.mode, overrides, defaults)  # an option the mode cannot honour is an error
         if settings.mode == "diffusion" and overrides.get("temperature") is not None:
             settings = settings.scale_schedule(settings.temperature)
+        if settings.window_lead and settings.mode not in BY_NAME["window_lead"].modes:
+            # A checkpoint's window is a diffusion default: speculative drafts share the canvas step, and open whole.
+            settings = settings.with_overrides(window_lead=0.0)
         return settings
 
     # -- text <-> ids ---------------------------------------------------------------------------------------

@@ -121,7 +121,8 @@ class Setting:
     # What leaving it out means in the modes where that is not `default` (temperature in diffusion mode: the schedule
     # as set, a multiplier of 1): the page's placeholders show it (GET /v1/settings `mode_defaults`).
     mode_defaults: tuple[tuple[str, object], ...] = ()
-    checkpoint: str | None = None  # the generation_config.json field that gives `Pipeline`'s default
+    checkpoint: str | None = None  # the GenerationConfig field that gives `Pipeline`'s default (generation_config.json,
+    # or printpress_generation.json for printpress's own)
     modes: tuple[str, ...] = MODES  # the modes that read it; given for another mode, it is refused (`refuse_unread`)
     check: Check | None = None  # the value's range, wherever it comes from (`check_setting`)
     wire: str = ""  # the name people write: the flag `--<wire>`, the HTTP field, the benchmark key (default: name)

@@ -352,6 +352,7 @@ def test_printpress_generation_defaults_live_beside_generation_config_and_surviv
     windowed = printpress.load(folder)
     assert windowed.default_settings().window_lead == 1.5
     assert windowed.settings(window_lead=0).window_lead == 0  # a request may still turn it off
+    assert windowed.settings(mode="speculative", draft_steps=2).window_lead == 0  # drafts open the whole canvas
     saved = windowed.save_pretrained(tmp_path / "copy")
     assert json.loads((saved / "printpress_generation.json").read_text()) == {"window_lead": 1.5}
     assert "window_lead" not in json.loads((saved / "generation_config.json").read_text())
