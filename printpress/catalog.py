@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from printpress.config import GenerationConfig, ModelConfig, read_json
+from printpress.config import GenerationConfig, ModelConfig, folder_generation, read_json
 from printpress.errors import PrintpressError
 from printpress.hub import is_hub_id
 
@@ -74,11 +74,11 @@ def describe(folder: Path, name: str, source: str, model: str, size_bytes: int, 
     try:
         config = ModelConfig.from_file(folder / "config.json")
         entry.parameters, entry.canvas_length = config.text.num_parameters(), config.canvas_length
-        generation = GenerationConfig.from_dict(_optional_json(folder / "generation_config.json"), config.text)
+        generation = GenerationConfig.from_dict(folder_generation(folder), config.text)
         entry.decoding = {"max_new_tokens": generation.max_new_tokens, "steps": generation.max_denoising_steps,
                           "entropy_bound": generation.entropy_bound, "t_max": generation.t_max,
-                          "t_min": generation.t_min, "ar_temperature": generation.temperature,
-                          "ar_top_k": generation.top_k}
+                          "t_min": generation.t_min, "window_lead": generation.window_lead,
+                          "ar_temperature": generation.temperature, "ar_top_k": generation.top_k}
         objective = _optional_json(folder / "card.json").get("objective")
         entry.objective = objective if isinstance(objective, str) else None
         missing = missing_weights(folder)
@@ -202,6 +202,8 @@ def decoding_summary(decoding: dict[str, Any] | None) -> str:
     if not decoding:
         return "-"
     diffusion = f"{decoding['steps']} steps, entropy {decoding['entropy_bound']:g}"
+    if decoding.get("window_lead"):
+        diffusion += f", window {decoding['window_lead']:g}"
     temperature, top_k = decoding["ar_temperature"], decoding["ar_top_k"]
     ar = "greedy" if temperature == 0 else f"T {temperature:g}" + (f", top-k {top_k}" if top_k else "")
     return f"{diffusion}; AR {ar}"

@@ -26,8 +26,8 @@ from printpress.config import (
     PRINTPRESS_GENERATION_FILE,
     GenerationConfig,
     ModelConfig,
+    folder_generation,
     read_json,
-    read_printpress_generation,
 )
 from printpress.errors import CheckpointError
 from printpress.model import DiffusionGemma
@@ -336,11 +336,7 @@ def load_model(
     check_quantize(quantize)
     folder = resolve_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
-    generation = GenerationConfig.from_checkpoint(
-        {**(read_json(folder / "generation_config.json") if (folder / "generation_config.json").exists() else {}),
-         **read_printpress_generation(folder)},
-        config.text,
-    )
+    generation = GenerationConfig.from_checkpoint(folder_generation(folder), config.text)
     choice = None
     if dtype == AUTO:
         from printpress import precision

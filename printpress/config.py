@@ -408,6 +408,13 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def folder_generation(folder: Path) -> dict[str, Any]:
+    """A checkpoint folder's generation defaults as one dict: its generation_config.json ({} without one) with its
+    PRINTPRESS_GENERATION_FILE over it (`read_printpress_generation`)."""
+    path = folder / "generation_config.json"
+    return {**(read_json(path) if path.exists() else {}), **read_printpress_generation(folder)}
+
+
 def read_printpress_generation(folder: Path) -> dict[str, Any]:
     """A checkpoint folder's PRINTPRESS_GENERATION_FILE ({} without one); a key that is not one of printpress's own
     generation defaults is refused, so the file cannot quietly override generation_config.json."""

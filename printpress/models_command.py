@@ -143,11 +143,10 @@ def check_download(folder: Path):
     """What `printpress.load` checks before it reads weights: the configs, every weight file the index names (as
     `checkpoint.weight_files` finds them) and the tokenizer's special tokens. Returns the tokenizer, or None."""
     from printpress.checkpoint import load_tokenizer, weight_files
-    from printpress.config import GenerationConfig, ModelConfig, read_json
+    from printpress.config import GenerationConfig, ModelConfig, folder_generation
 
     config = ModelConfig.from_file(folder / "config.json")
-    generation = folder / "generation_config.json"
-    GenerationConfig.from_dict(read_json(generation) if generation.exists() else {}, config.text)
+    GenerationConfig.from_dict(folder_generation(folder), config.text)
     weight_files(folder)
     return load_tokenizer(folder)
 

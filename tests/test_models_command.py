@@ -106,7 +106,12 @@ def test_the_shipped_models_are_listed_with_their_parameters(tmp_path):
         card = json.loads((REPO / "models" / name / "card.json").read_text())
         assert card["parameters"] == parameters and f" {card['objective']} " in row
     assert next(line for line in lines if line.startswith("shakespeare-joint")).startswith("shakespeare-joint *")
-    assert "32 steps, entropy 1; AR T 0.8, top-k 50" in done.stdout  # shakespeare-joint's generation_config.json
+    def row(name: str) -> str:
+        return next(line for line in lines if line.startswith(name + " "))
+
+    assert "16 steps, entropy 1; AR T 0.8, top-k 50" in row("shakespeare-joint *")  # its generation_config.json
+    # stdlib-code's window default comes from its printpress_generation.json
+    assert "32 steps, entropy 1, window 1.5; AR T 0.8, top-k 50" in row("stdlib-code")
 
 
 def test_json_lists_the_same_models_and_round_trips(hub_cache, monkeypatch):
