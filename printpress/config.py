@@ -378,7 +378,7 @@ class GenerationConfig:
 
     def printpress_dict(self) -> dict[str, Any]:
         """The defaults of printpress's own settings that are set (`PRINTPRESS_GENERATION_FILE`); {} when none is."""
-        return {"window_lead": float(self.window_lead)} if self.window_lead else {}
+        return {key: float(getattr(self, key)) for key in PRINTPRESS_GENERATION_KEYS if getattr(self, key)}
 
     def _ar_sampling_dict(self) -> dict[str, Any]:
         """AR sampling in transformers' keys, written only when it is not printpress's default (so a default
