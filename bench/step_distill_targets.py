@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 import printpress
-from printpress.corpora import load_corpus, split_documents
+from printpress.data import eval_batches, prepare_data
 from printpress.objectives import forward_block_diffusion, most_certain_samples
 
 
@@ -38,20 +39,14 @@ def entropy(log_p: torch.Tensor) -> torch.Tensor:
 
 
 def windows(pipe, sources: list[str], count: int, length: int) -> torch.Tensor:
-    """`count` windows of `length` tokens from the held-out documents (the recipes' split), one per document in turn."""
-    _, val = split_documents(load_corpus(sources), 0.05)
-    ids = [pipe.tokenizer.encode(doc.text, add_special_tokens=False).ids for doc in sorted(val, key=lambda d: d.name)]
-    rows, offset = [], 0
-    while len(rows) < count:
-        for doc in ids:
-            if len(doc) >= offset + length and len(rows) < count:
-                rows.append(doc[offset:offset + length])
-        offset += length
-        if offset > max(map(len, ids)):
-            break
-    if len(rows) < count:
-        sys.exit(f"step_distill_targets: the held-out documents hold only {len(rows)} windows of {length} tokens")
-    return torch.tensor(rows)
+    """The first `count` validation windows of `length` tokens a training run on `sources` evaluates
+    (`data.eval_batches` on the held-out documents, as `printpress bench`'s held-out losses)."""
+    with tempfile.TemporaryDirectory() as folder:
+        splits = prepare_data(sources, pipe.tokenizer, folder)
+        batch = next(eval_batches(splits.val.tokens, length, count, max_batches=1), None)
+    if batch is None:
+        sys.exit(f"step_distill_targets: the held-out documents hold fewer than {count} windows of {length} tokens")
+    return batch
 
 
 @torch.no_grad()

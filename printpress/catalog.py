@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from printpress.config import GenerationConfig, ModelConfig, folder_generation, read_json
+from printpress.config import GenerationConfig, ModelConfig, folder_generation, optional_json, read_json
 from printpress.errors import PrintpressError
 from printpress.hub import is_hub_id
 
@@ -79,17 +79,13 @@ def describe(folder: Path, name: str, source: str, model: str, size_bytes: int, 
                           "entropy_bound": generation.entropy_bound, "t_max": generation.t_max,
                           "t_min": generation.t_min, "window_lead": generation.window_lead,
                           "ar_temperature": generation.temperature, "ar_top_k": generation.top_k}
-        objective = _optional_json(folder / "card.json").get("objective")
+        objective = optional_json(folder / "card.json").get("objective")
         entry.objective = objective if isinstance(objective, str) else None
         missing = missing_weights(folder)
         entry.problem = missing and missing + fix
     except PrintpressError as exc:
         entry.problem = str(exc)
     return entry
-
-
-def _optional_json(path: Path) -> dict[str, Any]:
-    return read_json(path) if path.exists() else {}
 
 
 def missing_weights(folder: Path) -> str | None:

@@ -410,23 +410,20 @@ def _number(value: Any) -> bool:
 
 def folder_generation(folder: Path) -> dict[str, Any]:
     """A checkpoint folder's generation defaults as one dict: its generation_config.json ({} without one) with its
-    PRINTPRESS_GENERATION_FILE over it (`read_printpress_generation`)."""
-    path = folder / "generation_config.json"
-    return {**(read_json(path) if path.exists() else {}), **read_printpress_generation(folder)}
-
-
-def read_printpress_generation(folder: Path) -> dict[str, Any]:
-    """A checkpoint folder's PRINTPRESS_GENERATION_FILE ({} without one); a key that is not one of printpress's own
-    generation defaults is refused, so the file cannot quietly override generation_config.json."""
-    path = folder / PRINTPRESS_GENERATION_FILE
-    if not path.exists():
-        return {}
-    data = read_json(path)
-    unknown = sorted(set(data) - set(PRINTPRESS_GENERATION_KEYS))
+    PRINTPRESS_GENERATION_FILE over it. A key of the latter that is not one of printpress's own generation defaults
+    is refused, so that file cannot quietly override generation_config.json."""
+    own = optional_json(folder / PRINTPRESS_GENERATION_FILE)
+    unknown = sorted(set(own) - set(PRINTPRESS_GENERATION_KEYS))
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; it holds printpress's own generation "
-                          f"defaults ({', '.join(PRINTPRESS_GENERATION_KEYS)}), the rest go in generation_config.json")
-    return data
+        raise ConfigError(f"{folder / PRINTPRESS_GENERATION_FILE}: unknown key(s) {', '.join(unknown)}; it holds "
+                          f"printpress's own generation defaults ({', '.join(PRINTPRESS_GENERATION_KEYS)}), the rest "
+                          "go in generation_config.json")
+    return {**optional_json(folder / "generation_config.json"), **own}
+
+
+def optional_json(path: Path) -> dict[str, Any]:
+    """`read_json(path)`, or {} where there is no such file."""
+    return read_json(path) if path.exists() else {}
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
