@@ -31,7 +31,7 @@ from printpress.config import (
 )
 from printpress.errors import CheckpointError
 from printpress.model import DiffusionGemma
-from printpress.runtime_options import AUTO, CHECKPOINT, check_dtype, check_quantize
+from printpress.runtime_options import AUTO, CHECKPOINT, check_canvas_length, check_dtype, check_quantize
 from printpress.runtime_options import DTYPES as DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -326,16 +326,20 @@ def load_model(
     allow_pickle: bool = False,
     revision: str | None = None,
     quantize: str | None = None,
+    canvas_length: int | None = None,
 ):
     """Load (model, config, generation_config, tokenizer or None) from a folder or hub id.
 
     `dtype="auto"` picks the dtype by measurement (`printpress.precision`; the choice and its reason are logged at
     INFO and kept as `model.dtype_choice`); `quantize="int8"` / `"int8-head"` makes the weights int8 after loading
-    (`printpress.quantize`; not exact)."""
+    (`printpress.quantize`; not exact); `canvas_length` replaces the config's diffusion canvas (None: keep it)."""
     check_dtype(dtype)
     check_quantize(quantize)
+    check_canvas_length(canvas_length)
     folder = resolve_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
+    if canvas_length is not None:
+        config.canvas_length = canvas_length
     generation = GenerationConfig.from_checkpoint(folder_generation(folder), config.text)
     choice = None
     if dtype == AUTO:

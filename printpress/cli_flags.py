@@ -13,11 +13,13 @@ from collections.abc import Iterable
 
 from printpress.errors import GenerationError
 from printpress.runtime_options import (
+    CANVAS_HELP,
     COMPILE,
     COMPILE_HELP,
     DTYPE_HELP,
     QUANTIZE,
     QUANTIZE_HELP,
+    check_canvas_length,
     check_compile,
     check_dtype,
     check_quantize,
@@ -30,7 +32,7 @@ STDIN = "-"  # a prompt (or text) argument that says "read it from stdin"
 def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                           settings: Iterable[Setting] = SETTINGS) -> None:
     """A flag per setting of `settings` (all but those named in `skip`), and the runtime flags (--dtype, --device,
-    --quantize, --compile: `load_options`)."""
+    --quantize, --compile, --canvas-length: `load_options`)."""
     sampler = p.add_argument_group("sampler settings (default: the checkpoint's generation_config.json)")
     for s in settings:
         if s.name in skip:
@@ -44,12 +46,13 @@ def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()
 
 
 def add_runtime_arguments(runtime) -> None:
-    """--dtype, --device, --quantize and --compile (read back with `load_options`), on a parser or an argument
-    group."""
+    """--dtype, --device, --quantize, --compile and --canvas-length (read back with `load_options`), on a parser or an
+    argument group."""
     runtime.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     runtime.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE), help=QUANTIZE_HELP)
     runtime.add_argument("--compile", default=None, metavar="|".join(COMPILE), help=COMPILE_HELP)
+    runtime.add_argument("--canvas-length", type=int, default=None, metavar="TOKENS", help=CANVAS_HELP)
 
 
 def load_options(args: argparse.Namespace) -> dict:
@@ -58,7 +61,9 @@ def load_options(args: argparse.Namespace) -> dict:
     check_dtype(args.dtype)
     check_quantize(args.quantize)
     check_compile(args.compile)
-    return {"dtype": args.dtype, "device": args.device, "quantize": args.quantize, "compile": args.compile}
+    check_canvas_length(args.canvas_length)
+    return {"dtype": args.dtype, "device": args.device, "quantize": args.quantize, "compile": args.compile,
+            "canvas_length": args.canvas_length}
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict:
@@ -88,9 +93,9 @@ def sampler_flags_given(args: argparse.Namespace) -> list[str]:
         words += ["--dtype", args.dtype]
     if args.device != "cpu":
         words += ["--device", args.device]
-    for flag in ("quantize", "compile"):
+    for flag in ("quantize", "compile", "canvas_length"):
         if getattr(args, flag) is not None:
-            words += [f"--{flag}", getattr(args, flag)]
+            words += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return words
 
 

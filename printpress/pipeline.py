@@ -22,7 +22,7 @@ from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
 from printpress.request import Request, check_logprobs, check_prompts
-from printpress.runtime_options import check_compile, check_dtype, check_quantize
+from printpress.runtime_options import check_canvas_length, check_compile, check_dtype, check_quantize
 from printpress.settings import (
     BY_NAME,
     SETTINGS,
@@ -126,21 +126,25 @@ class Pipeline:
         device: str | torch.device = "cpu",
         quantize: str | None = None,
         compile: str | None = None,
+        canvas_length: int | None = None,
     ) -> Pipeline:
         """`dtype`: float32 (the default; exact), bfloat16, float16, "auto" (measured: `printpress.precision`) or
         "checkpoint" (as saved). `quantize`: None (exact weights) or "int8" / "int8-head" (`printpress.quantize`;
         not exact). `compile`: None (the exact eager passes), "ar", "decoder" or "all" (`printpress.fast`: those
-        passes as torch.compile graphs; not exact). Bad values are refused before anything is read."""
+        passes as torch.compile graphs; not exact). `canvas_length`: the diffusion canvas to decode with instead of
+        the checkpoint's (exact: the reference decodes the same with that value in config.json; `save_pretrained`
+        writes it). Bad values are refused before anything is read."""
         from printpress.checkpoint import load_model
 
         check_dtype(dtype)
         check_quantize(quantize)
         check_compile(compile)
+        check_canvas_length(canvas_length)
         device = check_device(device)
         if path_or_id is None:
             path_or_id = default_model_path()
         model, config, generation_config, tokenizer = load_model(str(path_or_id), dtype=dtype, device=device,
-                                                                 quantize=quantize)
+                                                                 quantize=quantize, canvas_length=canvas_length)
         model.eval()
         if compile is not None:
             from printpress.fast import compile_ar_step, compile_decoder

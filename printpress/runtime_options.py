@@ -8,7 +8,10 @@ checks its flags without importing torch.
   `printpress.precision`) or `CHECKPOINT` (the dtype the checkpoint was saved in);
 - quantize: None, or a name of `QUANTIZE` (`printpress.quantize`: int8 weight-only linear layers; not exact);
 - compile: None, or a name of `COMPILE` (`printpress.fast`: the encoder's and/or the decoder's passes as compiled
-  graphs; not exact).
+  graphs; not exact);
+- canvas_length: None (the checkpoint's `canvas_length`), or the diffusion canvas to decode with instead: what the
+  reference decodes with the same value in config.json, so exactness is kept; a trade of speed for quality per
+  machine (docs/generation.md, "Canvas length").
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ QUANTIZE_HELP = ("int8: weight-only int8 linear layers, one scale per output cha
 COMPILE_HELP = ("ar, decoder or all: run the encoder's passes (AR steps, verifications, prompts), the decoder's or both "
                 "as torch.compile graphs (opt-in, not exact; faster per pass; the first passes compile, ~1 minute, "
                 "cached on disk after that: docs/generation.md, 'compiled passes')")
+CANVAS_HELP = ("diffusion canvas length in tokens (default: the checkpoint's canvas_length); exact, as the reference with "
+               "that canvas_length in config.json. On a CPU a shorter canvas is cheaper per token, a longer one gives "
+               "more steps per token at the same tokens per forward (docs/generation.md, 'Canvas length')")
 
 
 def check_dtype(dtype: object) -> None:
@@ -52,3 +58,12 @@ def check_compile(compile: object) -> None:
     if compile is not None and compile not in COMPILE:
         raise CheckpointError(f"compile {compile!r} is not supported; use {', '.join(COMPILE)} (or leave it out for "
                               "the exact eager passes)")
+
+
+def check_canvas_length(canvas_length: object) -> None:
+    """Raise CheckpointError unless `canvas_length` is None or a positive int."""
+    if canvas_length is None:
+        return
+    if isinstance(canvas_length, bool) or not isinstance(canvas_length, int) or canvas_length < 1:
+        raise CheckpointError(f"canvas_length {canvas_length!r} is not supported; give a positive number of tokens "
+                              "(or leave it out for the checkpoint's)")

@@ -278,16 +278,19 @@ def test_the_yardstick_preset_parses_and_explicit_options_win():
 
 @pytest.mark.slow  # a whole benchmark run through the command line
 def test_the_yardstick_runs_end_to_end_on_held_out_prompts(tiny, tmp_path):
+    """... with the diffusion side decoding canvases of 4 (`--canvas-length`; the checkpoint's are 8)."""
     corpus = _corpus(tmp_path / "corpus")
     out = tmp_path / "yardstick.json"
     code = cli.main(["bench", "--yardstick", "--diffusion", str(tiny), "--ar", str(tiny), "--heldout-prompts", "2",
                      "--seeds", "2", "--steps", "2", "--entropy-bounds", "8", "--max-new-tokens", "16",
                      "--heldout-data", str(corpus), "--no-heldout", "--forward-reps", "1", "--gguf-judge", "off",
-                     "--results", str(tmp_path / "results"), "--out", str(out), "--no-progress"])
+                     "--results", str(tmp_path / "results"), "--out", str(out), "--no-progress",
+                     "--canvas-length", "4"])
     assert code == 0
     card = json.loads(out.read_text())
     assert [r["label"] for r in card["rows"]] == [AR_TWIN, OWN_AR, "diffusion, 2 steps, bound 8", GREEDY, SPECULATIVE,
                                                    STOP]
+    assert card["settings"]["canvas_length"] == card["forward_cost"]["canvas_length"] == 4
     assert card["settings"]["yardstick"] is True and card["settings"]["samples_per_side"] == 4
     prompts = heldout_prompts(2, [str(corpus)], 0.05)
     assert sorted({s["prompt"] for s in card["samples"]}) == sorted(prompts)

@@ -207,6 +207,7 @@ def test_serve_refuses_an_unavailable_device(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--quantize", "int4"], "printpress: error: quantize 'int4' is not supported"),
     (["--compile", "yes"], "printpress: error: compile 'yes' is not supported; use ar, decoder, all"),
+    (["--canvas-length", "0"], "printpress: error: canvas_length 0 is not supported; give a positive number"),
     (["--dtype", "float8"], "printpress: error: "),
 ])
 def test_serve_refuses_bad_runtime_flags_before_binding_or_loading(capsys, flags, message):

@@ -87,6 +87,29 @@ def test_checkpoint_generation_config_supplies_the_defaults(models_):
     assert result.stats.forward_passes == 10  # 5 steps each
 
 
+@pytest.mark.parametrize("canvas", [4, 12])
+def test_a_canvas_length_given_at_load_decodes_as_the_reference_with_that_canvas(tmp_path, canvas):
+    """`load(..., canvas_length=N)` is the checkpoint with N in config.json: token-exact to the reference decoding
+    with that canvas, and `save_pretrained` writes it."""
+    ref = make_reference("gqa", canvas_length=8)
+    pipe = printpress.load(save_checkpoint(ref, tmp_path / "model"), canvas_length=canvas)
+    assert pipe.canvas_length == canvas
+    ref.config.canvas_length = canvas
+    for seed in (0, 7):
+        expected, tokens_per_forward = reference_tokens(ref, PROMPTS[0], seed, max_new_tokens=20, eos_token_ids=[])
+        result = pipe.generate(PROMPTS[0], seed=seed, max_new_tokens=20, eos_token_ids=[])
+        assert result.token_ids == expected, seed
+        assert result.stats.canvases == math.ceil(20 / canvas)
+        assert result.stats.tokens_per_forward == pytest.approx(tokens_per_forward, rel=1e-6)
+    assert printpress.load(pipe.save_pretrained(tmp_path / "saved")).canvas_length == canvas
+
+
+@pytest.mark.parametrize("canvas", [0, -4, 2.5, True])
+def test_a_canvas_length_that_is_not_a_positive_int_is_refused_before_loading(tmp_path, canvas):
+    with pytest.raises(PrintpressError, match=rf"^canvas_length {canvas!r} is not supported; give a positive number"):
+        printpress.load(tmp_path / "never-read", canvas_length=canvas)
+
+
 def test_ar_samples_at_the_checkpoints_defaults_and_greedy_only_when_asked(models_):
     """Issue 14: AR decoding samples (0.8, top-k 50 when generation_config.json is silent, as the shipped models'
     is), so the seed matters; temperature=0 is greedy. A file with transformers' keys is read as transformers reads

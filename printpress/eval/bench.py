@@ -121,6 +121,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=(__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--diffusion", default=None, help="the diffusion model (default: the shipped shakespeare-joint)")
     p.add_argument("--ar", default=None, help="its AR twin, also the judge (default: the shipped shakespeare-ar)")
+    p.add_argument("--canvas-length", type=int, default=None, metavar="TOKENS",
+                   help="decode the diffusion model with this canvas instead of its checkpoint's (exact, as the "
+                        "reference with that canvas_length; the held-out losses keep the checkpoint's canvas)")
     p.add_argument("--yardstick", action="store_true",
                    help="issue 11's fixed yardstick: --heldout-prompts 24 --seeds 3 --max-new-tokens 64 --steps 32 16 8 "
                         "--entropy-bounds 0.1 1 4, plus --setting " + " --setting ".join(YARDSTICK_SETTINGS))
@@ -219,7 +222,8 @@ def _run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     diffusion_path = args.diffusion or str(default_model_path())
     ar_path = args.ar or str(default_model_path().parent / "shakespeare-ar")
-    pipes = {"diffusion": Pipeline.from_pretrained(diffusion_path), "ar": Pipeline.from_pretrained(ar_path)}
+    pipes = {"diffusion": Pipeline.from_pretrained(diffusion_path, canvas_length=args.canvas_length),
+             "ar": Pipeline.from_pretrained(ar_path)}
     for side in sides:  # every setting checked before any work
         pipes[side.model].settings(max_new_tokens=args.max_new_tokens, **side.overrides).validate()
     gguf, gguf_note = load_gguf_judge(args.gguf_judge)
