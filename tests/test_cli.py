@@ -402,3 +402,16 @@ def test_chat_answers_each_line_of_stdin_over_the_plain_template():
         printed.append(answer.lstrip() + "\n")
         history += f" {answer.strip()}\n\n"
     assert done.stdout == "".join(printed)
+
+
+def test_the_runtime_flags_given_are_spelled_back_for_a_reproducing_command():
+    import argparse
+
+    from printpress.cli_flags import add_sampler_arguments, load_options, sampler_flags_given
+
+    parser = argparse.ArgumentParser()
+    add_sampler_arguments(parser)
+    args = parser.parse_args(["--steps", "8", "--compile", "ar", "--canvas-length", "16"])
+    assert sampler_flags_given(args) == ["--steps", "8", "--compile", "ar", "--canvas-length", "16"]
+    assert load_options(args)["canvas_length"] == 16
+    assert sampler_flags_given(parser.parse_args([])) == [] and load_options(parser.parse_args([]))["canvas_length"] is None
