@@ -286,7 +286,8 @@ def test_flags_and_http_fields_are_derived_from_the_settings():
     def flags(**kwargs) -> set[str]:
         parser = argparse.ArgumentParser()
         add_sampler_arguments(parser, **kwargs)
-        runtime = {"-h", "--help", "--dtype", "--device", "--quantize", "--compile"}  # how the model loads
+        # how the model loads
+        runtime = {"-h", "--help", "--dtype", "--device", "--quantize", "--compile", "--canvas-length"}
         return {option for action in parser._actions for option in action.option_strings} - runtime
 
     assert flags() == {s.flag for s in SETTINGS}
