@@ -33,9 +33,10 @@ QUANTIZE_HELP = ("int8: weight-only int8 linear layers, one scale per output cha
 COMPILE_HELP = ("ar, decoder or all: run the encoder's passes (AR steps, verifications, prompts), the decoder's or both "
                 "as torch.compile graphs (opt-in, not exact; faster per pass; the first passes compile, ~1 minute, "
                 "cached on disk after that: docs/generation.md, 'compiled passes')")
-CANVAS_HELP = ("diffusion canvas length in tokens (default: the checkpoint's canvas_length); exact, as the reference with "
-               "that canvas_length in config.json. On a CPU a shorter canvas is cheaper per token, a longer one gives "
-               "more steps per token at the same tokens per forward (docs/generation.md, 'Canvas length')")
+CANVAS_HELP = ("diffusion canvas length in tokens (default: the checkpoint's canvas_length); exact, as the "
+               "reference with that canvas_length in config.json. On a CPU a shorter canvas is cheaper per token, a "
+               "longer one gives more steps per token at the same tokens per forward (docs/generation.md, 'Canvas "
+               "length')")
 
 
 def check_dtype(dtype: object) -> None:

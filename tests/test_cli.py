@@ -414,4 +414,5 @@ def test_the_runtime_flags_given_are_spelled_back_for_a_reproducing_command():
     args = parser.parse_args(["--steps", "8", "--compile", "ar", "--canvas-length", "16"])
     assert sampler_flags_given(args) == ["--steps", "8", "--compile", "ar", "--canvas-length", "16"]
     assert load_options(args)["canvas_length"] == 16
-    assert sampler_flags_given(parser.parse_args([])) == [] and load_options(parser.parse_args([]))["canvas_length"] is None
+    none = parser.parse_args([])
+    assert sampler_flags_given(none) == [] and load_options(none)["canvas_length"] is None
