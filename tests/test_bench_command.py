@@ -412,6 +412,8 @@ def test_settings_parse_and_bad_ones_are_one_line_errors(capsys, tiny):
     assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--setting", "t_min=0.9,t_max=0.5",
                      "--no-heldout"]) == 2
     assert "t_min (0.9) must not exceed t_max (0.5)" in capsys.readouterr().err
+    assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--canvas-length", "0"]) == 2
+    assert capsys.readouterr().err == "printpress: error: --canvas-length must be a positive number of tokens, got 0\n"
 
 
 def test_setting_keys_are_the_sampler_settings_wire_names():

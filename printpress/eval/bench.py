@@ -193,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError("--steps must be positive integers and --entropy-bounds positive numbers")
     if args.threads < 1:
         raise BenchError(f"--threads must be positive, got {args.threads}")
+    if args.canvas_length is not None and args.canvas_length < 1:
+        raise BenchError(f"--canvas-length must be a positive number of tokens, got {args.canvas_length}")
     if args.prompts_file is not None and args.heldout_prompts is not None:
         raise BenchError("give --prompts-file or --heldout-prompts, not both")
     if args.heldout_skip < 0 or (args.heldout_skip and args.heldout_prompts is None):
