@@ -30,12 +30,16 @@ warning is logged once and every later step runs the exact eager path: the calle
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from printpress import native
 from printpress.cache import KVCache
 
 # printpress.model imports this module (for the type of `DiffusionGemma.compiled_ar_step`), so the model is typed
@@ -106,19 +110,105 @@ def input_and_code_guards(entries) -> list[bool]:
             for entry in entries]
 
 
+# -- few-row linears: printpress's own kernel in place of MKL's GEMM ------------------------------------------------
+
+# Up to this many rows, printpress_fast::rows_linear (printpress/kernels/rows_linear.cpp) beats MKL's GEMM on
+# this project's CPU at every weight shape of the shipped and the 99.7M benchmark models: 1.1-2.4x at 1-4 rows;
+# at 8 rows 0.9-1.6x, at 16 0.8-1.3x (docs/benchmarks.md §6, "Few-row linears").
+ROWS_LINEAR_MAX_ROWS = 4
+
+
+def rows_linear_ready() -> bool:
+    """Whether the few-row linear kernel is built and loaded (first use on a machine builds it: 10-20 s)."""
+    return native.load("rows_linear.cpp", "compiled graphs keep MKL's GEMM for their few-row linears",
+                       _register_rows_linear_fake)
+
+
+def _register_rows_linear_fake() -> None:
+    @torch.library.register_fake("printpress_fast::rows_linear")
+    def _(x, weight):  # shapes for torch.compile
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+class FewRowLinears(CustomGraphPass):
+    """An inductor pass (run on the graph after autograd, before lowering): every `mm(x, weight.t())` with a
+    float32 CPU x of at most `ROWS_LINEAR_MAX_ROWS` rows (a static count) and a contiguous 2-D weight becomes
+    `printpress_fast::rows_linear(x, weight)`. An AR step is such products only (one row per sequence), bound
+    by reading the weights; the kernel streams them at the memory's speed where MKL's GEMM reaches 60-70% of it.
+    Other summation order than MKL's, so only the compiled paths (not exact anyway) use it; where the kernel
+    cannot be built, the pass leaves the graph as it is. `replaced` counts the products replaced in this process.
+    """
+
+    replaced = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if not rows_linear_ready():
+            return
+        aten = torch.ops.aten
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not aten.mm.default:
+                continue
+            x, transposed = node.args
+            weight = _transposed_weight(transposed)
+            if weight is None or not _few_float_rows(x.meta.get("val")):
+                continue
+            with graph.inserting_before(node):
+                fused = graph.call_function(torch.ops.printpress_fast.rows_linear.default, (x, weight))
+            fused.meta = dict(node.meta)
+            node.replace_all_uses_with(fused)
+            graph.erase_node(node)
+            if not transposed.users:
+                graph.erase_node(transposed)
+            FewRowLinears.replaced += 1
+
+    def uuid(self) -> bytes:
+        """Inductor's cache key for the pass: this file, the kernel, the row limit and whether the kernel loads."""
+        digest = hashlib.sha256(f"{ROWS_LINEAR_MAX_ROWS} {rows_linear_ready()}".encode())
+        for path in (Path(__file__), native.KERNELS / "rows_linear.cpp"):
+            digest.update(path.read_bytes())
+        return digest.digest()
+
+
+def _transposed_weight(node) -> torch.fx.Node | None:
+    """The contiguous (N, K) float32 CPU weight whose transpose `node` is, or None."""
+    aten = torch.ops.aten
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    if node.target is aten.permute.default and [dim % 2 for dim in node.args[1]] == [1, 0]:
+        source = node.args[0]
+    elif node.target is aten.t.default:
+        source = node.args[0]
+    else:
+        return None
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if (value is None or value.dim() != 2 or value.dtype != torch.float32 or value.device.type != "cpu"
+            or not value.is_contiguous()):
+        return None
+    return source
+
+
+def _few_float_rows(value) -> bool:
+    """Whether a (fake) tensor is a float32 CPU matrix of a static number of rows up to the kernel's limit."""
+    return (isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype == torch.float32
+            and value.device.type == "cpu" and isinstance(value.shape[0], int)
+            and 1 <= value.shape[0] <= ROWS_LINEAR_MAX_ROWS)
+
+
 class CompiledGraph:
     """A graph function compiled whole (`fullgraph=True`), run until it first fails: the failure is logged once,
     kept in `.failure`, and from then on the caller's exact eager path runs."""
 
     what = "compiled graph"  # the words of the warning
 
-    def __init__(self, model: DiffusionGemma, graph, backend: str = "inductor") -> None:
+    def __init__(self, model: DiffusionGemma, graph, backend: str = "inductor", rows_kernel: bool = True) -> None:
         self.model = model
         self.backend = backend
         self.failure: str | None = None
         options = {"guard_filter_fn": input_and_code_guards}
         if backend == "inductor":
             options["cpp_wrapper"] = True  # the kernels are called from C++, not one Python call each
+            if rows_kernel:  # the kernel is built when the first graph is compiled, not here
+                options["post_grad_custom_post_pass"] = FewRowLinears()
         self._graph = torch.compile(graph, backend=backend, fullgraph=True, options=options)
         self._parameters = [(p, p.dtype, p.device, p.shape) for p in model.parameters()]
 
@@ -148,8 +238,8 @@ class CompiledARStep(CompiledGraph):
 
     what = "compiled AR step"
 
-    def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
-        super().__init__(model, ar_step_graph, backend)
+    def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> None:
+        super().__init__(model, ar_step_graph, backend, rows_kernel)
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is an AR step the graph runs (else the eager path runs it)."""
@@ -178,14 +268,15 @@ class CompiledARStep(CompiledGraph):
         return logits
 
 
-def compile_ar_step(model: DiffusionGemma, backend: str = "inductor") -> CompiledARStep:
+def compile_ar_step(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> CompiledARStep:
     """Run this model's encoder passes through compiled graphs from now on (opt-in, not bit-exact): AR steps (one
     token per row) and unpadded blocks (speculative verifications, prompts: `CompiledEncoderBlock`). Returns the
     step object (`.failure` says why it fell back, if it did; `model.compiled_encoder` is the block's).
-    `remove_compiled_ar_step` undoes both."""
-    step = CompiledARStep(model, backend)
+    `remove_compiled_ar_step` undoes both. `rows_kernel=False` keeps MKL's GEMM for the one-row products
+    (`FewRowLinears`)."""
+    step = CompiledARStep(model, backend, rows_kernel)
     model.compiled_ar_step = step
-    model.compiled_encoder = CompiledEncoderBlock(model, backend)
+    model.compiled_encoder = CompiledEncoderBlock(model, backend, rows_kernel)
     return step
 
 
@@ -250,8 +341,8 @@ class CompiledEncoderBlock(CompiledGraph):
 
     what = "compiled encoder block"
 
-    def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
-        super().__init__(model, encoder_block_graph, backend)
+    def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> None:
+        super().__init__(model, encoder_block_graph, backend, rows_kernel)
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is a block the graph runs: more than one token, none of them padding, logits wanted."""
@@ -323,8 +414,8 @@ class CompiledDecoderPass(CompiledGraph):
 
     what = "compiled decoder pass"
 
-    def __init__(self, model: DiffusionGemma, backend: str = "inductor") -> None:
-        super().__init__(model, decoder_pass_graph, backend)
+    def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> None:
+        super().__init__(model, decoder_pass_graph, backend, rows_kernel)
 
     def covers(self) -> bool:
         """Whether the graph runs this pass (inference only, and only while it has not failed)."""
@@ -349,12 +440,12 @@ class CompiledDecoderPass(CompiledGraph):
         return self._run(canvas_ids, probs, self_conditioning_mask, positions, keys, values, full_valid, sliding_valid)
 
 
-def compile_decoder(model: DiffusionGemma, backend: str = "inductor") -> CompiledDecoderPass:
+def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> CompiledDecoderPass:
     """Run this model's decoder passes (diffusion steps, speculative drafts, edits) through one compiled graph
     from now on: opt-in and not bit-exact, like `compile_ar_step` (the experts run densely, fused kernels sum in
     another order). Returns the pass object (`.failure` says why it fell back, if it did);
     `remove_compiled_decoder` undoes it."""
-    compiled = CompiledDecoderPass(model, backend)
+    compiled = CompiledDecoderPass(model, backend, rows_kernel)
     model.compiled_decoder = compiled
     return compiled
 

@@ -21,27 +21,19 @@ model like the shipped one barely does (its steps are bound by per-operation ove
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
-import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from printpress import native
 from printpress.model import Experts, Router, static_experts
-from printpress.precision import cpu_flags, read_cpuinfo
 from printpress.runtime_options import check_quantize
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 16  # output channels per packed block (the kernel's register tile width)
-KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "int8_linear.cpp"
-
-_kernel_lock = threading.Lock()
-_kernel_ready: bool | None = None  # None: not tried yet in this process
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,36 +88,16 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_
 
 
 def load_kernel() -> bool:
-    """Build (first use on this machine, 12-17 s here; torch caches it under ~/.cache/torch_extensions) and load the
-    int8 kernel; False, with one warning, where it cannot be built (no compiler, no ninja)."""
-    global _kernel_ready
-    with _kernel_lock:
-        if _kernel_ready is None:
-            _kernel_ready = _build_kernel()
-        return _kernel_ready
+    """Build (first use on this machine, 12-17 s here; then cached) and load the int8 kernel; False, with one
+    warning, where it cannot be built (no compiler, no ninja)."""
+    return native.load("int8_linear.cpp", "int8 layers dequantize their weights on each call, slower than float32",
+                       _register_fake)
 
 
-def _build_kernel() -> bool:
-    from torch.utils import cpp_extension
-
-    # -march=native: the library is built for this CPU, so its name carries the CPU's flags and torch's version.
-    key = f"{platform.machine()} {sorted(cpu_flags(read_cpuinfo()))} {torch.__version__}"
-    name = "printpress_int8_" + hashlib.sha256(key.encode()).hexdigest()[:10]
-    logger.info("loading the int8 kernel %s (compiled on first use, then cached)", name)
-    try:
-        cpp_extension.load(name=name, sources=[str(KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native"],
-                           is_python_module=False, verbose=False)
-    except Exception as error:  # noqa: BLE001 - any build failure means "dequantize instead"
-        first_line = (str(error).strip().splitlines() or [""])[0][:200]
-        logger.warning("the int8 kernel could not be built (%s: %s); int8 layers dequantize their weights on each "
-                       "call, slower than float32", type(error).__name__, first_line)
-        return False
-
+def _register_fake() -> None:
     @torch.library.register_fake("printpress_int8::linear")
     def _(x, packed, scale, out_features):  # shapes for torch.compile
         return x.new_empty((*x.shape[:-1], out_features))
-
-    return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -272,3 +272,101 @@ def test_load_refuses_an_unknown_compile_choice_before_reading_anything(tmp_path
 
     with pytest.raises(CheckpointError, match="compile 'fast' is not supported; use ar, decoder, all"):
         printpress.load(tmp_path / "no such folder", compile="fast")
+
+
+# -- few-row linears: the kernel and the pass that puts it into compiled graphs -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def rows_kernel():
+    from printpress.fast import rows_linear_ready
+
+    if not rows_linear_ready():
+        pytest.skip("no C++ compiler for the kernel on this machine")
+    return torch.ops.printpress_fast.rows_linear
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (3, 7), (4, 8), (5, 9), (17, 33), (64, 192)])
+def test_the_rows_kernel_computes_a_linear(rows_kernel, rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(rows * 100 + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    exact = (x.double() @ weight.double().T).float()
+    got = rows_kernel(x, weight)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # Another summation order than a float64 product: within float32 rounding of the terms' magnitude.
+    scale = (x.abs().double() @ weight.abs().double().T).float()
+    assert bool(((got - exact).abs() <= 4e-7 * in_features * scale + 1e-30).all())
+
+
+def test_the_rows_kernel_reads_strided_inputs_and_refuses_other_dtypes_and_shapes(rows_kernel):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 2, generator=generator).T  # (2, 9), not contiguous
+    weight = torch.randn(9, 6, generator=generator).T  # (6, 9), not contiguous
+    assert torch.allclose(rows_kernel(x, weight), x @ weight.T, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        rows_kernel(x.double(), weight.double())
+    with pytest.raises(RuntimeError, match=r"expects x \(M, K\) and weight \(N, K\)"):
+        rows_kernel(x, weight[:, :5])
+
+
+def traced_linears(rows: int, dtype=torch.float32):
+    """An aten graph of F.linear and of a plain matmul (x @ m: no transposed weight), with fake values on its
+    nodes, as inductor's passes see it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, weight, m):
+        return torch.nn.functional.linear(x, weight), x @ m
+
+    inputs = (torch.randn(rows, 8, dtype=dtype), torch.randn(5, 8, dtype=dtype), torch.randn(8, 3, dtype=dtype))
+    return make_fx(f)(*inputs), inputs
+
+
+def targets(graph_module) -> list:
+    return [node.target for node in graph_module.graph.nodes if node.op == "call_function"]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_pass_puts_the_kernel_in_place_of_few_row_products_with_a_transposed_weight(rows_kernel, rows):
+    from printpress.fast import FewRowLinears
+
+    graph_module, inputs = traced_linears(rows)
+    expected = graph_module(*inputs)
+    before = FewRowLinears.replaced
+    FewRowLinears()(graph_module.graph)
+    graph_module.recompile()
+    aten = torch.ops.aten
+    assert targets(graph_module) == [torch.ops.printpress_fast.rows_linear.default, aten.mm.default]  # x @ m stays
+    assert FewRowLinears.replaced == before + 1
+    got = graph_module(*inputs)
+    assert torch.allclose(got[0], expected[0], atol=1e-5) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("rows, dtype", [(5, torch.float32), (1, torch.float64)])
+def test_the_pass_leaves_more_rows_and_other_dtypes_to_the_gemm(rows_kernel, rows, dtype):
+    from printpress.fast import ROWS_LINEAR_MAX_ROWS, FewRowLinears
+
+    assert ROWS_LINEAR_MAX_ROWS == 4
+    graph_module, _ = traced_linears(rows, dtype)
+    before = targets(graph_module)
+    FewRowLinears()(graph_module.graph)
+    assert targets(graph_module) == before
+
+
+@pytest.mark.slow  # compiles the step with inductor
+def test_the_compiled_step_runs_the_kernel_and_stays_close_to_the_exact_path(model, rows_kernel):
+    from printpress.fast import FewRowLinears
+
+    batch, _ = padded_prompts(model.config.vocab_size)
+    exact, _ = run_steps(model, batch[:1], None, 3)
+    before = FewRowLinears.replaced
+    compile_ar_step(model)
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):  # run the pass, not a cached graph
+            fast, _ = run_steps(model, batch[:1], None, 3)
+    finally:
+        remove_compiled_ar_step(model)
+    assert FewRowLinears.replaced > before
+    for a, b in zip(exact, fast):
+        assert torch.allclose(a, b, atol=1e-4)

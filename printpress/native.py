@@ -1,0 +1,59 @@
+"""printpress's own C++ kernels (printpress/kernels/*.cpp): built on first use with torch's extension builder,
+cached per machine, loaded once per process.
+
+Each source registers its operators with `TORCH_LIBRARY`, so they are called as `torch.ops.<library>.<op>` and
+appear inside compiled graphs as opaque operators (their shapes come from the fake implementations given here).
+Both are opt-in fast paths that are not bit-exact anyway: `printpress.quantize`'s int8 linear and
+`printpress.fast`'s few-row float32 linear. Where a kernel cannot be built (no compiler, no ninja), `load` warns
+once and returns False, and its caller runs its slower fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from printpress.precision import cpu_flags, read_cpuinfo
+
+logger = logging.getLogger(__name__)
+
+KERNELS = Path(__file__).resolve().parent / "kernels"
+
+_lock = threading.Lock()
+_loaded: dict[str, bool] = {}  # source file name -> whether it loaded in this process
+
+
+def load(source: str, fallback: str, register_fakes: Callable[[], None]) -> bool:
+    """Build (first use on this machine: 10-20 s; torch caches it under ~/.cache/torch_extensions) and load
+    printpress/kernels/`source`, then `register_fakes()` (the shapes of its operators for torch.compile). False,
+    with one warning that ends with `fallback` (what runs instead), where it cannot be built."""
+    with _lock:
+        if source not in _loaded:
+            _loaded[source] = _build(source, fallback)
+            if _loaded[source]:
+                register_fakes()
+        return _loaded[source]
+
+
+def _build(source: str, fallback: str) -> bool:
+    from torch.utils import cpp_extension
+
+    # -march=native: the library is built for this CPU, so its name carries the CPU's flags and torch's version.
+    key = f"{source} {platform.machine()} {sorted(cpu_flags(read_cpuinfo()))} {torch.__version__}"
+    name = f"printpress_{Path(source).stem}_" + hashlib.sha256(key.encode()).hexdigest()[:10]
+    logger.info("loading the kernel %s (compiled on first use, then cached)", name)
+    try:
+        cpp_extension.load(name=name, sources=[str(KERNELS / source)], extra_cflags=["-O3", "-march=native"],
+                           is_python_module=False, verbose=False)
+    except Exception as error:  # noqa: BLE001 - any build failure means "run the fallback"
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        logger.warning("the kernel %s could not be built (%s: %s); %s", source, type(error).__name__, first_line,
+                       fallback)
+        return False
+    return True
