@@ -113,8 +113,8 @@ def input_and_code_guards(entries) -> list[bool]:
 # -- few-row linears: printpress's own kernel in place of MKL's GEMM ------------------------------------------------
 
 # Up to this many rows, printpress_fast::rows_linear (printpress/kernels/rows_linear.cpp) beats MKL's GEMM on
-# this project's CPU at every weight shape of the shipped and the 99.7M benchmark models: 1.1-2.4x at 1-4 rows;
-# at 8 rows 0.9-1.6x, at 16 0.8-1.3x (docs/benchmarks.md §6, "Few-row linears").
+# this project's CPU at every weight shape of the shipped and the 99.7M benchmark models: 1.1-2.3x at 1-4 rows;
+# at 8 rows 0.8-1.6x, at 16 0.7-1.3x (docs/benchmarks.md §6, "Few-row linears").
 ROWS_LINEAR_MAX_ROWS = 4
 
 
@@ -129,13 +129,18 @@ def _register_rows_linear_fake() -> None:
     def _(x, weight):  # shapes for torch.compile
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("printpress_fast::expert_rows")
+    def _(x, weight, index):
+        return x.new_empty((x.shape[0], weight.shape[1]))
+
 
 class FewRowLinears(CustomGraphPass):
     """An inductor pass (run on the graph after autograd, before lowering): every `mm(x, weight.t())` with a
     float32 CPU x of at most `ROWS_LINEAR_MAX_ROWS` rows (a static count) and a contiguous 2-D weight becomes
     `printpress_fast::rows_linear(x, weight)`. An AR step is such products only (one row per sequence), bound
     by reading the weights; the kernel streams them at the memory's speed where MKL's GEMM reaches 60-70% of it.
-    Other summation order than MKL's, so only the compiled paths (not exact anyway) use it; where the kernel
+    Likewise the chosen experts of a few tokens (`static_experts`: their weights gathered, then a batched
+    product) become `printpress_fast::expert_rows`, which reads each expert's weights in place. Other summation order than MKL's, so only the compiled paths (not exact anyway) use it; where the kernel
     cannot be built, the pass leaves the graph as it is. `replaced` counts the products replaced in this process.
     """
 
@@ -146,20 +151,44 @@ class FewRowLinears(CustomGraphPass):
             return
         aten = torch.ops.aten
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not aten.mm.default:
-                continue
-            x, transposed = node.args
-            weight = _transposed_weight(transposed)
-            if weight is None or not _few_float_rows(x.meta.get("val")):
-                continue
-            with graph.inserting_before(node):
-                fused = graph.call_function(torch.ops.printpress_fast.rows_linear.default, (x, weight))
-            fused.meta = dict(node.meta)
-            node.replace_all_uses_with(fused)
-            graph.erase_node(node)
-            if not transposed.users:
-                graph.erase_node(transposed)
-            FewRowLinears.replaced += 1
+            if node.op == "call_function" and node.target is aten.mm.default:
+                self._linear(graph, node)
+            elif node.op == "call_function" and node.target is aten.bmm.default:
+                self._experts(graph, node)
+
+    def _linear(self, graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+        """mm(x, weight.t()) -> rows_linear(x, weight)."""
+        x, transposed = node.args
+        weight = _transposed_weight(transposed)
+        if weight is None or not _few_float_rows(x.meta.get("val")):
+            return
+        with graph.inserting_before(node):
+            fused = graph.call_function(torch.ops.printpress_fast.rows_linear.default, (x, weight))
+        fused.meta = dict(node.meta)
+        _replace(graph, node, fused, transposed)
+
+    def _experts(self, graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+        """bmm(weight[index], rows.unsqueeze(-1)) -> expert_rows(rows, weight, index).unsqueeze(-1): the chosen
+        experts' products of `static_experts` (a few tokens), without the copy of their weights."""
+        aten = torch.ops.aten
+        gathered, column = node.args
+        if not (isinstance(gathered, torch.fx.Node) and gathered.target is aten.index.Tensor
+                and isinstance(column, torch.fx.Node) and column.target is aten.unsqueeze.default
+                and column.args[1] in (-1, 2)):
+            return
+        weight, indices = gathered.args
+        rows = column.args[0]
+        stack = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else None
+        if (len(indices) != 1 or not isinstance(indices[0], torch.fx.Node) or stack is None or stack.dim() != 3
+                or stack.dtype != torch.float32 or stack.device.type != "cpu" or not stack.is_contiguous()
+                or not _few_float_rows(rows.meta.get("val"), limit=None)):
+            return
+        with graph.inserting_before(node):
+            products = graph.call_function(torch.ops.printpress_fast.expert_rows.default, (rows, weight, indices[0]))
+            products.meta = {"val": node.meta["val"].squeeze(-1)}
+            fused = graph.call_function(aten.unsqueeze.default, (products, -1))
+        fused.meta = dict(node.meta)
+        _replace(graph, node, fused, gathered, column)
 
     def uuid(self) -> bytes:
         """Inductor's cache key for the pass: this file, the kernel, the row limit and whether the kernel loads."""
@@ -167,6 +196,16 @@ class FewRowLinears(CustomGraphPass):
         for path in (Path(__file__), native.KERNELS / "rows_linear.cpp"):
             digest.update(path.read_bytes())
         return digest.digest()
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, by: torch.fx.Node, *inputs: torch.fx.Node) -> None:
+    """`node`'s uses now read `by`; `node` goes, and so do the `inputs` nothing else reads."""
+    node.replace_all_uses_with(by)
+    graph.erase_node(node)
+    for unused in inputs:
+        if not unused.users:
+            graph.erase_node(unused)
+    FewRowLinears.replaced += 1
 
 
 def _transposed_weight(node) -> torch.fx.Node | None:
@@ -187,11 +226,11 @@ def _transposed_weight(node) -> torch.fx.Node | None:
     return source
 
 
-def _few_float_rows(value) -> bool:
-    """Whether a (fake) tensor is a float32 CPU matrix of a static number of rows up to the kernel's limit."""
+def _few_float_rows(value, limit: int | None = ROWS_LINEAR_MAX_ROWS) -> bool:
+    """Whether a (fake) tensor is a float32 CPU matrix of a static number of rows, at most `limit` (if any)."""
     return (isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype == torch.float32
             and value.device.type == "cpu" and isinstance(value.shape[0], int)
-            and 1 <= value.shape[0] <= ROWS_LINEAR_MAX_ROWS)
+            and 1 <= value.shape[0] <= (limit or value.shape[0]))
 
 
 class CompiledGraph:

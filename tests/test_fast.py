@@ -311,6 +311,40 @@ def test_the_rows_kernel_reads_strided_inputs_and_refuses_other_dtypes_and_shape
         rows_kernel(x, weight[:, :5])
 
 
+def test_the_expert_kernel_reads_each_rows_expert_in_place(rows_kernel):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 9, generator=generator)
+    stack = torch.randn(4, 6, 9, generator=generator)
+    index = torch.tensor([3, 0, 3, 1, 2])
+    expected = torch.bmm(stack[index], x[:, :, None]).squeeze(-1)
+    assert torch.allclose(torch.ops.printpress_fast.expert_rows(x, stack, index), expected, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"expert 4 is not in \[0, 4\)"):
+        torch.ops.printpress_fast.expert_rows(x, stack, torch.tensor([0, 1, 2, 3, 4]))
+    with pytest.raises(RuntimeError, match=r"expects x \(R, K\), weight \(E, N, K\) and index \(R,\)"):
+        torch.ops.printpress_fast.expert_rows(x, stack, index[:3])
+
+
+def test_the_pass_reads_the_chosen_experts_in_place(rows_kernel):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from printpress.fast import FewRowLinears
+
+    def chosen(rows, stack, index):  # as `static_experts` computes a few tokens' experts
+        return torch.bmm(stack[index], rows[:, :, None]).squeeze(-1)
+
+    generator = torch.Generator().manual_seed(2)
+    inputs = (torch.randn(4, 8, generator=generator), torch.randn(3, 5, 8, generator=generator),
+              torch.tensor([2, 0, 2, 1]))
+    graph_module = make_fx(chosen)(*inputs)
+    expected = graph_module(*inputs)
+    FewRowLinears()(graph_module.graph)
+    graph_module.recompile()
+    aten = torch.ops.aten
+    assert torch.ops.printpress_fast.expert_rows.default in targets(graph_module)
+    assert aten.bmm.default not in targets(graph_module) and aten.index.Tensor not in targets(graph_module)
+    assert torch.allclose(graph_module(*inputs), expected, atol=1e-5)
+
+
 def traced_linears(rows: int, dtype=torch.float32):
     """An aten graph of F.linear and of a plain matmul (x @ m: no transposed weight), with fake values on its
     nodes, as inductor's passes see it."""

@@ -4,6 +4,8 @@
 // this project's CPUs (docs/benchmarks.md §6, "Few-row linears"). Here four weight rows stream side by side through
 // AVX2 FMAs, each weight read once from memory and reused from L1 for every row of x.
 //
+// `expert_rows` does the same for a few rows each through its own expert's weights, read in place.
+//
 // Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it.
 #include <torch/extension.h>
 
@@ -93,10 +95,35 @@ torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight) {
   return y;
 }
 
+// Row r of x (R, K) through expert index[r] of weight (E, N, K) -> (R, N): what a gather of the chosen experts'
+// weights followed by a batched product computes (the compiled AR step's experts), without copying the weights.
+torch::Tensor expert_rows(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& index) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && index.dim() == 1 && x.size(0) == index.size(0) &&
+                  x.size(1) == weight.size(2),
+              "printpress_fast::expert_rows expects x (R, K), weight (E, N, K) and index (R,)");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
+              "printpress_fast::expert_rows is float32 only");
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  const auto ic = index.to(torch::kLong).contiguous();
+  const int64_t R = x.size(0), E = weight.size(0), N = weight.size(1), K = weight.size(2);
+  auto y = torch::empty({R, N}, x.options());
+  const int64_t* chosen = ic.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(chosen[r] >= 0 && chosen[r] < E, "printpress_fast::expert_rows: expert ", chosen[r],
+                " is not in [0, ", E, ")");
+    rows_linear(xc.data_ptr<float>() + r * K, wc.data_ptr<float>() + chosen[r] * N * K,
+                y.data_ptr<float>() + r * N, 1, N, K);
+  }
+  return y;
+}
+
 TORCH_LIBRARY(printpress_fast, m) {
   m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("expert_rows(Tensor x, Tensor weight, Tensor index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
   m.impl("rows_linear", &rows);
+  m.impl("expert_rows", &expert_rows);
 }
