@@ -9,6 +9,9 @@ the opt-in compiled passes (printpress.fast), one thread.
    shipped model and `large` (with its bandwidth roofline: the bytes an AR step must read, bench/roofline.py's
    count, over the DRAM read bandwidth measured in this run). Each compiled side also reports its largest logit
    difference from the exact step.
+3. Compiled AR steps of the shipped model at batch 1, 2, 4 and 8 in turn on one model per side, as a server meets
+   them: from the second size on, one graph serves any batch, its rows known only at run time (the kernel hands
+   more than 4 rows to MKL's GEMM).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/rows_linear.py --out docs/results/rows_linear.json
 """
@@ -54,7 +57,9 @@ def weight_shapes(model) -> list[tuple[int, int]]:
 
 
 def ops(shapes: list[tuple[int, int]], rows: list[int], reps: int) -> list[dict]:
-    kernel = torch.ops.printpress_fast.rows_linear
+    def kernel(x, w):  # the kernel itself at every row count (the pass hands it at most ROWS_LINEAR_MAX_ROWS)
+        return torch.ops.printpress_fast.rows_linear(x, w, 1 << 30)
+
     out = []
     for n, k in shapes:
         copies = [torch.randn(n, k) for _ in range(max(1, min(400, COLD_BYTES // (4 * n * k))))]
@@ -129,6 +134,43 @@ def ar_steps(label: str, model, rounds: int, dram_gb_s: float | None) -> dict:
     return report
 
 
+def batch_step_call(model, batch: int, context: int = 64):
+    """One AR step of `batch` rows after a `context`-token prefix each, rolled back after each call."""
+    generator = torch.Generator().manual_seed(0)
+    cache = model.new_cache(batch, context + 1)
+    model.encode(torch.randint(3, model.config.vocab_size, (batch, context), generator=generator), cache,
+                 logits="none")
+    token = torch.randint(3, model.config.vocab_size, (batch, 1), generator=generator)
+
+    def step() -> None:
+        snapshot = cache.snapshot(1)
+        model.encode(token, cache, logits="last")
+        cache.truncate(context, snapshot)
+
+    return step
+
+
+def batched_steps(label: str, model, batches: list[int], rounds: int) -> list[dict]:
+    """Compiled AR steps of growing batches on one model per side, as a server meets them: the first batch size
+    compiles a graph for it, the second one graph for any batch (its rows known only at run time)."""
+    mkl, ours = clone(model), clone(model)
+    mkl.compiled_ar_step = MKLStep(mkl)
+    ours.compiled_ar_step = CompiledARStep(ours)
+    out = []
+    for batch in batches:
+        seconds = interleaved({"compiled, MKL": batch_step_call(mkl, batch),
+                               "compiled, kernel": batch_step_call(ours, batch)}, rounds, 10)
+        row = {"model": label, "work": f"AR step, batch {batch}",
+               "failures": [mkl.compiled_ar_step.failure, ours.compiled_ar_step.failure]}
+        for name, values in seconds.items():
+            row[name] = {"median_ms": 1e3 * statistics.median(values), "best_ms": 1e3 * min(values)}
+        mkl_ms, ours_ms = row["compiled, MKL"]["median_ms"], row["compiled, kernel"]["median_ms"]
+        print(f"{label}, AR step, batch {batch}: compiled with MKL {mkl_ms:.2f} ms, with the kernel {ours_ms:.2f} ms "
+              f"({mkl_ms / ours_ms:.2f}x)", flush=True)
+        out.append(row)
+    return out
+
+
 def describe(report: dict) -> None:
     exact, mkl, ours = (report[name]["median_ms"] for name in ("exact", "compiled, MKL", "compiled, kernel"))
     roof = f", roofline {report['roofline_ms']:.2f} ms" if report.get("roofline_ms") else ""
@@ -159,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     dram = read_bandwidth(COLD_BYTES, 9)["best_gb_s"]
     report["dram_read_gb_s"] = dram
     report["passes"] = [ar_steps("shipped", shipped, args.rounds, None), ar_steps("large", large, args.rounds, dram)]
+    report["batched"] = batched_steps("shipped", shipped, [1, 2, 4, 8], args.rounds)
     report["load_average"] = [load_start, os.getloadavg()[0]]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,7 @@ def rows_linear_ready() -> bool:
 
 def _register_rows_linear_fake() -> None:
     @torch.library.register_fake("printpress_fast::rows_linear")
-    def _(x, weight):  # shapes for torch.compile
+    def _(x, weight, max_rows):  # shapes for torch.compile
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("printpress_fast::expert_rows")
@@ -136,8 +136,9 @@ def _register_rows_linear_fake() -> None:
 
 class FewRowLinears(CustomGraphPass):
     """An inductor pass (run on the graph after autograd, before lowering): every `mm(x, weight.t())` with a
-    float32 CPU x of at most `ROWS_LINEAR_MAX_ROWS` rows (a static count) and a contiguous 2-D weight becomes
-    `printpress_fast::rows_linear(x, weight)`. An AR step is such products only (one row per sequence), bound
+    float32 CPU x of at most `ROWS_LINEAR_MAX_ROWS` rows, or of a count known only at run time (a graph compiled
+    for any batch size; the kernel then hands more rows to MKL), and a contiguous 2-D weight becomes
+    `printpress_fast::rows_linear(x, weight, ROWS_LINEAR_MAX_ROWS)`. An AR step is such products only (one row per sequence), bound
     by reading the weights; the kernel streams them at the memory's speed where MKL's GEMM reaches 60-70% of it.
     Likewise the chosen experts of a few tokens (`static_experts`: their weights gathered, then a batched
     product) become `printpress_fast::expert_rows`, which reads each expert's weights in place. Other summation order than MKL's, so only the compiled paths (not exact anyway) use it; where the kernel
@@ -163,7 +164,8 @@ class FewRowLinears(CustomGraphPass):
         if weight is None or not _few_float_rows(x.meta.get("val")):
             return
         with graph.inserting_before(node):
-            fused = graph.call_function(torch.ops.printpress_fast.rows_linear.default, (x, weight))
+            fused = graph.call_function(torch.ops.printpress_fast.rows_linear.default,
+                                        (x, weight, ROWS_LINEAR_MAX_ROWS))
         fused.meta = dict(node.meta)
         _replace(graph, node, fused, transposed)
 
@@ -227,10 +229,13 @@ def _transposed_weight(node) -> torch.fx.Node | None:
 
 
 def _few_float_rows(value, limit: int | None = ROWS_LINEAR_MAX_ROWS) -> bool:
-    """Whether a (fake) tensor is a float32 CPU matrix of a static number of rows, at most `limit` (if any)."""
-    return (isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype == torch.float32
-            and value.device.type == "cpu" and isinstance(value.shape[0], int)
-            and 1 <= value.shape[0] <= (limit or value.shape[0]))
+    """Whether a (fake) tensor is a float32 CPU matrix whose rows are at most `limit` (if any) or not known until
+    it runs (a graph compiled for any batch size: the kernel hands more rows to MKL then)."""
+    if not (isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype == torch.float32
+            and value.device.type == "cpu"):
+        return False
+    rows = value.shape[0]
+    return not isinstance(rows, int) or limit is None or 1 <= rows <= limit
 
 
 class CompiledGraph:

@@ -283,7 +283,7 @@ def rows_kernel():
 
     if not rows_linear_ready():
         pytest.skip("no C++ compiler for the kernel on this machine")
-    return torch.ops.printpress_fast.rows_linear
+    return lambda x, weight: torch.ops.printpress_fast.rows_linear(x, weight, 64)  # the kernel itself, to 64 rows
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
@@ -309,6 +309,28 @@ def test_the_rows_kernel_reads_strided_inputs_and_refuses_other_dtypes_and_shape
         rows_kernel(x.double(), weight.double())
     with pytest.raises(RuntimeError, match=r"expects x \(M, K\) and weight \(N, K\)"):
         rows_kernel(x, weight[:, :5])
+
+
+def test_more_rows_than_the_kernels_limit_go_to_aten_bit_for_bit(rows_kernel):
+    generator = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(5, 33, generator=generator), torch.randn(17, 33, generator=generator)
+    assert torch.equal(torch.ops.printpress_fast.rows_linear(x, weight, 4), torch.nn.functional.linear(x, weight))
+    assert not torch.equal(torch.ops.printpress_fast.rows_linear(x, weight, 5), torch.nn.functional.linear(x, weight))
+
+
+def test_the_pass_takes_products_whose_rows_are_known_only_at_run_time(rows_kernel):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from printpress.fast import FewRowLinears
+
+    inputs = (torch.randn(3, 8), torch.randn(5, 8))
+    graph_module = make_fx(torch.nn.functional.linear, tracing_mode="symbolic")(*inputs)
+    FewRowLinears()(graph_module.graph)
+    graph_module.recompile()
+    assert torch.ops.printpress_fast.rows_linear.default in targets(graph_module)
+    for rows in (2, 9):  # the kernel, then MKL's GEMM
+        x = torch.randn(rows, 8)
+        assert torch.allclose(graph_module(x, inputs[1]), torch.nn.functional.linear(x, inputs[1]), atol=1e-5)
 
 
 def test_the_expert_kernel_reads_each_rows_expert_in_place(rows_kernel):

@@ -81,12 +81,14 @@ static void rows_linear(const float* x, const float* w, float* y, int64_t M, int
 
 #endif
 
-// x (M, K) float32, weight (N, K) float32 -> (M, N); any strides in, contiguous out.
-torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight) {
+// x (M, K) float32, weight (N, K) float32 -> (M, N); any strides in, contiguous out. More than `max_rows` rows
+// (a graph compiled for any batch size meets them) go to ATen's linear, MKL's GEMM, which is faster there.
+torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "printpress_fast::rows_linear expects x (M, K) and weight (N, K)");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
               "printpress_fast::rows_linear is float32 only");
+  if (x.size(0) > max_rows) return at::linear(x, weight);
   const auto xc = x.contiguous();
   const auto wc = weight.contiguous();
   auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
@@ -119,7 +121,7 @@ torch::Tensor expert_rows(const torch::Tensor& x, const torch::Tensor& weight, c
 }
 
 TORCH_LIBRARY(printpress_fast, m) {
-  m.def("rows_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("rows_linear(Tensor x, Tensor weight, int max_rows) -> Tensor");
   m.def("expert_rows(Tensor x, Tensor weight, Tensor index) -> Tensor");
 }
 
