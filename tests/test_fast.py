@@ -426,3 +426,26 @@ def test_the_compiled_step_runs_the_kernel_and_stays_close_to_the_exact_path(mod
     assert FewRowLinears.replaced > before
     for a, b in zip(exact, fast):
         assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_a_kernel_that_cannot_be_built_warns_once_and_the_pass_leaves_the_graph(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    from printpress import native
+    from printpress.fast import FewRowLinears, rows_linear_ready
+
+    def no_compiler(**_):
+        raise RuntimeError("Error building extension: no compiler\nthe build log")
+
+    monkeypatch.setattr(native, "_loaded", {})  # as in a fresh process
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="printpress.native"):
+        assert not rows_linear_ready()
+        assert not rows_linear_ready()  # tried once per process
+        graph_module, _ = traced_linears(1)
+        before = targets(graph_module)
+        FewRowLinears()(graph_module.graph)
+    assert targets(graph_module) == before
+    assert [record.getMessage() for record in caplog.records] == [
+        "the kernel rows_linear.cpp could not be built (RuntimeError: Error building extension: no compiler); "
+        "compiled graphs keep MKL's GEMM for their few-row linears"]
