@@ -34,19 +34,14 @@ from printpress.fast import ROWS_LINEAR_MAX_ROWS, CompiledARStep, CompiledGraph,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_ar import own_copy  # noqa: E402
-from roofline import ar_step_call, ar_work, benchmark_model, read_bandwidth, shipped_model  # noqa: E402
+from roofline import ar_step_call, ar_work, benchmark_model, read_bandwidth, shipped_model, timings  # noqa: E402
 
 COLD_BYTES = 256 * 2**20
 
 
 def median_us(fn: Callable[[], object], reps: int, per_call: int = 1) -> float:
-    fn()
-    seconds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(seconds) / per_call
+    """Microseconds per call of the median of `reps` timed calls of `fn`, which makes `per_call` calls."""
+    return 1e6 * statistics.median(timings(fn, reps)) / per_call
 
 
 def weight_shapes(model) -> list[tuple[int, int]]:
