@@ -14,7 +14,7 @@ import torch
 import printpress
 from printpress.fast import compile_ar_step, remove_compiled_ar_step
 
-from helpers import make_reference
+from helpers import bench_module, make_reference
 
 
 @pytest.fixture(scope="module")
@@ -449,3 +449,15 @@ def test_a_kernel_that_cannot_be_built_warns_once_and_the_pass_leaves_the_graph(
     assert [record.getMessage() for record in caplog.records] == [
         "the kernel rows_linear.cpp could not be built (RuntimeError: Error building extension: no compiler); "
         "compiled graphs keep MKL's GEMM for their few-row linears"]
+
+
+def test_the_benchmark_times_mkl_and_the_kernel_at_each_shape_and_row_count(model, rows_kernel):
+    bench = bench_module("rows_linear")
+    shapes = bench.weight_shapes(model)
+    assert tuple(model.embed_tokens.weight.shape) in shapes
+    assert tuple(model.layers[0].self_attn.q_proj.weight.shape) in shapes
+    rows = bench.ops([(8, 16)], [1, 5], reps=3)
+    assert [(row["out"], row["in"], row["rows"]) for row in rows] == [(8, 16, 1), (8, 16, 5)]
+    for row in rows:
+        assert row["max_relative_difference"] < 1e-5
+        assert min(row["mkl_hot_us"], row["kernel_hot_us"], row["mkl_cold_us"], row["kernel_cold_us"]) > 0
