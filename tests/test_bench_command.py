@@ -414,6 +414,28 @@ def test_settings_parse_and_bad_ones_are_one_line_errors(capsys, tiny):
     assert "t_min (0.9) must not exceed t_max (0.5)" in capsys.readouterr().err
     assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--canvas-length", "0"]) == 2
     assert capsys.readouterr().err == "printpress: error: --canvas-length must be a positive number of tokens, got 0\n"
+    assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--compile", "fast"]) == 2
+    assert capsys.readouterr().err == ("printpress: error: --compile 'fast' is not supported; use ar, decoder, all (or "
+                                       "leave it out for the exact eager passes)\n")
+
+
+@pytest.mark.slow  # compiles the AR step and the prompt blocks with inductor
+def test_bench_decodes_with_compiled_passes_and_judges_exactly(tiny, tmp_path):
+    out = tmp_path / "compiled.json"
+    assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--steps", "2", "--entropy-bounds", "8",
+                     "--max-new-tokens", "8", "--no-heldout", "--forward-reps", "1", "--gguf-judge", "off",
+                     "--no-progress", "--results", str(tmp_path / "results"), "--compile", "ar",
+                     "--out", str(out)]) == 0
+    card = json.loads(out.read_text())
+    assert card["settings"]["compile"] == "ar"
+    # Decoded through compiled graphs, judged by the exact model: every sample's score is the judge's.
+    judge = Pipeline.from_pretrained(str(tiny))
+    assert [row["label"] for row in card["rows"]] == [AR_TWIN, OWN_AR, "diffusion, 2 steps, bound 8"]
+    for row in card["rows"]:
+        texts = [s for s in card["samples"] if s["side"] == row["label"]]
+        assert row["samples"] == len(texts) == 8 and row["new_tokens"] == 8 * 8  # the eight default prompts
+        assert row["judge_ar_twin_per_sample"] == pytest.approx(
+            [nll_per_char(judge, s["prompt"], s["text"]) for s in texts], rel=1e-6)
 
 
 def test_setting_keys_are_the_sampler_settings_wire_names():

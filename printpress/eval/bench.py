@@ -62,6 +62,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from printpress.eval.bench_report import headline_metrics, print_table, write_outputs
+from printpress.errors import CheckpointError
+from printpress.runtime_options import COMPILE, check_compile
 from printpress.eval.bench_sides import (
     AR_SAMPLING,
     SETTING_KEYS,
@@ -124,6 +126,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--canvas-length", type=int, default=None, metavar="TOKENS",
                    help="decode the diffusion model with this canvas instead of its checkpoint's (exact, as the "
                         "reference with that canvas_length; the held-out losses keep the checkpoint's canvas)")
+    p.add_argument("--compile", default=None, metavar="|".join(COMPILE),
+                   help="decode both models with these passes compiled (printpress.fast; not exact): both sides near "
+                        "the machine's limit. Two prompts per side are decoded at full length first, untimed (the "
+                        "compiles); the judge stays exact")
     p.add_argument("--yardstick", action="store_true",
                    help="issue 11's fixed yardstick: --heldout-prompts 24 --seeds 3 --max-new-tokens 64 --steps 32 16 8 "
                         "--entropy-bounds 0.1 1 4, plus --setting " + " --setting ".join(YARDSTICK_SETTINGS))
@@ -195,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError(f"--threads must be positive, got {args.threads}")
     if args.canvas_length is not None and args.canvas_length < 1:
         raise BenchError(f"--canvas-length must be a positive number of tokens, got {args.canvas_length}")
+    try:
+        check_compile(args.compile)
+    except CheckpointError as error:
+        raise BenchError(f"--{error}") from None
     if args.prompts_file is not None and args.heldout_prompts is not None:
         raise BenchError("give --prompts-file or --heldout-prompts, not both")
     if args.heldout_skip < 0 or (args.heldout_skip and args.heldout_prompts is None):
@@ -224,15 +234,21 @@ def _run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     diffusion_path = args.diffusion or str(default_model_path())
     ar_path = args.ar or str(default_model_path().parent / "shakespeare-ar")
-    pipes = {"diffusion": Pipeline.from_pretrained(diffusion_path, canvas_length=args.canvas_length),
-             "ar": Pipeline.from_pretrained(ar_path)}
+    pipes = {"diffusion": Pipeline.from_pretrained(diffusion_path, canvas_length=args.canvas_length,
+                                                   compile=args.compile),
+             "ar": Pipeline.from_pretrained(ar_path, compile=args.compile)}
+    judge = pipes["ar"] if args.compile is None else Pipeline.from_pretrained(ar_path)  # the judge stays exact
     for side in sides:  # every setting checked before any work
         pipes[side.model].settings(max_new_tokens=args.max_new_tokens, **side.overrides).validate()
     gguf, gguf_note = load_gguf_judge(args.gguf_judge)
     progress = not args.no_progress
 
+    if args.compile is not None:  # the graphs compile here, untimed: every variant a full-length decode meets
+        for side in sides:
+            for prompt, seed in plan[:2]:
+                pipes[side.model].generate(prompt, seed=seed, max_new_tokens=args.max_new_tokens, **side.overrides)
     samples = decode_all(pipes, sides, plan, args.max_new_tokens, progress)
-    scores = judge_samples(samples, pipes["ar"], gguf, progress)
+    scores = judge_samples(samples, judge, gguf, progress)
     rows = [summarize(side, samples[side.label], scores[side.label]) for side in sides]
     if args.python:
         from printpress.eval.python_syntax import python_validity
@@ -252,7 +268,7 @@ def _run(args: argparse.Namespace) -> int:
                      "seeds": f"{args.seed}..{args.seed + len(plan) - 1}", "yardstick": args.yardstick,
                      "steps": args.steps, "entropy_bounds": args.entropy_bounds, "extra": args.setting,
                      "threads": args.threads, "ar_sampling": AR_SAMPLING, "python_syntax": args.python,
-                     "canvas_length": pipes["diffusion"].canvas_length},
+                     "canvas_length": pipes["diffusion"].canvas_length, "compile": args.compile},
         "model": {"diffusion": diffusion_path, "ar": ar_path,
                   "parameters": sum(p.numel() for p in pipes["diffusion"].model.parameters())},
         "judges": {"ar_twin": {"model": ar_path, "weights_sha256": _weights_digest(ar_path), "column": JUDGE_KEY},
