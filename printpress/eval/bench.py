@@ -61,9 +61,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from printpress.eval.bench_report import headline_metrics, print_table, write_outputs
 from printpress.errors import CheckpointError
-from printpress.runtime_options import COMPILE, check_compile
+from printpress.eval.bench_report import headline_metrics, print_table, write_outputs
 from printpress.eval.bench_sides import (
     AR_SAMPLING,
     SETTING_KEYS,
@@ -83,6 +82,7 @@ from printpress.eval.frontier import (
     load_gguf_judge,
     summarize,
 )
+from printpress.runtime_options import COMPILE, check_compile
 
 if TYPE_CHECKING:
     from printpress.corpora import Document
