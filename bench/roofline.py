@@ -251,12 +251,20 @@ def benchmark_model(size: str) -> DiffusionGemma:
     return DiffusionGemma(TextConfig(**SIZES[size].text)).eval()
 
 
-def ar_step_call(model: DiffusionGemma, context: int) -> Callable[[], None]:
-    """One AR step after a `context`-token prefix, rolled back after each call (the same prefix every time)."""
+def twin(model: DiffusionGemma) -> DiffusionGemma:
+    """A second model with the same weights (to compile or change without touching the first)."""
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def ar_step_call(model: DiffusionGemma, context: int, batch: int = 1) -> Callable[[], None]:
+    """One AR step of `batch` rows after a `context`-token prefix each, rolled back after each call (the same
+    prefix every time)."""
     gen = torch.Generator().manual_seed(0)
-    cache = model.new_cache(1, context + 1)
-    model.encode(torch.randint(3, model.config.vocab_size, (1, context), generator=gen), cache, logits="none")
-    token = torch.randint(3, model.config.vocab_size, (1, 1), generator=gen)
+    cache = model.new_cache(batch, context + 1)
+    model.encode(torch.randint(3, model.config.vocab_size, (batch, context), generator=gen), cache, logits="none")
+    token = torch.randint(3, model.config.vocab_size, (batch, 1), generator=gen)
 
     def ar_step() -> None:
         snapshot = cache.snapshot(1)
@@ -315,8 +323,7 @@ def bench_model(label: str, model: DiffusionGemma, roofs: dict[str, Any], args: 
           flush=True)
     compiled = None
     if args.compiled:
-        compiled = type(model)(text).eval()
-        compiled.load_state_dict(model.state_dict())
+        compiled = twin(model)
         compile_ar_step(compiled)
     with torch.no_grad():
         loads = workloads(model, tuple(args.canvases), args.context, compiled)

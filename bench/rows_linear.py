@@ -30,11 +30,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from printpress.eval.report import cpu_name
 from printpress.fast import ROWS_LINEAR_MAX_ROWS, CompiledARStep, CompiledGraph, ar_step_graph, rows_linear_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_ar import own_copy  # noqa: E402
-from roofline import ar_step_call, ar_work, benchmark_model, read_bandwidth, shipped_model, timings  # noqa: E402
+from roofline import (  # noqa: E402
+    ar_step_call,
+    ar_work,
+    benchmark_model,
+    read_bandwidth,
+    shipped_model,
+    timings,
+    twin,
+)
 
 COLD_BYTES = 256 * 2**20
 
@@ -67,8 +76,9 @@ def ops(shapes: list[tuple[int, int]], rows: list[int], reps: int) -> list[dict]
             expected = F.linear(x, copies[0])
             error = float((kernel(x, copies[0]) - expected).abs().max() / expected.abs().max())
             row = {"out": n, "in": k, "rows": m, "mkl_hot_us": mkl_hot, "kernel_hot_us": ours_hot,
-                   "mkl_cold_us": mkl_cold, "kernel_cold_us": ours_cold, "cold_gb_s_kernel": 4 * n * k / ours_cold / 1e3,
-                   "cold_gb_s_mkl": 4 * n * k / mkl_cold / 1e3, "max_relative_difference": error}
+                   "mkl_cold_us": mkl_cold, "kernel_cold_us": ours_cold,
+                   "cold_gb_s_kernel": 4 * n * k / ours_cold / 1e3, "cold_gb_s_mkl": 4 * n * k / mkl_cold / 1e3,
+                   "max_relative_difference": error}
             out.append(row)
             print(f"  {n}x{k}, {m} rows: hot {mkl_hot:.1f} -> {ours_hot:.1f} us ({mkl_hot / ours_hot:.2f}x), "
                   f"cold {mkl_cold:.1f} -> {ours_cold:.1f} us ({mkl_cold / ours_cold:.2f}x, "
@@ -82,12 +92,6 @@ class MKLStep(CompiledARStep):
 
     def __init__(self, model) -> None:
         CompiledGraph.__init__(self, model, own_copy(ar_step_graph), "inductor", rows_kernel=False)
-
-
-def clone(model):
-    twin = type(model)(model.config).eval()
-    twin.load_state_dict(model.state_dict())
-    return twin
 
 
 def interleaved(sides: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, list[float]]:
@@ -105,7 +109,7 @@ def interleaved(sides: dict[str, Callable[[], object]], rounds: int, calls: int)
 
 
 def ar_steps(label: str, model, rounds: int, dram_gb_s: float | None) -> dict:
-    mkl, ours = clone(model), clone(model)
+    mkl, ours = twin(model), twin(model)
     mkl.compiled_ar_step = MKLStep(mkl)
     ours.compiled_ar_step = CompiledARStep(ours)
     sides = {"exact": ar_step_call(model, 64), "compiled, MKL": ar_step_call(mkl, 64),
@@ -129,32 +133,16 @@ def ar_steps(label: str, model, rounds: int, dram_gb_s: float | None) -> dict:
     return report
 
 
-def batch_step_call(model, batch: int, context: int = 64):
-    """One AR step of `batch` rows after a `context`-token prefix each, rolled back after each call."""
-    generator = torch.Generator().manual_seed(0)
-    cache = model.new_cache(batch, context + 1)
-    model.encode(torch.randint(3, model.config.vocab_size, (batch, context), generator=generator), cache,
-                 logits="none")
-    token = torch.randint(3, model.config.vocab_size, (batch, 1), generator=generator)
-
-    def step() -> None:
-        snapshot = cache.snapshot(1)
-        model.encode(token, cache, logits="last")
-        cache.truncate(context, snapshot)
-
-    return step
-
-
 def batched_steps(label: str, model, batches: list[int], rounds: int) -> list[dict]:
     """Compiled AR steps of growing batches on one model per side, as a server meets them: the first batch size
     compiles a graph for it, the second one graph for any batch (its rows known only at run time)."""
-    mkl, ours = clone(model), clone(model)
+    mkl, ours = twin(model), twin(model)
     mkl.compiled_ar_step = MKLStep(mkl)
     ours.compiled_ar_step = CompiledARStep(ours)
     out = []
     for batch in batches:
-        seconds = interleaved({"compiled, MKL": batch_step_call(mkl, batch),
-                               "compiled, kernel": batch_step_call(ours, batch)}, rounds, 10)
+        seconds = interleaved({"compiled, MKL": ar_step_call(mkl, 64, batch),
+                               "compiled, kernel": ar_step_call(ours, 64, batch)}, rounds, 10)
         row = {"model": label, "work": f"AR step, batch {batch}",
                "failures": [mkl.compiled_ar_step.failure, ours.compiled_ar_step.failure]}
         for name, values in seconds.items():
@@ -187,9 +175,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("bench/rows_linear.py: the kernel could not be built on this machine (see the warning above)")
     load_start = os.getloadavg()[0]
     shipped, large = shipped_model(), benchmark_model("large")
-    report: dict = {"max_rows": ROWS_LINEAR_MAX_ROWS, "command": "OMP_NUM_THREADS=1 python bench/rows_linear.py " + " ".join(sys.argv[1:]),
-                    "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                                 if line.startswith("model name")), "unknown"), "torch": torch.__version__}
+    report: dict = {"max_rows": ROWS_LINEAR_MAX_ROWS,
+                    "command": "OMP_NUM_THREADS=1 python bench/rows_linear.py " + " ".join(sys.argv[1:]),
+                    "cpu": cpu_name(), "torch": torch.__version__}
     if not args.skip_ops:
         print("ops:", flush=True)
         report["ops"] = ops(sorted(set(weight_shapes(shipped) + weight_shapes(large))), [1, 2, 4, 8, 16], args.reps)

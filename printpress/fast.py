@@ -135,13 +135,15 @@ def _register_rows_linear_fake() -> None:
 
 
 class FewRowLinears(CustomGraphPass):
-    """An inductor pass (run on the graph after autograd, before lowering): every `mm(x, weight.t())` with a
-    float32 CPU x of at most `ROWS_LINEAR_MAX_ROWS` rows, or of a count known only at run time (a graph compiled
-    for any batch size; the kernel then hands more rows to MKL), and a contiguous 2-D weight becomes
-    `printpress_fast::rows_linear(x, weight, ROWS_LINEAR_MAX_ROWS)`. An AR step is such products only (one row per sequence), bound
-    by reading the weights; the kernel streams them at the memory's speed where MKL's GEMM reaches 60-70% of it.
-    Likewise the chosen experts of a few tokens (`static_experts`: their weights gathered, then a batched
-    product) become `printpress_fast::expert_rows`, which reads each expert's weights in place. Other summation order than MKL's, so only the compiled paths (not exact anyway) use it; where the kernel
+    """An inductor pass (run on the graph after autograd, before lowering). Every `mm(x, weight.t())` with a
+    contiguous 2-D weight and a float32 CPU x of at most `ROWS_LINEAR_MAX_ROWS` rows, or of rows known only at run
+    time (a graph compiled for any batch size: the kernel then hands more rows to MKL), becomes
+    `printpress_fast::rows_linear(x, weight, ROWS_LINEAR_MAX_ROWS)`. An AR step is such products only (one row per
+    sequence), bound by reading the weights; the kernel streams them at the memory's speed where MKL's GEMM reaches
+    60-70% of it. Likewise the chosen experts of a few tokens (`static_experts`: their weights gathered, then a
+    batched product) become `printpress_fast::expert_rows`, which reads each expert's weights in place.
+
+    Another summation order than MKL's, so only the compiled paths (not exact anyway) use it; where the kernel
     cannot be built, the pass leaves the graph as it is. `replaced` counts the products replaced in this process.
     """
 

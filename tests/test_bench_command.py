@@ -428,6 +428,8 @@ def test_bench_decodes_with_compiled_passes_and_judges_exactly(tiny, tmp_path):
                      "--out", str(out)]) == 0
     card = json.loads(out.read_text())
     assert card["settings"]["compile"] == "ar"
+    compiled = {"compiled_ar_step": "ok", "compiled_encoder": "ok"}  # both models decoded through their graphs
+    assert card["settings"]["compiled_passes"] == {"diffusion": compiled, "ar": compiled}
     # Decoded through compiled graphs, judged by the exact model: every sample's score is the judge's.
     judge = Pipeline.from_pretrained(str(tiny))
     assert [row["label"] for row in card["rows"]] == [AR_TWIN, OWN_AR, "diffusion, 2 steps, bound 8"]

@@ -268,7 +268,8 @@ def _run(args: argparse.Namespace) -> int:
                      "seeds": f"{args.seed}..{args.seed + len(plan) - 1}", "yardstick": args.yardstick,
                      "steps": args.steps, "entropy_bounds": args.entropy_bounds, "extra": args.setting,
                      "threads": args.threads, "ar_sampling": AR_SAMPLING, "python_syntax": args.python,
-                     "canvas_length": pipes["diffusion"].canvas_length, "compile": args.compile},
+                     "canvas_length": pipes["diffusion"].canvas_length, "compile": args.compile,
+                     "compiled_passes": {name: compiled_passes(pipe.model) for name, pipe in pipes.items()}},
         "model": {"diffusion": diffusion_path, "ar": ar_path,
                   "parameters": sum(p.numel() for p in pipes["diffusion"].model.parameters())},
         "judges": {"ar_twin": {"model": ar_path, "weights_sha256": _weights_digest(ar_path), "column": JUDGE_KEY},
@@ -419,6 +420,12 @@ def _lines_window(text: str, start: int, chars: int) -> str:
 # --------------------------------------------------------------------------------------------
 # Per-forward cost, held-out losses, the judge's weights
 # --------------------------------------------------------------------------------------------
+
+
+def compiled_passes(model) -> dict[str, str]:
+    """The model's compiled passes (`--compile`) after the run: "ok", or why a pass fell back to the exact path."""
+    graphs = {name: getattr(model, name) for name in ("compiled_ar_step", "compiled_encoder", "compiled_decoder")}
+    return {name: graph.failure or "ok" for name, graph in graphs.items() if graph is not None}
 
 
 def forward_cost(pipe, prompt_tokens: int = 64, reps: int = 15) -> dict[str, Any]:
