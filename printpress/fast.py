@@ -1,9 +1,11 @@
 """Opt-in compiled AR step and decoder pass: one `torch.compile` graph each. Faster; NOT bit-exact to the reference.
 
 The decoder pass (`compile_decoder`) follows the same recipe as the AR step below: the cache is read as the eager
-`denoise` reads it (oldest first, with its validity masks), the experts run densely for a canvas (every expert on
+`denoise` reads it (oldest first, with its validity masks), a canvas's experts run each on its own tokens in one
+opaque operator of printpress's own (`printpress_fast::routed_experts`; without a compiler for it, every expert on
 every token, then the router's choice), and the rest of the pass is one graph; it covers every decoder pass of a
-model (diffusion steps, speculative drafts, edits), for any cache length and batch.
+model (diffusion steps, speculative drafts, edits), for any cache length and batch. Inside the graphs tanh (the
+logits' softcap, GELU) is computed from exp, 3x cheaper on CPU (`printpress.model.gelu_tanh`, `softcap`).
 
 The exact engine runs an AR step as ~700 small eager kernels, each paying dispatch cost (docs/benchmarks.md,
 "Roofline"). Here one step (1 token per row after the cache, `logits="last"`) is a single graph, the way gpt-fast
@@ -32,10 +34,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -72,17 +74,24 @@ def ar_step_graph(
     full_mask, sliding_mask = _step_masks(position, pad_mask, slot_positions)
     new_keys, new_values = [], []
     for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        q, k, v = layer.attention_inputs(x, (b, 1), ropes[spec.sliding])
+        # The new key goes after every cached slot; the masks hide empty, padded and future slots.
+        attended = layer.self_attn.attend(*layer.attention_inputs(x, (b, 1), ropes[spec.sliding]),
+                                          sliding_mask if spec.sliding else full_mask,
+                                          _appended(keys[index], values[index], new_keys, new_values))
+        x = layer.after_attention(x, attended, (b, 1), True)
+    return model.logits(model.norm(x)[:, None, :]), new_keys, new_values
+
+
+def _appended(past_k: torch.Tensor, past_v: torch.Tensor, new_keys: list, new_values: list):
+    """The `kv_fn` of `Attention.attend` for an encoder pass: the block's keys and values after the cached ones,
+    and kept in `new_keys` / `new_values` for the caller to write into the cache."""
+
+    def joined(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new_keys.append(k)
         new_values.append(v)
-        # The new key is appended after every cached slot; the masks hide empty, padded and future slots.
-        k_all, v_all = torch.cat([keys[index], k], dim=2), torch.cat([values[index], v], dim=2)
-        attention = layer.self_attn
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_all, v_all, attn_mask=sliding_mask if spec.sliding else full_mask, scale=1.0,
-            enable_gqa=attention.num_kv_heads != attention.num_heads)
-        x = layer.after_attention(x, out.transpose(1, 2).reshape(b, -1), (b, 1), True)
-    return model.logits(model.norm(x)[:, None, :]), new_keys, new_values
+        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+    return joined
 
 
 def _step_masks(position: torch.Tensor, pad_mask: torch.Tensor, slot_positions: torch.Tensor):
@@ -113,9 +122,10 @@ def input_and_code_guards(entries) -> list[bool]:
 # -- few-row linears: printpress's own kernel in place of MKL's GEMM ------------------------------------------------
 
 # Up to this many rows, printpress_fast::rows_linear (printpress/kernels/rows_linear.cpp) beats MKL's GEMM on
-# this project's CPU at every weight shape of the shipped and the 99.7M benchmark models: 1.1-2.3x at 1-4 rows;
-# at 8 rows 0.8-1.6x, at 16 0.7-1.3x (docs/benchmarks.md §6, "Few-row linears").
-ROWS_LINEAR_MAX_ROWS = 4
+# this project's CPU at the weight shapes of the shipped and the 99.7M benchmark models: 1.1-2.3x at 1-4 rows
+# (weights streamed past each row), 1.1-1.8x at 5-8 rows (3 x 4 register tiles); from 12 rows MKL is as fast or
+# faster (docs/benchmarks.md §6, "Few-row linears").
+ROWS_LINEAR_MAX_ROWS = 8
 
 
 def rows_linear_ready() -> bool:
@@ -132,6 +142,21 @@ def _register_rows_linear_fake() -> None:
     @torch.library.register_fake("printpress_fast::expert_rows")
     def _(x, weight, index):
         return x.new_empty((x.shape[0], weight.shape[1]))
+
+    @torch.library.register_fake("printpress_fast::routed_experts")
+    def _(x, weights, experts, gate_up, down, activation):
+        return x.new_empty(x.shape)
+
+
+# Whether the graph being called may run a canvas's experts through printpress_fast::routed_experts (each expert on
+# its own tokens only) instead of every expert on every token: `CompiledGraph._run` sets it before each call, so
+# that `static_experts` reads it while the graph is traced (and dynamo guards on it).
+_routed_experts = False
+
+
+def routed_experts_wanted(*tensors: torch.Tensor) -> bool:
+    """Inside a graph being traced: whether `static_experts` runs a canvas's experts through the routed kernel."""
+    return _routed_experts and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
 class FewRowLinears(CustomGraphPass):
@@ -246,16 +271,20 @@ class CompiledGraph:
 
     what = "compiled graph"  # the words of the warning
 
-    def __init__(self, model: DiffusionGemma, graph, backend: str = "inductor", rows_kernel: bool = True) -> None:
+    graph: Callable = None  # the pure function of tensors a subclass compiles
+
+    def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
+                 routed_experts: bool = True) -> None:
         self.model = model
         self.backend = backend
+        self.routed_experts = routed_experts
         self.failure: str | None = None
         options = {"guard_filter_fn": input_and_code_guards}
         if backend == "inductor":
             options["cpp_wrapper"] = True  # the kernels are called from C++, not one Python call each
             if rows_kernel:  # the kernel is built when the first graph is compiled, not here
                 options["post_grad_custom_post_pass"] = FewRowLinears()
-        self._graph = torch.compile(graph, backend=backend, fullgraph=True, options=options)
+        self._graph = torch.compile(type(self).graph, backend=backend, fullgraph=True, options=options)
         self._parameters = [(p, p.dtype, p.device, p.shape) for p in model.parameters()]
 
     def _parameters_unchanged(self) -> bool:
@@ -271,6 +300,8 @@ class CompiledGraph:
             logger.warning("%s unavailable (%s); running the exact eager path (compile it again)", self.what,
                            self.failure)
             return None
+        global _routed_experts
+        _routed_experts = self.routed_experts and rows_linear_ready()
         try:
             return self._graph(self.model, *args)
         except Exception as error:  # noqa: BLE001 - any compiler failure means "use the eager path"
@@ -283,9 +314,8 @@ class CompiledARStep(CompiledGraph):
     """`model.encode(ids (B, 1), cache, logits="last")` through one compiled graph; see the module docstring."""
 
     what = "compiled AR step"
+    graph = staticmethod(ar_step_graph)
 
-    def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> None:
-        super().__init__(model, ar_step_graph, backend, rows_kernel)
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is an AR step the graph runs (else the eager path runs it)."""
@@ -314,15 +344,17 @@ class CompiledARStep(CompiledGraph):
         return logits
 
 
-def compile_ar_step(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> CompiledARStep:
+def compile_ar_step(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
+                    routed_experts: bool = True) -> CompiledARStep:
     """Run this model's encoder passes through compiled graphs from now on (opt-in, not bit-exact): AR steps (one
     token per row) and unpadded blocks (speculative verifications, prompts: `CompiledEncoderBlock`). Returns the
     step object (`.failure` says why it fell back, if it did; `model.compiled_encoder` is the block's).
-    `remove_compiled_ar_step` undoes both. `rows_kernel=False` keeps MKL's GEMM for the one-row products
-    (`FewRowLinears`)."""
-    step = CompiledARStep(model, backend, rows_kernel)
+    `remove_compiled_ar_step` undoes both. `rows_kernel=False` keeps MKL's GEMM for the few-row products
+    (`FewRowLinears`); `routed_experts=False` runs a block's experts densely (every expert on every token) instead
+    of each on its own tokens (`printpress_fast::routed_experts`)."""
+    step = CompiledARStep(model, backend, rows_kernel, routed_experts)
     model.compiled_ar_step = step
-    model.compiled_encoder = CompiledEncoderBlock(model, backend, rows_kernel)
+    model.compiled_encoder = CompiledEncoderBlock(model, backend, rows_kernel, routed_experts)
     return step
 
 
@@ -355,15 +387,9 @@ def encoder_block_graph(
     ropes = model.rope(positions)
     new_keys, new_values = [], []
     for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        past_k, past_v = prefix_keys[index], prefix_values[index]
-
-        def joined(k, v, past_k=past_k, past_v=past_v):
-            new_keys.append(k)
-            new_values.append(v)
-            return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-
         attended = layer.self_attn.attend(*layer.attention_inputs(x, (b, t), ropes[spec.sliding]),
-                                          sliding_mask if spec.sliding else full_mask, joined)
+                                          sliding_mask if spec.sliding else full_mask,
+                                          _appended(prefix_keys[index], prefix_values[index], new_keys, new_values))
         x = layer.after_attention(x, attended, (b, t), True)
     hidden = model.norm(x).view(b, t, -1)
     return model.logits(hidden[:, -1:] if last else hidden), new_keys, new_values
@@ -386,9 +412,8 @@ class CompiledEncoderBlock(CompiledGraph):
     rather than run densely): speculative verifications and unpadded prompts. See `compile_ar_step`."""
 
     what = "compiled encoder block"
+    graph = staticmethod(encoder_block_graph)
 
-    def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> None:
-        super().__init__(model, encoder_block_graph, backend, rows_kernel)
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is a block the graph runs: more than one token, none of them padding, logits wanted."""
@@ -459,9 +484,8 @@ class CompiledDecoderPass(CompiledGraph):
     """`model.denoise(...)` through one compiled graph per canvas shape; see `compile_decoder`."""
 
     what = "compiled decoder pass"
+    graph = staticmethod(decoder_pass_graph)
 
-    def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> None:
-        super().__init__(model, decoder_pass_graph, backend, rows_kernel)
 
     def covers(self) -> bool:
         """Whether the graph runs this pass (inference only, and only while it has not failed)."""
@@ -486,12 +510,15 @@ class CompiledDecoderPass(CompiledGraph):
         return self._run(canvas_ids, probs, self_conditioning_mask, positions, keys, values, full_valid, sliding_valid)
 
 
-def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True) -> CompiledDecoderPass:
+def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
+                    routed_experts: bool = True) -> CompiledDecoderPass:
     """Run this model's decoder passes (diffusion steps, speculative drafts, edits) through one compiled graph
-    from now on: opt-in and not bit-exact, like `compile_ar_step` (the experts run densely, fused kernels sum in
-    another order). Returns the pass object (`.failure` says why it fell back, if it did);
+    from now on: opt-in and not bit-exact, like `compile_ar_step` (fused kernels sum in another order; tanh is
+    computed from exp). A canvas's experts run each on its own tokens through `printpress_fast::routed_experts`
+    where the kernel builds (`routed_experts=False`, or no compiler: every expert on every token, then the
+    router's choice). Returns the pass object (`.failure` says why it fell back, if it did);
     `remove_compiled_decoder` undoes it."""
-    compiled = CompiledDecoderPass(model, backend, rows_kernel)
+    compiled = CompiledDecoderPass(model, backend, rows_kernel, routed_experts)
     model.compiled_decoder = compiled
     return compiled
 

@@ -33,10 +33,33 @@ LogitsMode = Literal["all", "last", "none"]
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
+        return gelu_tanh
     if name == "gelu":
         return F.gelu
     return F.silu
+
+
+# Inside compiled graphs (printpress.fast: opt-in, not bit-exact) tanh is written with exp: on CPU, inductor's
+# vectorised tanh costs 3.4 ns an element against exp's 1.1 (one thread), and a decoder pass over a canvas of 32
+# computes it for 0.35M elements (the softcap over the vocabulary, the experts' and the MLP's GELU). The eager
+# passes keep ATen's tanh, which the exact path's parity with the reference needs.
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(u)), which is x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)."""
+    if not torch.compiler.is_compiling():
+        return F.gelu(x, approximate="tanh")
+    return x * torch.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), in place at inference; tanh(y) = 1 - 2 / (exp(2y) + 1) inside compiled graphs
+    (absolute error ~1e-7 of the cap, then)."""
+    if torch.compiler.is_compiling():
+        return (1.0 - 2.0 / (torch.exp(logits * (2.0 / cap)) + 1.0)) * cap
+    if logits.requires_grad:
+        return torch.tanh(logits / cap) * cap
+    return logits.div_(cap).tanh_().mul_(cap)  # in place: a (B, C, vocab) tensor per step at inference
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -178,17 +201,27 @@ def static_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     """The experts with static shapes, for compiled graphs (`printpress.fast`): no sort, no sizes that depend on the
     routing. A few tokens gather their experts' weights; more than the expert count run every expert on every
     token. Not bit-identical to the grouped path (other kernels, other summation order)."""
+    from printpress import fast  # loaded already: the graph being traced is one of its compiled passes
+
     n, k = experts.shape
     if n * k <= gate_up_proj.shape[0]:
         chosen = experts.reshape(-1)
         rows = x.repeat_interleave(k, dim=0)[:, :, None]  # (n*k, H, 1)
         gate, up = torch.bmm(gate_up_proj[chosen], rows).squeeze(-1).chunk(2, dim=-1)
         out = torch.bmm(down_proj[chosen], (act(gate) * up)[:, :, None]).view(n, k, -1)
+    elif (code := ROUTED_ACTIVATIONS.get(act)) is not None and fast.routed_experts_wanted(x, weights, gate_up_proj,
+                                                                                          down_proj):
+        # Each expert on its own tokens (printpress/kernels/rows_linear.cpp): half the products of the dense path.
+        return torch.ops.printpress_fast.routed_experts(x, weights, experts, gate_up_proj, down_proj, code)
     else:
         gate, up = torch.matmul(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # (E, n, I) each
         every = torch.matmul(act(gate) * up, down_proj.transpose(1, 2))  # (E, n, H)
         out = every[experts, torch.arange(n, device=x.device)[:, None]]  # (n, k, H)
     return (out * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+# The activations printpress_fast::routed_experts computes itself, by its code for them.
+ROUTED_ACTIVATIONS = {gelu_tanh: 0, F.gelu: 1, F.silu: 2}
 
 
 def rope_inv_freq(config: TextConfig, spec: LayerSpec) -> torch.Tensor:
@@ -428,11 +461,7 @@ class DiffusionGemma(nn.Module):
         head = self.lm_head
         logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
         cap = self.config.final_logit_softcapping
-        if not cap:
-            return logits
-        if logits.requires_grad:
-            return torch.tanh(logits / cap) * cap
-        return logits.div_(cap).tanh_().mul_(cap)  # in place: a (B, C, vocab) tensor per step at inference
+        return softcap(logits, cap) if cap else logits
 
     def rope(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """cos and signed sin (see `rotate`) per layer kind for `positions` (T,) or per row (B, T), shaped

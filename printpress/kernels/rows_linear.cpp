@@ -1,10 +1,12 @@
 // A float32 linear for a few rows (y = x @ w^T, x: (M, K), w: (N, K), both row-major), for the opt-in compiled
-// AR step (printpress/fast.py): an AR step multiplies one row by every weight matrix, so it is bound by reading
+// passes (printpress/fast.py). An AR step multiplies one row by every weight matrix, so it is bound by reading
 // the weights, and MKL's one-row GEMM reads them at 60-70% of the bandwidth a plain streaming loop reaches on
-// this project's CPUs (docs/benchmarks.md §6, "Few-row linears"). Here four weight rows stream side by side through
-// AVX2 FMAs, each weight read once from memory and reused from L1 for every row of x.
+// this project's CPUs (docs/benchmarks.md §6, "Few-row linears"). Up to 4 rows, four weight rows stream side by
+// side through AVX2 FMAs, each weight read once from memory and reused from L1 for every row of x; from 5 rows
+// (a canvas of 8, a batch of AR steps) 3 x 4 register tiles keep the FMA units busy.
 //
-// `expert_rows` does the same for a few rows each through its own expert's weights, read in place.
+// `expert_rows` does the same for a few rows each through its own expert's weights, read in place, and
+// `routed_experts` runs a canvas's experts each on the tokens routed to it.
 //
 // Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it.
 #include <torch/extension.h>
@@ -52,7 +54,74 @@ inline float one_dot(const float* x, const float* w, int64_t K) {
   return s;
 }
 
+// A tile of MR rows of x against NR weight rows, over K (a slice of both): acc[m][n] holds eight partial sums of
+// x[m] . w[n] along k. Each step loads MR x vectors and NR weight vectors for MR * NR FMAs (3 x 4: 7 loads, 12
+// FMAs, 16 registers), so the loop runs at the FMA units' rate from L1. `accumulate` adds to y (a later K slice).
+template <int MR, int NR>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t K,
+                 bool accumulate) {
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+    for (int n = 0; n < NR; ++n) {
+      const __m256 wv = _mm256_loadu_ps(w + n * ldw + k);
+      for (int m = 0; m < MR; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float sums[4];
+    if (NR == 4) {  // four horizontal sums at once
+      const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[m][0], acc[m][1]),
+                                          _mm256_hadd_ps(acc[m][2 % NR], acc[m][3 % NR]));
+      _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+    } else {
+      for (int n = 0; n < NR; ++n) sums[n] = horizontal_sum(acc[m][n]);
+    }
+    for (int n = 0; n < NR; ++n) {
+      float s = sums[n];
+      for (int64_t j = k; j < K; ++j) s += x[m * ldx + j] * w[n * ldw + j];
+      y[m * ldy + n] = accumulate ? y[m * ldy + n] + s : s;
+    }
+  }
+}
+
+template <int MR>
+inline void tile_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t N,
+                      int64_t K, bool accumulate) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) tile<MR, 4>(x, ldx, w + n * ldw, ldw, y + n, ldy, K, accumulate);
+  switch (N - n) {
+    case 3: tile<MR, 3>(x, ldx, w + n * ldw, ldw, y + n, ldy, K, accumulate); break;
+    case 2: tile<MR, 2>(x, ldx, w + n * ldw, ldw, y + n, ldy, K, accumulate); break;
+    case 1: tile<MR, 1>(x, ldx, w + n * ldw, ldw, y + n, ldy, K, accumulate); break;
+    default: break;
+  }
+}
+
 }  // namespace
+
+// Many rows (a canvas, a prompt block): 3 x 4 register tiles. The weight is read in blocks of 4 rows that stay in
+// L1 while every row of x passes them; K is cut into slices of `kSlice` so that the slice of x (M rows) stays in
+// L2 too. y = x @ w^T, all row-major and contiguous.
+static void tiled_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t kSlice = 512, kBlock = 16;  // K per slice; weight rows per block
+  for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
+    const int64_t kc = std::min(kSlice, K - k0);
+    const bool accumulate = k0 > 0;
+    for (int64_t n0 = 0; n0 < N; n0 += kBlock) {
+      const int64_t nc = std::min(kBlock, N - n0);
+      const float* wb = w + n0 * K + k0;
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) tile_rows<3>(x + m * K + k0, K, wb, K, y + m * N + n0, N, nc, kc, accumulate);
+      if (M - m == 2) tile_rows<2>(x + m * K + k0, K, wb, K, y + m * N + n0, N, nc, kc, accumulate);
+      if (M - m == 1) tile_rows<1>(x + m * K + k0, K, wb, K, y + m * N + n0, N, nc, kc, accumulate);
+    }
+  }
+}
 
 static void rows_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
   float four[4];
@@ -79,7 +148,15 @@ static void rows_linear(const float* x, const float* w, float* y, int64_t M, int
     }
 }
 
+static void tiled_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  rows_linear(x, w, y, M, N, K);
+}
+
 #endif
+
+// Up to this many rows the weights stream past each row (bound by reading them: an AR step); more rows run in
+// register tiles (bound by the FMAs: a canvas, a prompt block).
+constexpr int64_t kStreamRows = 4;
 
 // x (M, K) float32, weight (N, K) float32 -> (M, N); any strides in, contiguous out. More than `max_rows` rows
 // (a graph compiled for any batch size meets them) go to ATen's linear, MKL's GEMM, which is faster there.
@@ -92,8 +169,8 @@ torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t 
   const auto xc = x.contiguous();
   const auto wc = weight.contiguous();
   auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
-  rows_linear(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), x.size(0), weight.size(0),
-              x.size(1));
+  (x.size(0) <= kStreamRows ? rows_linear : tiled_linear)(xc.data_ptr<float>(), wc.data_ptr<float>(),
+                                                          y.data_ptr<float>(), x.size(0), weight.size(0), x.size(1));
   return y;
 }
 
@@ -120,12 +197,60 @@ torch::Tensor expert_rows(const torch::Tensor& x, const torch::Tensor& weight, c
   return y;
 }
 
+// A canvas's experts, each run only on the tokens routed to it (what the eager path's grouped GEMMs compute; a
+// compiled graph, whose shapes cannot depend on the routing, would otherwise run every expert on every token).
+// x (T, H), weights (T, k) and experts (T, k) from the router, gate_up (E, 2I, H), down (E, H, I); activation 0:
+// GELU (tanh approximation), 1: GELU, 2: SiLU. Returns sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), (T, H).
+torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& experts,
+                             const torch::Tensor& gate_up, const torch::Tensor& down, int64_t activation) {
+  TORCH_CHECK(x.dim() == 2 && weights.dim() == 2 && experts.sizes() == weights.sizes() &&
+                  weights.size(0) == x.size(0) && gate_up.dim() == 3 && down.dim() == 3 &&
+                  gate_up.size(2) == x.size(1) && down.size(0) == gate_up.size(0) && down.size(1) == x.size(1) &&
+                  gate_up.size(1) == 2 * down.size(2),
+              "printpress_fast::routed_experts expects x (T, H), weights and experts (T, k), gate_up (E, 2I, H) "
+              "and down (E, H, I)");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weights.scalar_type() == torch::kFloat &&
+                  gate_up.scalar_type() == torch::kFloat && down.scalar_type() == torch::kFloat,
+              "printpress_fast::routed_experts is float32 only");
+  TORCH_CHECK(activation >= 0 && activation <= 2, "printpress_fast::routed_experts: activation ", activation,
+              " is not 0 (GELU, tanh), 1 (GELU) or 2 (SiLU)");
+  const int64_t T = x.size(0), k = experts.size(1), E = gate_up.size(0), I = down.size(2);
+  const auto chosen = experts.to(torch::kLong).contiguous();
+  const auto w = weights.contiguous();
+  const int64_t* e_of = chosen.data_ptr<int64_t>();
+  const float* w_of = w.data_ptr<float>();
+  std::vector<std::vector<int64_t>> tokens(E);
+  std::vector<std::vector<float>> scales(E);
+  for (int64_t i = 0; i < T * k; ++i) {
+    TORCH_CHECK(e_of[i] >= 0 && e_of[i] < E, "printpress_fast::routed_experts: expert ", e_of[i], " is not in [0, ",
+                E, ")");
+    tokens[e_of[i]].push_back(i / k);
+    scales[e_of[i]].push_back(w_of[i]);
+  }
+  auto out = torch::zeros_like(x, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto index_options = torch::TensorOptions().dtype(torch::kLong);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(tokens[e].size());
+    if (n == 0) continue;
+    const auto rows = torch::from_blob(tokens[e].data(), {n}, index_options);
+    const auto scale = torch::from_blob(scales[e].data(), {n, 1}, torch::TensorOptions().dtype(torch::kFloat));
+    const auto both = at::linear(x.index_select(0, rows), gate_up[e]);
+    const auto gate = both.narrow(1, 0, I), up = both.narrow(1, I, I);
+    const auto act = activation == 0 ? at::gelu(gate, "tanh") : activation == 1 ? at::gelu(gate) : at::silu(gate);
+    out.index_add_(0, rows, at::linear(act * up, down[e]) * scale);
+  }
+  return out;
+}
+
 TORCH_LIBRARY(printpress_fast, m) {
   m.def("rows_linear(Tensor x, Tensor weight, int max_rows) -> Tensor");
   m.def("expert_rows(Tensor x, Tensor weight, Tensor index) -> Tensor");
+  m.def("routed_experts(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, int activation) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
   m.impl("rows_linear", &rows);
   m.impl("expert_rows", &expert_rows);
+  m.impl("routed_experts", &routed_experts);
 }
