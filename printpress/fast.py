@@ -316,7 +316,6 @@ class CompiledARStep(CompiledGraph):
     what = "compiled AR step"
     graph = staticmethod(ar_step_graph)
 
-
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is an AR step the graph runs (else the eager path runs it)."""
         return (self.failure is None and input_ids.shape[1] == 1 and attention_mask is None and logits == "last"
@@ -409,11 +408,10 @@ def cached_prefixes(model: DiffusionGemma, cache) -> tuple[list[torch.Tensor], l
 class CompiledEncoderBlock(CompiledGraph):
     """`model.encode(ids (B, T >= 2), cache, logits="all" | "last")` through compiled graphs for any T and cache
     length (a few variants: logits for the last token or all, blocks of 2 tokens, whose experts are gathered
-    rather than run densely): speculative verifications and unpadded prompts. See `compile_ar_step`."""
+    rather than routed): speculative verifications and unpadded prompts. See `compile_ar_step`."""
 
     what = "compiled encoder block"
     graph = staticmethod(encoder_block_graph)
-
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is a block the graph runs: more than one token, none of them padding, logits wanted."""
@@ -485,7 +483,6 @@ class CompiledDecoderPass(CompiledGraph):
 
     what = "compiled decoder pass"
     graph = staticmethod(decoder_pass_graph)
-
 
     def covers(self) -> bool:
         """Whether the graph runs this pass (inference only, and only while it has not failed)."""
