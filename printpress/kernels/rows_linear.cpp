@@ -104,9 +104,9 @@ inline void tile_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 
 }  // namespace
 
-// Many rows (a canvas, a prompt block): 3 x 4 register tiles. The weight is read in blocks of 4 rows that stay in
-// L1 while every row of x passes them; K is cut into slices of `kSlice` so that the slice of x (M rows) stays in
-// L2 too. y = x @ w^T, all row-major and contiguous.
+// 5-8 rows (a canvas of 8, a batch of AR steps): 3 x 4 register tiles. The weight is read in blocks of 16 rows that
+// stay in L1 while every row of x passes them; K is cut into slices of `kSlice` so that a block and the rows of x
+// fit there too. y = x @ w^T, all row-major and contiguous.
 static void tiled_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t kSlice = 512, kBlock = 16;  // K per slice; weight rows per block
   for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
