@@ -33,6 +33,7 @@ from printpress.sampling import (
     sample_canvas,
     step_temperature,
     token_entropy,
+    top_k_only,
     uniform_tokens,
     window_open,
 )
@@ -98,6 +99,9 @@ def denoise_step(
     free = logits.shape[1] if free is None else free
     if banned is not None:
         processed[:, :free, banned] = float("-inf")
+    for j, row in enumerate(rows):
+        if 0 < row.settings.canvas_top_k < processed.shape[-1]:  # opt-in, not the reference's: see the setting
+            processed[j, :free] = top_k_only(processed[j, :free], row.settings.canvas_top_k)
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
     scaled = processed[:, :free]
     entropy = token_entropy(scaled)

@@ -201,14 +201,19 @@ def pad_after_eos(tokens: torch.Tensor, eos_token_ids: tuple[int, ...], pad_toke
 # --------------------------------------------------------------------------------------------
 
 
+def top_k_only(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """`logits` (..., V) with every value below its row's k-th largest set to -inf (ties with the k-th stay)."""
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def sample_next_token(logits: torch.Tensor, settings: SamplerSettings, generator: torch.Generator) -> int:
     """Next token from one row of next-token logits (V,): greedy at temperature 0, else sampled."""
     if settings.temperature == 0:
         return int(torch.argmax(logits))
     scaled = logits / settings.temperature
     if settings.top_k is not None and settings.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, settings.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        scaled = top_k_only(scaled, settings.top_k)
     probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
     return int(multinomial_one(probs, generator))
 

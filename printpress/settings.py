@@ -200,6 +200,12 @@ SETTINGS: tuple[Setting, ...] = (
             "ceil(canvas * min(1, window_lead * j / N)) positions, so 1 opens the whole canvas at the last step and "
             "1.5 two thirds of the way", default=0.0, checkpoint="window_lead", modes=("diffusion",),
             check=_non_negative, http=dict(ge=0, le=1e6), editing=True),
+    # Opt-in, off (0) in the reference: a canvas position's distribution cut to its k most likely tokens before the
+    # step's entropy, acceptance and draw, as AR sampling's top_k cuts the next token's. Not token-exact to the
+    # reference when set. Measured on the shipped model in docs/benchmarks.md §7 ("Decoding screens").
+    Setting("canvas_top_k", int, "canvas steps: keep only each position's k most likely tokens for the entropy, the "
+            "acceptance and the draw (0 = off, as the reference)", default=0, modes=CANVAS_MODES,
+            check=_integer(0), http=dict(ge=0), editing=True),
     # top_k asks for AR sampling, which diffusion never does: any value of it is refused there.
     Setting("top_k", int, "modes ar and speculative: sample among the k most likely tokens (default: the "
             "checkpoint's, else 50)", checkpoint="top_k", modes=("ar", "speculative"),
@@ -345,7 +351,7 @@ class SamplerSettings:
     """Everything that decides the tokens of one request, apart from the prompt and the seed.
 
     One field per stored entry of `SETTINGS` (mode, max_new_tokens, max_denoising_steps, entropy_bound, t_min,
-    t_max, stability_threshold, confidence_threshold, window_lead, temperature, top_k, eos_token_ids,
+    t_max, stability_threshold, confidence_threshold, window_lead, canvas_top_k, temperature, top_k, eos_token_ids,
     sample_accepted_only, fused_draft),
     with that entry's default, plus the checkpoint's pad id. Names follow the checkpoint's generation_config.json.
     `temperature` and `top_k` are the AR model's sampling (`mode="ar"` and `"speculative"`); the diffusion

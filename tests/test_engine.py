@@ -433,6 +433,8 @@ def test_bad_input_raises_one_clear_generation_error(models_, prompt, settings, 
         (dict(mode="speculative", window_lead=1.5), "window_lead=1.5 does not apply to mode='speculative' (only mode "
                                                     "'diffusion' uses it)"),
         (dict(window_lead=-1.0), "window_lead must be >= 0 and finite, got -1.0"),
+        (dict(mode="ar", canvas_top_k=50), "canvas_top_k=50 does not apply to mode='ar' (only modes 'diffusion' and "
+                                           "'speculative' use it)"),
         (dict(mode="speculative", stability_threshold=3), "stability_threshold=3 does not apply to mode='speculative' "
                                                           "(only mode 'diffusion' uses it)"),
         (dict(mode="speculative", confidence_threshold=0.5), "confidence_threshold=0.5 does not apply to "
@@ -511,6 +513,18 @@ def test_window_lead_keeps_only_the_opened_positions_and_is_off_by_default(model
     first = steps[0]
     assert first.accepted == [i < opened[0] for i in range(length)]
     assert pipe.generate(PROMPTS[0], seed=4, window_lead=1.5, **settings).token_ids != expected
+
+
+
+def test_canvas_top_k_of_one_keeps_every_position_at_its_argmax_and_is_off_by_default(models_):
+    ref, pipe = models_["peaked"]
+    settings = dict(max_new_tokens=24, max_denoising_steps=6, t_min=0.5, t_max=1.0, entropy_bound=0.1)
+    expected, _ = reference_tokens(ref, PROMPTS[0], 4, **settings)
+    assert pipe.generate(PROMPTS[0], seed=4, canvas_top_k=0, **settings).token_ids == expected  # 0: the reference
+    steps = [e for e in pipe.stream(PROMPTS[0], seed=4, canvas_top_k=1, **settings) if isinstance(e, StepEvent)]
+    # One token left per position: zero entropy, so even a tight bound keeps every position, at its argmax.
+    for event in steps:
+        assert all(event.accepted) and event.tokens == event.argmax and max(event.entropy) == 0.0
 
 
 # -- continuous batching --------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from printpress.canvas import denoise_step
 from printpress.errors import GenerationError
 from printpress.sampling import (
     SamplerSettings,
@@ -28,6 +30,7 @@ from printpress.sampling import (
     sample_next_token,
     step_temperature,
     token_entropy,
+    top_k_only,
     window_open,
     uniform_tokens,
 )
@@ -189,6 +192,48 @@ def test_greedy_ar_sampling_is_argmax_and_sampled_is_reproducible():
     assert len(set(draws)) > 1
 
 
+
+def test_top_k_only_keeps_each_rows_k_largest_and_their_ties():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.5], [4.0, -1.0, 0.0, 2.0, 1.0]])
+    cut = top_k_only(logits, 2)
+    inf = float("-inf")
+    assert cut.tolist() == [[inf, 3.0, inf, 3.0, inf], [4.0, inf, inf, 2.0, inf]]
+    assert top_k_only(logits, 1)[0].tolist() == [inf, 3.0, inf, 3.0, inf]  # a tie with the k-th stays
+
+
+@dataclass
+class Row:
+    """A canvas row as `denoise_step` reads it (`printpress.canvas.CanvasRow`)."""
+
+    settings: SamplerSettings
+    generator: torch.Generator
+    step: int = 4
+    index: int = 0
+    tracker: StabilityTracker | None = None
+
+
+def test_canvas_top_k_cuts_each_position_before_the_entropy_the_acceptance_and_the_draw():
+    logits = random_logits(11, batch=2, scale=1.0)  # flat enough that the full distributions are wide
+    plain = SamplerSettings(max_denoising_steps=4, t_min=1.0, t_max=1.0, entropy_bound=1e3)
+    cut = plain.with_overrides(canvas_top_k=3)
+
+    def step(settings_of_row_0):
+        rows = [Row(settings_of_row_0, torch.Generator().manual_seed(1)), Row(plain, torch.Generator().manual_seed(2))]
+        return denoise_step(logits.clone(), rows, VOCAB)
+
+    full, topped = step(plain), step(cut)
+    top3 = torch.topk(logits[0], 3, dim=-1).indices
+    # Row 0: every kept token is one of its position's 3 most likely; the entropy is the cut distribution's.
+    assert topped.accepted[0].all()  # the loose bound keeps every position, so every token is a draw
+    assert all(int(t) in top3[i].tolist() for i, t in enumerate(topped.next_canvas[0]))
+    assert torch.equal(topped.entropy[0], token_entropy(top_k_only(logits[0], 3)))
+    assert (topped.entropy[0] <= math.log(3) + 1e-5).all() and (full.entropy[0] > math.log(3)).any()
+    assert not set(full.next_canvas[0].tolist()) <= set(top3.flatten().tolist())  # uncut draws leave the top 3
+    # Row 1 (off, the reference's sampler) is untouched by its neighbour's setting, bit for bit.
+    for name in ("processed", "probs", "entropy", "accepted", "next_canvas"):
+        assert torch.equal(getattr(topped, name)[1], getattr(full, name)[1]), name
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -205,6 +250,8 @@ def test_greedy_ar_sampling_is_argmax_and_sampled_is_reproducible():
         (dict(mode="beam"), "unknown mode 'beam'; expected one of diffusion, ar"),
         (dict(mode="ar", temperature=-1.0), "temperature must be >= 0"),
         (dict(mode="ar", top_k=0), "top_k must be a positive integer"),
+        (dict(canvas_top_k=-1), "canvas_top_k must be an integer >= 0, got -1"),
+        (dict(canvas_top_k=2.5), "canvas_top_k must be an integer >= 0, got 2.5"),
         # Values whose arithmetic is not finite: refused instead of NaN (every request of a shared step failed),
         # silently empty output (t_max=inf), an int32 overflow or a 25 GB stability history.
         (dict(t_min=0.0, t_max=1e-38), "t_max must be > 0 and finite: between 0.0001 and 10000, got 1e-38"),
@@ -293,7 +340,7 @@ def test_flags_and_http_fields_are_derived_from_the_settings():
     assert flags() == {s.flag for s in SETTINGS}
     assert flags(settings=EDITING) == {"--steps", "--entropy-bound", "--t-min", "--t-max", "--stability-threshold",
                                        "--confidence-threshold", "--temperature", "--sample-accepted-only",
-                                       "--window-lead"}
+                                       "--window-lead", "--canvas-top-k"}
     wire = {s.wire for s in SETTINGS if s.http is not None}
     assert wire == {s.wire for s in SETTINGS} - {"max_new_tokens", "eos"}
     for request in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
