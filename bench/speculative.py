@@ -32,6 +32,7 @@ PROMPTS = ["ROMEO:\n", "To be, or not to be", "First Citizen:\nBefore we proceed
 # (draft steps, draft length, decoder canvas, fused canvas or None): the sweep the doc reports.
 SETTINGS = [(steps, drafts, 32, None) for steps in (1, 2, 4) for drafts in (31, 7, 3)]
 SETTINGS += [(8, 31, 32, None), (8, 3, 32, None), (1, 7, 8, None), (1, 3, 4, None), (2, 3, 4, None)]
+# A fifth element, when present, is the draft source (`draft_source`; diffusion when absent): `--only` gives it.
 # --fused: fused rounds (one draft step; drafts at most fused canvas - 1), and the best unfused settings beside them.
 FUSED_SETTINGS = [(1, drafts, 32, fused) for fused in (4, 8, 32) for drafts in (1, 2, 3, 7) if drafts < fused]
 FUSED_SETTINGS += [(1, 7, 32, None), (1, 3, 32, None), (1, 1, 32, None)]
@@ -47,9 +48,9 @@ def run_ar(pipe, prompt: list[int], tokens: int) -> tuple[list[int], float]:
 
 
 def run_speculative(pipe, prompt: list[int], tokens: int, steps: int, drafts: int, canvas: int,
-                    fused: int | None = None):
+                    fused: int | None = None, source: str = "diffusion"):
     settings = pipe.settings(mode="speculative", max_new_tokens=tokens, draft_steps=steps, temperature=0.0,
-                             fused_draft=fused is not None)
+                             fused_draft=fused is not None, draft_source=source)
     start = time.perf_counter()
     events = speculative(pipe.model, [Request(prompt, settings, 0)], None, canvas_length=canvas,
                          draft_length=drafts, step_events=False, fused_canvas=fused)
@@ -70,7 +71,8 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true", help="run the fused draft+verify settings and the best "
                         "unfused ones (about 10 minutes on a loaded 2-core machine) instead of the first sweep")
     parser.add_argument("--only", default=None, help="only these settings, 'drafts:fused canvas' pairs ('-' for "
-                        "unfused), e.g. '1:4,2:8,7:-' (1 draft step, decoder canvas 32)")
+                        "unfused), e.g. '1:4,2:8,7:-' (1 draft step, decoder canvas 32), each with an optional "
+                        "':draft source' (lookup, both; diffusion when absent), e.g. '7:-:lookup'")
     parser.add_argument("--repeat", type=int, default=1, help="decode each prompt this many times per setting "
                         "(the settings taking turns), summing the times")
     parser.add_argument("--heldout", type=int, default=None, metavar="N",
@@ -99,7 +101,8 @@ def main() -> None:
     sweep = FUSED_SETTINGS if args.fused else SETTINGS
     if args.only:
         pairs = [item.split(":") for item in args.only.split(",")]
-        sweep = [(1, int(drafts), 32, None if fused == "-" else int(fused)) for drafts, fused in pairs]
+        sweep = [(1, int(drafts), 32, None if fused == "-" else int(fused), *source)
+                 for drafts, fused, *source in pairs]
     totals = {setting: dict(ar_time=0.0, spec_time=0.0, tokens=0, verifications=0, accepted=0, forwards=0, decoder=0)
               for setting in sweep}
     if args.compile:  # every setting once, untimed: the graphs a setting meets compile here, not in its timing
@@ -109,10 +112,11 @@ def main() -> None:
         for setting in sweep:
             measure(pipe, prompts, args.tokens, setting, totals[setting])
     rows = []
-    for (steps, drafts, canvas, fused), t in totals.items():
+    for (steps, drafts, canvas, fused, *source), t in totals.items():
         tokens, verifications = t["tokens"], t["verifications"]
         row = {
             "draft_steps": steps, "draft_length": drafts, "canvas": canvas, "fused_canvas": fused,
+            "draft_source": source[0] if source else "diffusion",
             "identical": True, "new_tokens": tokens,
             "ar_tokens_per_s": tokens / t["ar_time"], "speculative_tokens_per_s": tokens / t["spec_time"],
             "ratio": t["ar_time"] / t["spec_time"],
@@ -122,7 +126,7 @@ def main() -> None:
             "verifications": verifications,
         }
         rows.append(row)
-        print(f"steps {steps} drafts {drafts:2d} canvas {canvas:2d} fused {fused or '-':>2}: "
+        print(f"steps {steps} drafts {drafts:2d} canvas {canvas:2d} fused {fused or '-':>2} {row['draft_source']}: "
               f"AR {row['ar_tokens_per_s']:6.1f} tok/s, "
               f"speculative {row['speculative_tokens_per_s']:6.1f} tok/s, ratio {row['ratio']:.2f}, "
               f"{row['tokens_per_verification']:.2f} tokens/verification, "
@@ -147,11 +151,11 @@ def main() -> None:
 
 def measure(pipe, prompts: list[list[int]], tokens: int, setting: tuple, totals: dict) -> None:
     """Decode every prompt with AR then with `setting`, back to back; add times and counts to `totals`."""
-    steps, drafts, canvas, fused = setting
+    steps, drafts, canvas, fused, *source = setting
     for prompt in prompts:
         ar_ids, seconds = run_ar(pipe, prompt, tokens)
         totals["ar_time"] += seconds
-        result, seconds = run_speculative(pipe, prompt, tokens, steps, drafts, canvas, fused)
+        result, seconds = run_speculative(pipe, prompt, tokens, steps, drafts, canvas, fused, *source)
         totals["spec_time"] += seconds
         if result.token_ids != ar_ids:
             raise SystemExit(f"speculative output differs from AR for {pipe.decode(prompt)!r} at {setting}")

@@ -27,6 +27,7 @@ from printpress.config import GenerationConfig
 from printpress.errors import GenerationError
 
 MODES = ("diffusion", "ar", "speculative")
+DRAFT_SOURCES = ("diffusion", "lookup", "both")  # mode speculative's drafts (printpress/speculative.py)
 CANVAS_MODES = ("diffusion", "speculative")  # the modes that denoise canvases (speculative: its drafts)
 
 # mode="speculative": decoder passes per draft unless told (`draft_steps`). One is the fastest setting measured on
@@ -99,8 +100,13 @@ def _flag(label: str, value: object) -> None:
     _require(isinstance(value, bool), f"{label} must be true or false, got {value!r}")
 
 
-def _mode(label: str, value: object) -> None:
-    _require(value in MODES, f"unknown {label} {value!r}; expected one of {', '.join(MODES)}")
+def _one_of(choices: tuple[str, ...]) -> Check:
+    def check(label: str, value: object) -> None:
+        _require(value in choices, f"unknown {label} {value!r}; expected one of {', '.join(choices)}")
+    return check
+
+
+_mode = _one_of(MODES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,6 +229,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("fused_draft", bool, "mode speculative with draft_steps 1: one pass per round both verifies the drafts "
             "and drafts the next round (same output, fewer passes)", default=False, modes=("speculative",),
             check=_flag, http={}),
+    # Where mode speculative's drafts come from; the output is AR's whatever they are. "lookup" is prompt-lookup
+    # decoding (vLLM's n-gram proposer, llama.cpp's lookup decoding): no decoder pass, so a round that finds no
+    # draft costs what an AR step costs. Measured in docs/benchmarks-speculative.md ("Drafts from the context").
+    Setting("draft_source", str, "mode speculative: what writes the drafts AR verifies: diffusion (the decoder "
+            "denoises a canvas; default), lookup (the tokens that followed the latest earlier occurrence of the "
+            "text's last 1-3 tokens; no decoder pass) or both (lookup where it finds a match, diffusion elsewhere)",
+            default="diffusion", modes=("speculative",), check=_one_of(DRAFT_SOURCES), http={},
+            choices=DRAFT_SOURCES),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -352,7 +366,7 @@ class SamplerSettings:
 
     One field per stored entry of `SETTINGS` (mode, max_new_tokens, max_denoising_steps, entropy_bound, t_min,
     t_max, stability_threshold, confidence_threshold, window_lead, canvas_top_k, temperature, top_k, eos_token_ids,
-    sample_accepted_only, fused_draft),
+    sample_accepted_only, fused_draft, draft_source),
     with that entry's default, plus the checkpoint's pad id. Names follow the checkpoint's generation_config.json.
     `temperature` and `top_k` are the AR model's sampling (`mode="ar"` and `"speculative"`); the diffusion
     sampler uses the linear schedule `t_max -> t_min` instead, which a `temperature` given in diffusion mode
@@ -401,6 +415,8 @@ class SamplerSettings:
             _require(self.max_denoising_steps == 1,
                      f"fused_draft needs draft_steps (max_denoising_steps) = 1, got {self.max_denoising_steps}: a "
                      "fused pass drafts with a single decoder step; set draft_steps=1 or leave fused_draft off")
+            _require(self.draft_source == "diffusion",
+                     f"fused_draft drafts with the decoder; it needs draft_source diffusion, got {self.draft_source!r}")
         return self
 
 

@@ -32,6 +32,14 @@ One pass per round instead of two; the drafts are one token further ahead (slot 
 output is still AR's: the canvases' noise is drawn before the pass and no block row attends to a canvas, so
 the drafts depend only on committed tokens and fresh noise, which is all the acceptance rule needs.
 
+Drafts from the context (`settings.draft_source`, "lookup": prompt-lookup decoding, as vLLM's n-gram proposer and
+llama.cpp's lookup decoding do it): where the text's last n tokens (n = 3, 2, 1, the longest that matches) occurred
+earlier in the prompt or the output, the tokens that followed their latest such occurrence are the draft, at most
+`LOOKUP_DRAFTS` of them unless `draft_length` says otherwise. No decoder pass: a round that finds nothing is a
+verification of `[t]` alone, which is an AR step. "both" drafts by diffusion in the rounds where lookup finds
+nothing. The acceptance rule is the same; when sampling, a lookup draft is a draw from a one-hot q, so a draft
+token is kept with probability p(d) and a rejection draws from p without d: AR's distribution still.
+
 Counting: `forward_passes` = 1 (the prompt pass, which yields the first token) + decoder passes + verification
 passes, so `tokens_per_forward` compares with AR's 1.0; a fused pass is one verification and no decoder pass
 (only the first round's draft, and any round that drafts without a fused pass before it, counts decoder
@@ -59,6 +67,39 @@ DEFAULT_CANVAS = 32  # the shipped models' canvas, used when the caller does not
 # within 0.03 of the best fused setting on the shipped model (0.60x AR, against 0.44x unfused with its default
 # 31 drafts) and at 1.9x AR on the toy model (docs/benchmarks-speculative.md, "Fused draft+verify").
 FUSED_CANVAS = 4
+# Drafts per round from the context (draft_source lookup or both) unless draft_length says otherwise: a block of 8
+# verified (docs/benchmarks-speculative.md, "Drafts from the context").
+LOOKUP_DRAFTS = 7
+LOOKUP_LONGEST = 3  # the longest suffix of the text that lookup matches
+
+
+class ContextLookup:
+    """Drafts from the text itself: what followed the latest earlier occurrence of its last few tokens.
+
+    `follow` maps each n-gram (n <= `longest`) that has a token after it to the position of that token in its
+    latest occurrence, so the text's own suffix, which has none yet, only matches an earlier occurrence.
+    """
+
+    def __init__(self, tokens: Sequence[int] = (), longest: int = LOOKUP_LONGEST) -> None:
+        self.tokens: list[int] = []
+        self.longest = longest
+        self.follow: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            end = len(self.tokens)  # the n-grams that end here are followed by `token`
+            for n in range(1, min(self.longest, end) + 1):
+                self.follow[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(token)
+
+    def draft(self, m: int) -> list[int]:
+        """Up to `m` tokens after the latest earlier occurrence of the longest suffix that has one; [] if none."""
+        for n in range(min(self.longest, len(self.tokens)), 0, -1):
+            start = self.follow.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start : start + m]
+        return []
 
 
 @dataclass
@@ -86,7 +127,8 @@ def speculative(
     model's, as in `mode="ar"`. `canvas_length` is the decoder's canvas (the checkpoint's); `draft_length`
     caps the drafts verified per pass (default: the whole canvas after the clamped token, canvas - 1).
     `fused_canvas`: each outcome's canvas in a fused pass (requests with `settings.fused_draft`; default
-    `FUSED_CANVAS`); their drafts are also capped at fused_canvas - 1.
+    `FUSED_CANVAS`); their drafts are also capped at fused_canvas - 1. Drafts from the context
+    (`settings.draft_source` lookup or both) are capped at `draft_length`, else `LOOKUP_DRAFTS`.
     """
     canvas = DEFAULT_CANVAS if canvas_length is None else canvas_length
     if canvas < 2:
@@ -99,8 +141,9 @@ def speculative(
         raise GenerationError(f"fused_canvas must be at least 2 (the committed token's slot and a draft), got {fused}")
     for request in requests:
         _check(request)
+    lookup_drafts = LOOKUP_DRAFTS if draft_length is None else draft_length
     for index, request in enumerate(requests):
-        yield from _generate_one(model, index, request, decode, canvas, drafts, step_events, fused)
+        yield from _generate_one(model, index, request, decode, canvas, drafts, lookup_drafts, step_events, fused)
 
 
 def _check(request: Request) -> None:
@@ -117,6 +160,7 @@ def _generate_one(
     decode: Decode | None,
     canvas: int,
     drafts: int,
+    lookup_drafts: int,
     step_events: bool,
     fused_canvas: int,
 ) -> Iterator[Event]:
@@ -130,20 +174,28 @@ def _generate_one(
     yield from _commit(state, [sample_next_token(logits[0, -1], state.settings, state.generator)], 0, decode)
     # A block of m + 1 tokens may be rolled back part way only while the sliding ring holds all of it.
     drafts = min(drafts, cache.window - 1)
+    lookup_drafts = min(lookup_drafts, cache.window - 1)
     fused = request.settings.fused_draft
     if fused:
         drafts = min(drafts, fused_canvas - 1)
+    source = request.settings.draft_source
+    lookup = None if source == "diffusion" else ContextLookup(request.prompt_ids)
     drafted = None  # hidden states (1, L, H) of the canvas the last fused pass drafted for what it committed
     round_index = 0
     while not state.finished:
         round_index += 1
         last = state.tokens[-1]
-        m = min(drafts, state.budget - len(state.tokens) - 1)
+        room = state.budget - len(state.tokens) - 1
+        m = min(drafts, room)
         draft, q = torch.empty(0, dtype=torch.long, device=device), None
-        if m > 0 and drafted is not None:
-            draft, q = _canvas_draft(model, state, drafted, m)
-        elif m > 0:
-            draft, q = yield from _draft(model, cache, state, last, canvas, m, round_index)
+        if lookup is not None:
+            lookup.extend(state.tokens[len(lookup.tokens) - len(request.prompt_ids) :])
+            draft, q = _lookup_draft(lookup, min(lookup_drafts, room), state.settings, model.config.vocab_size, device)
+        if not draft.numel() and source != "lookup" and m > 0:
+            if drafted is not None:
+                draft, q = _canvas_draft(model, state, drafted, m)
+            else:
+                draft, q = yield from _draft(model, cache, state, last, canvas, m, round_index)
         # Outcomes whose next round still has a draft to make: committing j + 1 tokens leaves budget for one.
         outcomes = min(draft.numel() + 1, state.budget - len(state.tokens) - 2) if fused and drafts else 0
         if outcomes > 0:
@@ -200,6 +252,15 @@ def _draft(
         yield StepEvent(state.index, round_index, steps, steps, final[0].tolist(), final[0].tolist(),
                         [True] * canvas_length, stopped=True)
     return draft, q
+
+
+def _lookup_draft(lookup: ContextLookup, m: int, settings: SamplerSettings, vocab: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The context's draft of at most `m` tokens (possibly none) and, when sampling, its one-hot q."""
+    draft = torch.tensor(lookup.draft(m) if m > 0 else [], dtype=torch.long, device=device)
+    if settings.temperature == 0 or not draft.numel():
+        return draft, None
+    return draft, torch.nn.functional.one_hot(draft, vocab).float()
 
 
 def _ar_probs(logits: torch.Tensor, settings: SamplerSettings) -> torch.Tensor:

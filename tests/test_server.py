@@ -261,6 +261,15 @@ def test_speculative_drafts_take_draft_steps(client, pipe):
     assert stats["mode"] == "speculative" and stats["denoising_steps"] % 2 == 0 and stats["denoising_steps"] > 0
 
 
+def test_speculative_drafts_from_the_context(client, pipe):
+    prompt = "ROMEO.\nO Romeo, Romeo!\n\nROMEO.\n"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=2, temperature=0,
+                                    extra_body={"mode": "speculative", "draft_source": "lookup"})
+    assert out.choices[0].text == pipe.generate(prompt, mode="ar", temperature=0, max_new_tokens=16).text
+    stats = out.model_extra["printpress"][0]
+    assert stats["mode"] == "speculative" and stats["denoising_steps"] == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # Log-probabilities (mode ar)
 # ------------------------------------------------------------------------------------------------
@@ -542,6 +551,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "mode": "ar", "steps": 3}, 400, "steps (max_denoising_steps)=3 does not apply "
      "to mode='ar' (only modes 'diffusion' and 'speculative' use it)", None),
     ("/v1/completions", {"prompt": "x", "mode": "magic"}, 400, "mode", "mode"),
+    ("/v1/completions", {"prompt": "x", "mode": "speculative", "draft_source": "ngram"}, 400,
+     "Input should be 'diffusion', 'lookup' or 'both'", "draft_source"),
+    ("/v1/completions", {"prompt": "x", "draft_source": "lookup"}, 400, "draft_source='lookup' does not apply to "
+     "mode='diffusion' (only mode 'speculative' uses it)", None),
     ("/v1/completions", {"prompt": "x", "stream_steps": True}, 400, "stream_steps needs stream=true", "stream_steps"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),

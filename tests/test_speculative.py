@@ -11,7 +11,7 @@ from printpress.engine import CommitEvent, DoneEvent, Request, StepEvent, run
 from printpress.errors import GenerationError
 from printpress.model import DiffusionGemma
 from printpress.sampling import MODES, SamplerSettings
-from printpress.speculative import greedy_accept, sampled_accept, speculative
+from printpress.speculative import ContextLookup, greedy_accept, sampled_accept, speculative
 
 from helpers import bench_module
 
@@ -275,6 +275,43 @@ def test_greedy_fused_speculative_equals_ar_on_tiny_models(name):
     assert fused_drafts > 40  # most drafts came from fused passes
 
 
+def test_context_lookup_drafts_what_followed_the_latest_earlier_occurrence():
+    assert ContextLookup([1, 2, 3, 4, 1, 2]).draft(3) == [3, 4, 1]
+    # The longest suffix that occurred before wins: (1, 2) -> 3 9 2, though the latest 2 was followed by 4.
+    assert ContextLookup([1, 2, 3, 9, 2, 4, 1, 2]).draft(3) == [3, 9, 2]
+    assert ContextLookup([1, 2, 3, 9, 2, 4, 7, 2]).draft(3) == [4, 7, 2]  # only (2) matched: its latest occurrence
+    assert ContextLookup([5, 5]).draft(3) == [5]  # what follows runs into the end of the text
+    assert ContextLookup([1, 2, 3]).draft(3) == [] == ContextLookup([]).draft(3)  # the suffix never occurred before
+    assert ContextLookup([1, 2, 3, 9, 2, 4, 1, 2], longest=1).draft(3) == [4, 1, 2]  # (1, 2) is past `longest`
+    grown = ContextLookup([1, 2])
+    grown.extend([3, 9, 2])
+    grown.extend([4, 1, 2])
+    assert grown.follow == ContextLookup([1, 2, 3, 9, 2, 4, 1, 2]).follow and grown.draft(3) == [3, 9, 2]
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("source", ["lookup", "both"])
+def test_greedy_speculative_with_context_drafts_equals_ar(name, source):
+    """Drafts from the context (and diffusion where it has none) keep AR's tokens; lookup alone runs no decoder
+    pass, so a round that finds no draft is an AR step (a verification of the last token alone)."""
+    model = tiny_model(name)
+    vocab = model.config.vocab_size
+    drafted = 0
+    for seed, (length, new, drafts) in enumerate([(3, 20, None), (9, 25, 2), (14, 12, 1), (2, 30, 6)]):
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(3, vocab, (length,), generator=g).tolist()
+        s = settings(max_new_tokens=new, max_denoising_steps=1, draft_source=source)
+        (result,) = collect(speculative(model, [Request(prompt, s, seed)], canvas_length=8, draft_length=drafts))[1]
+        assert result.token_ids == ar_tokens(model, prompt, max_new_tokens=new)
+        stats = result.stats
+        assert stats.forward_passes == 1 + stats.denoising_steps + stats.verifications
+        if source == "lookup":
+            assert stats.denoising_steps == 0
+        drafted += stats.drafted_tokens
+        assert stats.accepted_drafts == new - 1 - stats.verifications
+    assert drafted > 20
+
+
 def test_sample_accepted_only_is_honoured_by_the_draft_and_keeps_ar_output():
     """The draft runs the engine's canvas step, so the faster sampler applies to it as to diffusion decoding: other
     draws (so other drafts), and still exactly the AR model's tokens."""
@@ -399,6 +436,35 @@ def test_sampled_fused_speculative_follows_the_ar_distribution():
     assert tv < 0.038, tv
 
 
+@pytest.mark.slow  # a statistical sweep: 600 sampled runs
+def test_sampled_speculative_with_context_drafts_follows_the_ar_distribution():
+    """A lookup draft is a draw from a one-hot q: kept with probability p(d), else a draw from p without d. The
+    committed tokens, tallied by the AR argmax of their position as in the fused test, must follow AR's law."""
+    model = tiny_model("ring3")
+    vocab = model.config.vocab_size
+    prompt = [3, 4, 5, 3, 4]  # so the first round already finds a draft
+    temperature, new = 0.3, 10
+    s = settings(max_new_tokens=new, temperature=temperature, draft_source="lookup")
+    observed, expected = torch.zeros(vocab, vocab), torch.zeros(vocab, vocab)  # [AR argmax, token]
+    runs, drafted, kept = 600, 0, 0
+    with torch.no_grad():
+        for seed in range(runs):
+            (result,) = collect(speculative(model, [Request(prompt, s, seed)], canvas_length=4, step_events=False))[1]
+            assert result.stats.denoising_steps == 0
+            drafted += result.stats.drafted_tokens
+            kept += result.stats.accepted_drafts
+            ids = torch.tensor([prompt + result.token_ids])
+            logits = model.encode(ids, model.new_cache(1, ids.shape[1]))[0, len(prompt) - 1 : -1]
+            expected.index_add_(0, logits.argmax(dim=-1), torch.softmax(logits / temperature, dim=-1))
+            observed.index_put_((logits.argmax(dim=-1), torch.tensor(result.token_ids)), torch.ones(new),
+                                accumulate=True)
+    assert drafted > 5 * runs and kept > 300  # both branches of the rule, many times
+    tv = (observed - expected).abs().sum() / 2 / (runs * new)
+    # Sampling noise alone: 0.028-0.034 over four seed ranges; the drafts' q taken as uniform instead of one-hot
+    # (so a wrong acceptance ratio): 0.12-0.14.
+    assert tv < 0.06, tv
+
+
 def test_bad_arguments_are_refused():
     model = tiny_model("ring3")
     request = Request([3, 4], settings(), 0)
@@ -410,6 +476,12 @@ def test_bad_arguments_are_refused():
         list(speculative(model, [Request([], settings(), 0)]))
     with pytest.raises(GenerationError, match=r"fused_draft needs draft_steps \(max_denoising_steps\) = 1, got 2"):
         list(speculative(model, [Request([3], settings(fused_draft=True), 0)]))
+    with pytest.raises(GenerationError, match="fused_draft drafts with the decoder; it needs draft_source "
+                                              "diffusion, got 'lookup'"):
+        list(speculative(model, [Request([3], settings(max_denoising_steps=1, fused_draft=True,
+                                                       draft_source="lookup"), 0)]))
+    with pytest.raises(GenerationError, match="unknown draft_source 'ngram'; expected one of diffusion, lookup, both"):
+        list(speculative(model, [Request([3], settings(draft_source="ngram"), 0)]))
     with pytest.raises(GenerationError, match="fused_canvas must be at least 2"):
         list(speculative(model, [Request([3], settings(max_denoising_steps=1, fused_draft=True), 0)], fused_canvas=1))
 
@@ -464,6 +536,17 @@ def test_fused_draft_is_a_setting_of_speculative_mode_only(shipped):
         assert not shipped.settings(mode=mode, fused_draft=False).fused_draft  # the default asks for nothing
 
 
+def test_lookup_drafts_on_the_shipped_model(shipped):
+    """Prompt-lookup drafts on real text: AR's tokens, no decoder pass, and drafts that are kept."""
+    prompt = shipped.encode_text("ROMEO:\nWhat light through yonder window breaks?\n\nJULIET:\nWhat light")
+    ar = shipped.generate(prompt, mode="ar", max_new_tokens=48, temperature=0)
+    spec = shipped.generate(prompt, mode="speculative", max_new_tokens=48, temperature=0, draft_source="lookup")
+    assert spec.token_ids == ar.token_ids and spec.text == ar.text
+    assert spec.stats.denoising_steps == 0 and spec.stats.accepted_drafts > 0
+    with pytest.raises(GenerationError, match="draft_source='lookup' does not apply to mode='ar'"):
+        shipped.settings(mode="ar", draft_source="lookup")
+
+
 def test_pipeline_generate_in_speculative_mode(shipped):
     assert "speculative" in MODES
     ar = shipped.generate("ROMEO:", mode="ar", max_new_tokens=30, temperature=0)
@@ -494,6 +577,11 @@ def test_cli_generates_in_speculative_mode(capsys):
     assert main([*common, "--mode", "speculative", "--fused-draft"]) == 0
     fused = json.loads(capsys.readouterr().out)
     assert fused["token_ids"] == ar["token_ids"] and fused["stats"]["denoising_steps"] == 1
+    assert main([*common, "--mode", "speculative", "--draft-source", "lookup"]) == 0
+    lookup = json.loads(capsys.readouterr().out)
+    assert lookup["token_ids"] == ar["token_ids"] and lookup["stats"]["denoising_steps"] == 0
+    assert main([*common, "--mode", "speculative", "--draft-source", "ngram"]) == 2
+    assert "unknown draft_source 'ngram'; expected one of diffusion, lookup, both" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -170,7 +170,8 @@ def test_every_http_setting_has_a_field_enabled_in_the_modes_that_take_it(server
     for s in drawn:
         field = page.eval_on_selector(f"#sampler-fields [name={s.wire}]",
                                       "el => [el.closest('label').dataset.modes, el.type, el.step]")
-        want = {bool: ["checkbox", ""], int: ["number", "1"], float: ["number", "any"]}[s.kind]
+        want = (["select-one", None] if s.choices else
+                {bool: ["checkbox", ""], int: ["number", "1"], float: ["number", "any"]}[s.kind])
         assert field == [" ".join(taking_modes(s)), *want], s.wire
     for mode in MODES:
         page.select_option("select[name=mode]", mode)
