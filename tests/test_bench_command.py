@@ -43,6 +43,7 @@ from printpress.tokenizer import train_tokenizer
 
 TEXT = "the cat sat on the mat, and the dog sat on the log. "
 GREEDY, SPECULATIVE = "ar, temperature 0", "speculative, 1 steps, temperature 0"
+LOOKUP = "speculative, temperature 0, draft_source lookup"
 STOP = "diffusion, 24 steps, bound 12, confidence 2"
 
 
@@ -263,7 +264,7 @@ def test_the_yardstick_preset_parses_and_explicit_options_win():
     args = _parse("--yardstick")
     assert (args.heldout_prompts, args.seeds, args.max_new_tokens) == (24, 3, 64)
     assert (args.steps, args.entropy_bounds, args.setting) == ([32, 16, 8], [0.1, 1.0, 4.0], YARDSTICK_SETTINGS)
-    assert [describe(parse_setting(s)) for s in args.setting] == [GREEDY, SPECULATIVE, STOP]
+    assert [describe(parse_setting(s)) for s in args.setting] == [GREEDY, SPECULATIVE, LOOKUP, STOP]
     args = _parse("--yardstick", "--steps", "4", "--seeds", "1", "--setting", "steps=2")
     assert (args.steps, args.seeds, args.max_new_tokens) == ([4], 1, 64)
     assert args.setting == [*YARDSTICK_SETTINGS, "steps=2"]
@@ -289,7 +290,7 @@ def test_the_yardstick_runs_end_to_end_on_held_out_prompts(tiny, tmp_path):
     assert code == 0
     card = json.loads(out.read_text())
     assert [r["label"] for r in card["rows"]] == [AR_TWIN, OWN_AR, "diffusion, 2 steps, bound 8", GREEDY, SPECULATIVE,
-                                                   STOP]
+                                                   LOOKUP, STOP]
     assert card["settings"]["canvas_length"] == card["forward_cost"]["canvas_length"] == 4
     assert card["settings"]["yardstick"] is True and card["settings"]["samples_per_side"] == 4
     prompts = heldout_prompts(2, [str(corpus)], 0.05)

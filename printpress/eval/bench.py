@@ -102,9 +102,11 @@ PLAIN = {"heldout_prompts": None, "seeds": 1, "max_new_tokens": 96, "steps": [64
          "entropy_bounds": [0.1, 1.0, 4.0]}
 YARDSTICK = {"heldout_prompts": 24, "seeds": 3, "max_new_tokens": 64, "steps": [32, 16, 8],
              "entropy_bounds": [0.1, 1.0, 4.0]}
-# Beside the grid: greedy AR, speculative decoding, and about 4 tokens per forward with the adaptive stop (a canvas
-# ends once its argmax settles; docs/benchmarks.md §7, L7), the first setting to keep AR's diversity there.
+# Beside the grid: greedy AR, speculative decoding (diffusion drafts, and drafts from the context), and about 4 tokens
+# per forward with the adaptive stop (a canvas ends once its argmax settles; docs/benchmarks.md §7, L7), the first
+# setting to keep AR's diversity there.
 YARDSTICK_SETTINGS = ["mode=ar,temperature=0", "mode=speculative,steps=1,temperature=0",
+                      "mode=speculative,draft_source=lookup,temperature=0",
                       "steps=24,entropy_bound=12,confidence_threshold=2"]
 
 # Fewer samples per side than this (prompts x seeds), and a difference between two sides is mostly the luck of
