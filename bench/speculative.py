@@ -38,21 +38,21 @@ FUSED_SETTINGS = [(1, drafts, 32, fused) for fused in (4, 8, 32) for drafts in (
 FUSED_SETTINGS += [(1, 7, 32, None), (1, 3, 32, None), (1, 1, 32, None)]
 
 
-def run_ar(pipe, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+def run_ar(pipe, prompt: list[int], tokens: int, temperature: float = 0.0, seed: int = 0) -> tuple[list[int], float]:
     """AR through the engine with no text decoding, as the speculative side runs (decoding text costs time)."""
-    settings = pipe.settings(mode="ar", max_new_tokens=tokens, temperature=0.0)
+    settings = pipe.settings(mode="ar", max_new_tokens=tokens, temperature=temperature)
     start = time.perf_counter()
-    events = run(pipe.model, pipe.canvas_length, [Request(prompt, settings, 0)], None, step_events=False)
+    events = run(pipe.model, pipe.canvas_length, [Request(prompt, settings, seed)], None, step_events=False)
     result = next(e.result for e in events if isinstance(e, DoneEvent))
     return result.token_ids, time.perf_counter() - start
 
 
 def run_speculative(pipe, prompt: list[int], tokens: int, steps: int, drafts: int, canvas: int,
-                    fused: int | None = None, source: str = "diffusion"):
-    settings = pipe.settings(mode="speculative", max_new_tokens=tokens, draft_steps=steps, temperature=0.0,
+                    fused: int | None = None, source: str = "diffusion", temperature: float = 0.0, seed: int = 0):
+    settings = pipe.settings(mode="speculative", max_new_tokens=tokens, draft_steps=steps, temperature=temperature,
                              fused_draft=fused is not None, draft_source=source)
     start = time.perf_counter()
-    events = speculative(pipe.model, [Request(prompt, settings, 0)], None, canvas_length=canvas,
+    events = speculative(pipe.model, [Request(prompt, settings, seed)], None, canvas_length=canvas,
                          draft_length=drafts, step_events=False, fused_canvas=fused)
     result = next(e.result for e in events if isinstance(e, DoneEvent))
     return result, time.perf_counter() - start
@@ -79,6 +79,9 @@ def main() -> None:
                         help="instead of the three prompts, N held-out prompts of --heldout-data, as `printpress bench "
                              "--heldout-prompts N` draws them (never seen by training or a distillation teacher)")
     parser.add_argument("--heldout-data", default="shakespeare", help="corpus of --heldout (shakespeare, stdlib)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample both sides at this temperature (the "
+                        "checkpoint's top_k), each prompt with its own seed; the outputs then differ (speculative "
+                        "sampling keeps AR's distribution, not its random stream) and are not compared")
     parser.add_argument("--compile", default=None, help="load with printpress.load(compile=...) (ar, decoder, all): "
                         "both sides run compiled passes; the first calls compile (a minute or two)")
     args = parser.parse_args()
@@ -103,23 +106,23 @@ def main() -> None:
         pairs = [item.split(":") for item in args.only.split(",")]
         sweep = [(1, int(drafts), 32, None if fused == "-" else int(fused), *source)
                  for drafts, fused, *source in pairs]
-    totals = {setting: dict(ar_time=0.0, spec_time=0.0, tokens=0, verifications=0, accepted=0, forwards=0, decoder=0)
-              for setting in sweep}
+    totals = {setting: dict(ar_time=0.0, spec_time=0.0, tokens=0, ar_tokens=0, verifications=0, accepted=0, forwards=0,
+                            decoder=0) for setting in sweep}
     if args.compile:  # every setting once, untimed: the graphs a setting meets compile here, not in its timing
         for setting in sweep:
-            measure(pipe, prompts, args.tokens, setting, dict(totals[setting]))
+            measure(pipe, prompts, args.tokens, setting, dict(totals[setting]), args.temperature)
     for _ in range(args.repeat):  # the settings take turns, so a change of the machine's load hits all alike
         for setting in sweep:
-            measure(pipe, prompts, args.tokens, setting, totals[setting])
+            measure(pipe, prompts, args.tokens, setting, totals[setting], args.temperature)
     rows = []
     for (steps, drafts, canvas, fused, *source), t in totals.items():
         tokens, verifications = t["tokens"], t["verifications"]
         row = {
             "draft_steps": steps, "draft_length": drafts, "canvas": canvas, "fused_canvas": fused,
             "draft_source": source[0] if source else "diffusion",
-            "identical": True, "new_tokens": tokens,
-            "ar_tokens_per_s": tokens / t["ar_time"], "speculative_tokens_per_s": tokens / t["spec_time"],
-            "ratio": t["ar_time"] / t["spec_time"],
+            "identical": True if args.temperature == 0 else None, "new_tokens": tokens,
+            "ar_tokens_per_s": t["ar_tokens"] / t["ar_time"], "speculative_tokens_per_s": tokens / t["spec_time"],
+            "ratio": (tokens / t["spec_time"]) / (t["ar_tokens"] / t["ar_time"]),  # sampled sides may stop apart
             "tokens_per_verification": (tokens - len(prompts) * args.repeat) / verifications,
             "accepted_drafts_per_verification": t["accepted"] / verifications,
             "tokens_per_forward": tokens / t["forwards"], "decoder_passes": t["decoder"],
@@ -139,7 +142,8 @@ def main() -> None:
             f"--{k} {v}" for k, v in vars(args).items()),
         "model": args.model, "prompts": texts, "max_new_tokens": args.tokens, "threads": args.threads,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}",
-        "decoding": "greedy (temperature 0); every speculative output checked identical to mode='ar'",
+        "decoding": "greedy (temperature 0); every speculative output checked identical to mode='ar'"
+                    if args.temperature == 0 else f"sampled at temperature {args.temperature:g} (outputs not compared)",
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     if args.fused or args.only:  # the plot draws the first sweep
@@ -149,15 +153,18 @@ def main() -> None:
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
-def measure(pipe, prompts: list[list[int]], tokens: int, setting: tuple, totals: dict) -> None:
+def measure(pipe, prompts: list[list[int]], tokens: int, setting: tuple, totals: dict,
+            temperature: float = 0.0) -> None:
     """Decode every prompt with AR then with `setting`, back to back; add times and counts to `totals`."""
     steps, drafts, canvas, fused, *source = setting
-    for prompt in prompts:
-        ar_ids, seconds = run_ar(pipe, prompt, tokens)
+    for seed, prompt in enumerate(prompts):
+        ar_ids, seconds = run_ar(pipe, prompt, tokens, temperature, seed)
         totals["ar_time"] += seconds
-        result, seconds = run_speculative(pipe, prompt, tokens, steps, drafts, canvas, fused, *source)
+        totals["ar_tokens"] += len(ar_ids)
+        result, seconds = run_speculative(pipe, prompt, tokens, steps, drafts, canvas, fused,
+                                          *(source or ["diffusion"]), temperature=temperature, seed=seed)
         totals["spec_time"] += seconds
-        if result.token_ids != ar_ids:
+        if temperature == 0 and result.token_ids != ar_ids:
             raise SystemExit(f"speculative output differs from AR for {pipe.decode(prompt)!r} at {setting}")
         s = result.stats
         totals["tokens"] += s.new_tokens
