@@ -2,9 +2,9 @@
 
 The default model (models/shakespeare-joint) was trained with the joint objective, so the same weights
 decode by diffusion (a canvas of 32 tokens denoised in parallel, drawn live when stderr is a terminal),
-autoregressively (one token per forward) and speculatively (diffusion drafts that the AR side verifies: exactly
-AR's greedy text; on this model not faster, see docs/benchmarks-speculative.md). See its model card for how it
-was trained and how good each decoding is.
+autoregressively (one token per forward) and speculatively (drafts that the AR side verifies: exactly AR's greedy
+text; diffusion drafts are not faster on this model, drafts copied from the text itself are, see
+docs/benchmarks-speculative.md). See its model card for how it was trained and how good each decoding is.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ from printpress.pipeline import default_model_path
 from printpress.errors import PrintpressError
 
 PROMPT = "ROMEO.\n"  # the corpus writes a speaker as NAME. on a line of its own
-# After diffusion: the same weights decoding autoregressively, then greedy AR beside speculative decoding, whose
-# output is exactly greedy AR's (the printed statistics say how many passes and seconds it took).
+# After diffusion: the same weights decoding autoregressively, then greedy AR beside speculative decoding with each
+# draft source, whose output is exactly greedy AR's (the printed statistics say how many passes and seconds it took).
 DECODINGS = [
     ("autoregressive decoding on the same weights (sampled at the default temperature 0.8, top-k 50)", ["--mode", "ar"]),
     ("greedy autoregressive decoding (temperature 0)", ["--mode", "ar", "--temperature", "0"]),
     ("speculative decoding: diffusion drafts, AR verifies (greedy: exactly the text above)",
      ["--mode", "speculative", "--temperature", "0"]),
+    ("speculative decoding: drafts copied from the text itself, AR verifies (the same text again, fewer passes)",
+     ["--mode", "speculative", "--draft-source", "lookup", "--temperature", "0"]),
 ]
 
 
