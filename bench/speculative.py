@@ -161,8 +161,8 @@ def measure(pipe, prompts: list[list[int]], tokens: int, setting: tuple, totals:
         ar_ids, seconds = run_ar(pipe, prompt, tokens, temperature, seed)
         totals["ar_time"] += seconds
         totals["ar_tokens"] += len(ar_ids)
-        result, seconds = run_speculative(pipe, prompt, tokens, steps, drafts, canvas, fused,
-                                          *(source or ["diffusion"]), temperature=temperature, seed=seed)
+        result, seconds = run_speculative(pipe, prompt, tokens, steps, drafts, canvas, fused, *source,
+                                          temperature=temperature, seed=seed)
         totals["spec_time"] += seconds
         if temperature == 0 and result.token_ids != ar_ids:
             raise SystemExit(f"speculative output differs from AR for {pipe.decode(prompt)!r} at {setting}")

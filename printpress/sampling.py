@@ -207,15 +207,19 @@ def top_k_only(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def next_token_probs(logits: torch.Tensor, settings: SamplerSettings) -> torch.Tensor:
+    """AR sampling's next-token probabilities (..., V) from logits (temperature > 0): scaled, cut to top_k."""
+    scaled = logits / settings.temperature
+    if settings.top_k is not None and settings.top_k < scaled.shape[-1]:
+        scaled = top_k_only(scaled, settings.top_k)
+    return torch.softmax(scaled, dim=-1, dtype=torch.float32)
+
+
 def sample_next_token(logits: torch.Tensor, settings: SamplerSettings, generator: torch.Generator) -> int:
     """Next token from one row of next-token logits (V,): greedy at temperature 0, else sampled."""
     if settings.temperature == 0:
         return int(torch.argmax(logits))
-    scaled = logits / settings.temperature
-    if settings.top_k is not None and settings.top_k < scaled.shape[-1]:
-        scaled = top_k_only(scaled, settings.top_k)
-    probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-    return int(multinomial_one(probs, generator))
+    return int(multinomial_one(next_token_probs(logits, settings), generator))
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

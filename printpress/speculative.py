@@ -27,7 +27,7 @@ Fused rounds (`settings.fused_draft`, TiDAR's layout; one draft step only): afte
 `fused_canvas` noise tokens for every outcome j (j drafts accepted), placed right after block row j and seeing
 only what the decoder would see once `t, d_1..d_j` were encoded. The verification decides j exactly as above;
 canvas j then holds the next round's drafts: its slot 0 sits where the token just committed (the AR token `a`)
-goes, so the next block is `[a, c_1..c_m]` with `c_i` taken from slot i (argmax, or drawn from `_ar_probs`).
+goes, so the next block is `[a, c_1..c_m]` with `c_i` taken from slot i (argmax, or drawn from `next_token_probs`).
 One pass per round instead of two; the drafts are one token further ahead (slot 0 is noise, not `a`). The
 output is still AR's: the canvases' noise is drawn before the pass and no block row attends to a canvas, so
 the drafts depend only on committed tokens and fresh noise, which is all the acceptance rule needs.
@@ -59,7 +59,7 @@ from printpress.canvas import denoise, denoise_step, step_event
 from printpress.errors import GenerationError
 from printpress.events import CommitEvent, Decode, Event, SpeculativeStats, StepEvent
 from printpress.request import Request, RequestState, model_device
-from printpress.sampling import SamplerSettings, multinomial_one, sample_canvas, sample_next_token
+from printpress.sampling import SamplerSettings, multinomial_one, next_token_probs, sample_canvas, sample_next_token
 
 DEFAULT_CANVAS = 32  # the shipped models' canvas, used when the caller does not pass the checkpoint's
 # Canvas length of each outcome's draft in a fused pass (fused_draft). It caps the drafts per round at
@@ -244,7 +244,7 @@ def _draft(
     if settings.temperature == 0:
         draft, q = torch.argmax(tail, dim=-1), None
     else:
-        q = _ar_probs(tail, settings)
+        q = next_token_probs(tail, settings)
         draft = sample_canvas(q, state.generator)
     if state.step_events:
         final = state.canvas.clone()
@@ -257,19 +257,10 @@ def _draft(
 def _lookup_draft(lookup: ContextLookup, m: int, settings: SamplerSettings, vocab: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The context's draft of at most `m` tokens (possibly none) and, when sampling, its one-hot q."""
-    draft = torch.tensor(lookup.draft(m) if m > 0 else [], dtype=torch.long, device=device)
+    draft = torch.tensor(lookup.draft(m), dtype=torch.long, device=device)
     if settings.temperature == 0 or not draft.numel():
         return draft, None
     return draft, torch.nn.functional.one_hot(draft, vocab).float()
-
-
-def _ar_probs(logits: torch.Tensor, settings: SamplerSettings) -> torch.Tensor:
-    """Rows of next-token probabilities (n, V) exactly as `sample_next_token` samples them (temperature > 0)."""
-    scaled = logits / settings.temperature
-    if settings.top_k is not None and settings.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, settings.top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return torch.softmax(scaled, dim=-1, dtype=torch.float32)
 
 
 def _verify(
@@ -309,7 +300,7 @@ def _accept(cache, state: _State, snapshot, draft: torch.Tensor, q: torch.Tensor
         new = greedy_accept(draft, logits)
     else:
         q = logits.new_empty(0, logits.shape[-1]) if q is None else q  # no draft: the bonus draw only
-        new = sampled_accept(draft, q, _ar_probs(logits, state.settings), state.generator)
+        new = sampled_accept(draft, q, next_token_probs(logits, state.settings), state.generator)
     accepted = len(new) - 1
     cache.truncate(snapshot.length + 1 + accepted, snapshot)
     state.drafted += int(draft.numel())
@@ -320,11 +311,11 @@ def _accept(cache, state: _State, snapshot, draft: torch.Tensor, q: torch.Tensor
 def _canvas_draft(model: torch.nn.Module, state: _State, hidden: torch.Tensor,
                   m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The next `m` drafts from a fused pass's canvas (1, L, H): slots 1..m (slot 0 is the token just
-    committed), their argmax, or a draw from `_ar_probs` of their logits (returned as q), as `_draft` does."""
+    committed), their argmax, or a draw from `next_token_probs` of their logits (returned as q), as `_draft` does."""
     logits = model.logits(hidden[0, 1 : m + 1])
     if state.settings.temperature == 0:
         return torch.argmax(logits, dim=-1), None
-    q = _ar_probs(logits, state.settings)
+    q = next_token_probs(logits, state.settings)
     return sample_canvas(q, state.generator), q
 
 

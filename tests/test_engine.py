@@ -515,7 +515,6 @@ def test_window_lead_keeps_only_the_opened_positions_and_is_off_by_default(model
     assert pipe.generate(PROMPTS[0], seed=4, window_lead=1.5, **settings).token_ids != expected
 
 
-
 def test_canvas_top_k_of_one_keeps_every_position_at_its_argmax_and_is_off_by_default(models_):
     ref, pipe = models_["peaked"]
     settings = dict(max_new_tokens=24, max_denoising_steps=6, t_min=0.5, t_max=1.0, entropy_bound=0.1)

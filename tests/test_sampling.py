@@ -192,7 +192,6 @@ def test_greedy_ar_sampling_is_argmax_and_sampled_is_reproducible():
     assert len(set(draws)) > 1
 
 
-
 def test_top_k_only_keeps_each_rows_k_largest_and_their_ties():
     logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.5], [4.0, -1.0, 0.0, 2.0, 1.0]])
     cut = top_k_only(logits, 2)
