@@ -15,7 +15,9 @@ One process, one thread (by default). It measures the machine, then the engine:
    `decoder_work`, `sampler_work`): compute = FLOPs / GEMM peak, memory = bytes / the read bandwidth of the
    smallest memory level its working set fits in, roofline = the larger. The ratio measured / roofline says how
    far the engine is from the machine (1.0 = at the limit). `--compiled` adds the opt-in compiled AR step
-   (`printpress.fast.compile_ar_step`, not bit-exact) on the same weights.
+   (`printpress.fast.compile_ar_step`, not bit-exact) on the same weights. Where the CPU has native bf16 (or with
+   `--bf16`) the AR step and the decoder passes are timed again on a bf16 copy of the weights (`dtype="bfloat16"`,
+   not exact), predicted with 2-byte weights at the bf16 GEMM roof.
 
 The workloads of one model are timed interleaved (one repetition of each in turn), so a change in the machine's
 load hits them alike; medians and minima are reported, and the 1-minute load average at the start and the end
@@ -58,6 +60,8 @@ from engine_speed import SIZES, cpu_caches  # noqa: E402  (the benchmark sizes l
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "models" / "shakespeare-joint"
 FP32 = 4  # bytes
+ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2}
+PEAK = {torch.float32: "fp32_gemm", torch.bfloat16: "bf16_gemm"}  # the roof a model of this dtype computes at
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,6 +139,7 @@ class Work:
     bytes: float
     working_set: float
     transcendentals: float = 0.0
+    peak: str = "fp32_gemm"  # the GEMM roof its FLOPs run at (bf16_gemm for a bf16 model)
 
 
 def layer_macs(text: TextConfig, tokens: int, keys_per_layer: list[int]) -> float:
@@ -171,20 +176,22 @@ def keys_seen(text: TextConfig, context: int, tokens: int) -> list[int]:
     return [(min(context, window) if spec.sliding else context) + tokens for spec in text.layers]
 
 
-def model_bytes(text: TextConfig) -> float:
-    return FP32 * text.num_parameters()
+def model_bytes(text: TextConfig, dtype: torch.dtype = torch.float32) -> float:
+    return ELEMENT_BYTES[dtype] * text.num_parameters()
 
 
-def ar_work(text: TextConfig, context: int) -> Work:
-    """One AR step: 1 token through the layers, the LM head on it; reads the routed experts only."""
+def ar_work(text: TextConfig, context: int, dtype: torch.dtype = torch.float32) -> Work:
+    """One AR step: 1 token through the layers, the LM head on it; reads the routed experts only. Weights and
+    cache are read in `dtype`; the logits are written in fp32 (as `model.encode` returns them)."""
     h, v = text.hidden_size, text.vocab_size
     macs = layer_macs(text, 1, keys_seen(text, context, 1)) + h * v
     params = layer_weight_params(text, text.top_k_experts) + v * h + kv_read_params(text, context)
     io = v  # the logits written
-    return Work(flop=2 * macs, bytes=FP32 * (params + io), working_set=model_bytes(text))
+    return Work(flop=2 * macs, bytes=ELEMENT_BYTES[dtype] * params + FP32 * io, working_set=model_bytes(text, dtype),
+                peak=PEAK[dtype])
 
 
-def decoder_work(text: TextConfig, canvas: int, context: int) -> Work:
+def decoder_work(text: TextConfig, canvas: int, context: int, dtype: torch.dtype = torch.float32) -> Work:
     """One self-conditioned decoder pass: soft embedding (probs @ E) and its MLP, the layers over the canvas,
     the LM head over the canvas. Experts read: those the canvas routes to (uniform routing assumed); E is read
     once (it serves the soft embedding and the LM head)."""
@@ -193,8 +200,9 @@ def decoder_work(text: TextConfig, canvas: int, context: int) -> Work:
     used = e * (1 - (1 - k / e) ** canvas)
     macs = canvas * (v * h + 3 * h * i) + layer_macs(text, canvas, keys_seen(text, context, canvas)) + canvas * v * h
     params = layer_weight_params(text, used) + v * h + 3 * h * i + kv_read_params(text, context)
-    io = 2 * canvas * v  # the self-conditioning probabilities read, the logits written
-    return Work(flop=2 * macs, bytes=FP32 * (params + io), working_set=model_bytes(text))
+    io = 2 * canvas * v  # the self-conditioning probabilities read, the logits written (fp32)
+    return Work(flop=2 * macs, bytes=ELEMENT_BYTES[dtype] * params + FP32 * io, working_set=model_bytes(text, dtype),
+                peak=PEAK[dtype])
 
 
 def sampler_work(canvas: int, vocab: int, accepted_only: bool) -> Work:
@@ -212,7 +220,7 @@ def predict(work: Work, roofs: dict[str, Any]) -> dict[str, Any]:
     capacity = roofs["level_capacity_bytes"]
     level = next((name for name in ("L2", "L3") if work.working_set <= capacity[name]), "DRAM")
     bandwidth = roofs["read_bandwidth"][level]["best_gb_s"] * 1e9
-    compute_ms = 1e3 * work.flop / (roofs["fp32_gemm"]["peak_gflop_s"] * 1e9)
+    compute_ms = 1e3 * work.flop / (roofs[work.peak]["peak_gflop_s"] * 1e9)
     compute_ms += 1e3 * work.transcendentals / (roofs["exp"]["best_gelem_s"] * 1e9)
     memory_ms = 1e3 * work.bytes / bandwidth
     return {"compute_ms": compute_ms, "memory_ms": memory_ms, "roofline_ms": max(compute_ms, memory_ms),
@@ -258,6 +266,14 @@ def twin(model: DiffusionGemma) -> DiffusionGemma:
     return copy
 
 
+def in_dtype(model: DiffusionGemma, dtype: torch.dtype) -> DiffusionGemma:
+    """A copy of `model` with its weights in `dtype` (the RoPE tables stay fp32, as the loader keeps them)."""
+    low = twin(model).to(dtype)
+    for name, value in DiffusionGemma.rope_buffers(model.config).items():
+        setattr(low, name, value)
+    return low
+
+
 def ar_step_call(model: DiffusionGemma, context: int, batch: int = 1) -> Callable[[], None]:
     """One AR step of `batch` rows after a `context`-token prefix each, rolled back after each call (the same
     prefix every time)."""
@@ -275,17 +291,18 @@ def ar_step_call(model: DiffusionGemma, context: int, batch: int = 1) -> Callabl
 
 
 def workloads(model: DiffusionGemma, canvases: tuple[int, ...], context: int,
-              compiled: DiffusionGemma | None = None) -> list[Workload]:
-    """AR step, decoder pass per canvas and sampler step per canvas, each after a `context`-token prefix; and the
-    AR step of `compiled` (the same weights with `printpress.fast.compile_ar_step`), if given."""
-    text = model.config
+              compiled: DiffusionGemma | None = None, sampler: bool = True) -> list[Workload]:
+    """AR step, decoder pass per canvas and (if `sampler`) sampler step per canvas, each after a `context`-token
+    prefix; and the AR step of `compiled` (the same weights with `printpress.fast.compile_ar_step`), if given.
+    The model's dtype sets the bytes and the GEMM roof of its predictions."""
+    text, dtype = model.config, model.dtype
     gen = torch.Generator().manual_seed(1)
     cache = model.new_cache(1, context + max(canvases))
     model.encode(torch.randint(3, text.vocab_size, (1, context), generator=gen), cache, logits="none")
-    out = [Workload("AR step", ar_step_call(model, context), ar_work(text, context))]
+    out = [Workload("AR step", ar_step_call(model, context), ar_work(text, context, dtype))]
     if compiled is not None:
         out.append(Workload("AR step, compiled (opt-in, not bit-exact)", ar_step_call(compiled, context),
-                            ar_work(text, context)))
+                            ar_work(text, context, dtype)))
     settings = SamplerSettings(max_denoising_steps=32)
     for c in canvases:
         ids = torch.randint(3, text.vocab_size, (1, c), generator=gen)
@@ -293,8 +310,8 @@ def workloads(model: DiffusionGemma, canvases: tuple[int, ...], context: int,
         probs = torch.softmax(logits / 0.8, dim=-1, dtype=torch.float32)  # the previous step's feedback
         out.append(Workload(f"decoder pass, canvas {c}",
                             lambda ids=ids, probs=probs: model.denoise(ids, cache, self_conditioning_probs=probs),
-                            decoder_work(text, c, context)))
-        for accepted_only in (False, True):
+                            decoder_work(text, c, context, dtype)))
+        for accepted_only in (False, True) if sampler else ():
             row = Row(0, torch.Generator().manual_seed(0), None, 16, settings.with_overrides(
                 sample_accepted_only=accepted_only))
             label = "sampler step, accepted-only" if accepted_only else "sampler step"
@@ -318,6 +335,8 @@ def measure(loads: list[Workload], reps: int) -> dict[str, list[float]]:
 
 
 def bench_model(label: str, model: DiffusionGemma, roofs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The model's workloads in fp32, and with `args.bf16` its AR step and decoder passes again on a bf16 copy
+    (rows named "..., bf16"; the sampler works on fp32 logits either way), all interleaved."""
     text = model.config
     print(f"{label}: {text.num_parameters() / 1e6:.2f}M parameters, {model_bytes(text) / 2**20:.1f} MiB fp32",
           flush=True)
@@ -327,6 +346,14 @@ def bench_model(label: str, model: DiffusionGemma, roofs: dict[str, Any], args: 
         compile_ar_step(compiled)
     with torch.no_grad():
         loads = workloads(model, tuple(args.canvases), args.context, compiled)
+        if args.bf16:
+            low = in_dtype(model, torch.bfloat16)
+            low_compiled = None
+            if args.compiled:
+                low_compiled = in_dtype(model, torch.bfloat16)
+                compile_ar_step(low_compiled)
+            for load in workloads(low, tuple(args.canvases), args.context, low_compiled, sampler=False):
+                loads.append(Workload(f"{load.name}, bf16", load.run, load.work))
         seconds = measure(loads, args.reps)
     rows = []
     for load in loads:
@@ -390,7 +417,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="also time the opt-in compiled AR step (printpress.fast; compiles for a minute or two)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions of the roof measurements (smoke)")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the AR step and decoder passes of a bf16 copy (default: where the CPU has "
+                             "native bf16 matmuls, amx_bf16 or avx512_bf16)")
     args = parser.parse_args(argv)
+    if args.bf16 is None:
+        args.bf16 = bool(native_bf16_flags(read_cpuinfo()))
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     caches = cpu_caches()
