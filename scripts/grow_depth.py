@@ -11,7 +11,7 @@ scales nothing: the grown model computes exactly the logits of the original (tes
 copies up (the closing norms get gradients at once, everything behind them from the next step). This
 is the zero-initialised block expansion of LLaMA Pro (Wu et al., 2024) on top of stacking's layer copies (Du et
 al., 2024), used as issue 11's "larger model" lever without training a 10M-parameter model from scratch (docs/
-benchmarks.md §7, "G1").
+benchmarks.md §7, "G1 and G2").
 
 The output is an ordinary Hugging Face folder (config, safetensors, tokenizer, generation config): `printpress
 train --set init_from=...` trains it, `printpress.load` and `transformers` load it.
