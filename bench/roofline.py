@@ -47,6 +47,7 @@ import torch
 
 import printpress
 from printpress import canvas as canvas_step
+from printpress.checkpoint import convert
 from printpress.config import TextConfig
 from printpress.eval.report import cpu_name
 from printpress.fast import compile_ar_step
@@ -267,11 +268,8 @@ def twin(model: DiffusionGemma) -> DiffusionGemma:
 
 
 def in_dtype(model: DiffusionGemma, dtype: torch.dtype) -> DiffusionGemma:
-    """A copy of `model` with its weights in `dtype` (the RoPE tables stay fp32, as the loader keeps them)."""
-    low = twin(model).to(dtype)
-    for name, value in DiffusionGemma.rope_buffers(model.config).items():
-        setattr(low, name, value)
-    return low
+    """A copy of `model` with its weights in `dtype`, converted as the loader converts (RoPE tables stay fp32)."""
+    return convert(twin(model), dtype)
 
 
 def ar_step_call(model: DiffusionGemma, context: int, batch: int = 1) -> Callable[[], None]:

@@ -306,15 +306,15 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     """A model whose parameters are allocated once, uninitialised, in `dtype` on `device`."""
     with torch.device("meta"):
         model = DiffusionGemma(config.text)
-    return convert(model.to(dtype=dtype).to_empty(device=device), config, dtype)
+    return convert(model.to(dtype=dtype).to_empty(device=device), dtype)
 
 
-def convert(model: DiffusionGemma, config: ModelConfig, dtype: torch.dtype) -> DiffusionGemma:
+def convert(model: DiffusionGemma, dtype: torch.dtype) -> DiffusionGemma:
     """The model's weights in `dtype`, in place. The RoPE frequencies are non-persistent buffers computed in
     float32 whatever the weights' dtype (as the reference's): they are rebuilt, not converted."""
     model.to(dtype=dtype)
     device = model.embed_tokens.weight.device
-    for name, value in DiffusionGemma.rope_buffers(config.text).items():
+    for name, value in DiffusionGemma.rope_buffers(model.config).items():
         setattr(model, name, value.to(device))
     return model
 
@@ -361,7 +361,7 @@ def load_model(
         if choice is None:
             measure = None if quantize else (lambda: precision.measure(model, config.canvas_length))
             choice = precision.choose(device, measure_times=measure)
-            convert(model, config, choice.dtype)
+            convert(model, choice.dtype)
         logger.info(choice.describe())
         model.dtype_choice = choice
     if quantize:

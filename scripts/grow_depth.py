@@ -57,8 +57,13 @@ def grown_weights(state: dict[str, torch.Tensor], branch_scale: float) -> dict[s
             continue
         head, index, tail = match.group(1), int(match.group(2)), match.group(3)
         out[f"{head}{2 * index}{tail}"] = value.clone()
-        copied = value * branch_scale if tail in CLOSING_NORMS else value.clone()
-        out[f"{head}{2 * index + 1}{tail}"] = torch.ones_like(value) if tail in SCALARS else copied
+        if tail in SCALARS:
+            copied = torch.ones_like(value)
+        elif tail in CLOSING_NORMS:
+            copied = value * branch_scale
+        else:
+            copied = value.clone()
+        out[f"{head}{2 * index + 1}{tail}"] = copied
     return out
 
 
