@@ -30,6 +30,7 @@ from printpress.config import (
     read_json,
 )
 from printpress.errors import CheckpointError
+from printpress.draft_table import load_beside
 from printpress.model import DiffusionGemma
 from printpress.runtime_options import AUTO, CHECKPOINT, check_canvas_length, check_dtype, check_quantize
 from printpress.runtime_options import DTYPES as DTYPE_NAMES
@@ -368,6 +369,7 @@ def load_model(
         from printpress.quantize import quantize_model
 
         quantize_model(model, quantize)
+    model.draft_table = load_beside(folder)  # mode speculative's draft_source "table" (None: the folder has none)
     return model, config, generation, load_tokenizer(folder)
 
 

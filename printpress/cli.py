@@ -152,7 +152,7 @@ def _stats_line(result) -> str:
             f"{stats.tokens_per_forward:.2f} tokens per forward over {stats.forward_passes} forwards")
     if isinstance(stats, SpeculativeStats):  # its rounds, not canvases
         line += (f", {stats.verifications} verifications of {stats.accepted_per_verification:.2f} tokens "
-                 f"({stats.accepted_drafts} of {stats.drafted_tokens} drafts kept)")
+                 f"({stats.accepted_drafts} of {stats.drafted_tokens} {stats.draft_source} drafts kept)")
     elif stats.denoising_steps:
         line += f", {stats.canvases} canvases"
     return line + "]"
@@ -190,6 +190,12 @@ def register_distill(subparsers: argparse._SubParsersAction) -> None:
     distill.register(subparsers)
 
 
+def register_draft_table(subparsers: argparse._SubParsersAction) -> None:
+    from printpress.train import distill
+
+    distill.register_draft_table(subparsers)
+
+
 COMMANDS: list[Register] = [register_generate, register_chat, register_edit, register_eval, register_serve,
                             register_bench, register_list, register_pull]
 # Subcommands whose modules import torch when imported: (name, one-line help, register). The parser lists them with
@@ -197,6 +203,7 @@ COMMANDS: list[Register] = [register_generate, register_chat, register_edit, reg
 LAZY_COMMANDS: list[tuple[str, str, Register]] = [
     ("train", "train a model from a recipe or a config file", register_train),
     ("distill", "make distillation data: a teacher continues training prefixes", register_distill),
+    ("draft-table", "write a model's draft table for speculative decoding", register_draft_table),
 ]
 
 

@@ -3,8 +3,9 @@
 The default model (models/shakespeare-joint) was trained with the joint objective, so the same weights
 decode by diffusion (a canvas of 32 tokens denoised in parallel, drawn live when stderr is a terminal),
 autoregressively (one token per forward) and speculatively (drafts that the AR side verifies: exactly AR's greedy
-text; diffusion drafts are not faster on this model, drafts copied from the text itself are, see
-docs/benchmarks-speculative.md). See its model card for how it was trained and how good each decoding is.
+text; diffusion drafts are not faster on this model, drafts copied from the text itself are, and drafts from the
+model's draft table, its own habits, about twice as fast as AR: see docs/benchmarks-speculative.md). See its model
+card for how it was trained and how good each decoding is.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ DECODINGS = [
     ("autoregressive decoding on the same weights (sampled at the default temperature 0.8, top-k 50)", ["--mode", "ar"]),
     ("greedy autoregressive decoding (temperature 0)", ["--mode", "ar", "--temperature", "0"]),
     ("speculative decoding: diffusion drafts, AR verifies (greedy: exactly the text above)",
-     ["--mode", "speculative", "--temperature", "0"]),
+     ["--mode", "speculative", "--draft-source", "diffusion", "--temperature", "0"]),
     ("speculative decoding: drafts copied from the text itself, AR verifies (the same text again, fewer passes)",
      ["--mode", "speculative", "--draft-source", "lookup", "--temperature", "0"]),
+    ("speculative decoding: drafts from the model's draft table, what it usually writes next (the default source;"
+     " the same text, fewer passes still)", ["--mode", "speculative", "--temperature", "0"]),
 ]
 
 

@@ -103,6 +103,7 @@ class SpeculativeStats(GenerationStats):
     drafted_tokens: int = 0  # draft tokens offered to verification
     accepted_drafts: int = 0  # of those, how many were kept
     accepted_per_verification: float = 0.0  # tokens committed per verification, the AR token included
+    draft_source: str = ""  # where the drafts came from: diffusion, lookup, both or table ("auto" resolved)
 
 
 @dataclass

@@ -158,17 +158,21 @@ class Pipeline:
     def save_pretrained(self, folder: str | Path, dtype: str | torch.dtype | None = None,
                         max_shard_size: int | str = "2GB") -> Path:
         """Write the model, its config, generation defaults and tokenizer as a Hugging Face folder that
-        `from_pretrained` (and transformers' `DiffusionGemmaForBlockDiffusion`) loads back.
+        `from_pretrained` (and transformers' `DiffusionGemmaForBlockDiffusion`) loads back, with the model's draft
+        table where it has one.
 
         The write is atomic (a temporary sibling folder renamed into place), so a killed save leaves the previous
         copy or nothing. `dtype` converts the weights on the way out (default: as loaded).
         """
         from printpress.checkpoint import save_model
+        from printpress.draft_table import FILE
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        table = getattr(self.model, "draft_table", None)
         return save_model(self.model, self.config, folder, self.generation_config, self.tokenizer,
-                          max_shard_size=max_shard_size, dtype=dtype)
+                          max_shard_size=max_shard_size, dtype=dtype,
+                          extra_files=None if table is None else lambda tmp: table.save(tmp / FILE))
 
     @property
     def dtype_choice(self):
@@ -192,8 +196,9 @@ class Pipeline:
 
         Two settings read differently by mode: `draft_steps` (speculative only) is the drafts' denoising steps,
         stored in `max_denoising_steps` (which the draft loop reads; default `SPECULATIVE_DRAFT_STEPS`, not the
-        checkpoint's canvas steps); `temperature` in diffusion mode multiplies the t_max -> t_min schedule
-        (`SamplerSettings.scale_schedule`), in AR and speculative mode it is the causal head's temperature.
+        checkpoint's canvas steps; given, it makes draft_source "auto" mean diffusion drafts); `temperature` in
+        diffusion mode multiplies the t_max -> t_min schedule (`SamplerSettings.scale_schedule`), in AR and
+        speculative mode it is the causal head's temperature.
         """
         unknown = sorted(set(overrides) - {s.name for s in SETTINGS})
         if unknown:
@@ -203,6 +208,8 @@ class Pipeline:
         overrides = dict(overrides)
         draft_steps = overrides.pop("draft_steps", None)
         refuse_unread(mode, {"draft_steps": draft_steps}, defaults)  # before the checks of the settings it replaces
+        # Draft steps shape diffusion drafts only: asking for them makes draft_source "auto" mean diffusion.
+        wants_diffusion_drafts = draft_steps is not None or overrides.get("max_denoising_steps") is not None
         if mode == "speculative":
             if draft_steps is not None and overrides.get("max_denoising_steps") is not None:
                 raise GenerationError("give draft_steps or max_denoising_steps (the same setting in mode "
@@ -215,6 +222,8 @@ class Pipeline:
         refuse_unread(settings.mode, overrides, defaults)  # an option the mode cannot honour is an error
         if settings.mode == "diffusion" and overrides.get("temperature") is not None:
             settings = settings.scale_schedule(settings.temperature)
+        if settings.mode == "speculative" and settings.draft_source == "auto" and wants_diffusion_drafts:
+            settings = settings.with_overrides(draft_source="diffusion")
         if settings.window_lead and settings.mode not in BY_NAME["window_lead"].modes:
             # A checkpoint's window is a diffusion default: speculative drafts share the canvas step, and open whole.
             settings = settings.with_overrides(window_lead=0.0)

@@ -27,7 +27,7 @@ from printpress.config import GenerationConfig
 from printpress.errors import GenerationError
 
 MODES = ("diffusion", "ar", "speculative")
-DRAFT_SOURCES = ("diffusion", "lookup", "both")  # mode speculative's drafts (printpress/speculative.py)
+DRAFT_SOURCES = ("diffusion", "lookup", "both", "table", "auto")  # mode speculative's drafts (printpress/speculative.py)
 CANVAS_MODES = ("diffusion", "speculative")  # the modes that denoise canvases (speculative: its drafts)
 
 # mode="speculative": decoder passes per draft unless told (`draft_steps`). One is the fastest setting measured on
@@ -231,11 +231,16 @@ SETTINGS: tuple[Setting, ...] = (
             check=_flag, http={}),
     # Where mode speculative's drafts come from; the output is AR's whatever they are. "lookup" is prompt-lookup
     # decoding (vLLM's n-gram proposer, llama.cpp's lookup decoding): no decoder pass, so a round that finds no
-    # draft costs what an AR step costs. Measured in docs/benchmarks-speculative.md ("Drafts from the context").
+    # draft costs what an AR step costs. "table" reads the model's draft table (printpress/draft_table.py), which
+    # beat diffusion drafts greedy and sampled on the shipped model, so "auto" (the default) takes it where there is
+    # one. Measured in docs/benchmarks-speculative.md ("Drafts from the context", "Drafts from a draft table").
     Setting("draft_source", str, "mode speculative: what writes the drafts AR verifies: diffusion (the decoder "
-            "denoises a canvas; default), lookup (the tokens that followed the latest earlier occurrence of the "
-            "text's last 1-3 tokens; no decoder pass) or both (lookup where it finds a match, diffusion elsewhere)",
-            default="diffusion", modes=("speculative",), check=_one_of(DRAFT_SOURCES), http={},
+            "denoises a canvas), lookup (the tokens that followed the latest earlier occurrence of the text's last "
+            "1-3 tokens; no decoder pass), both (lookup where it finds a match, diffusion elsewhere), table (the "
+            "model's draft table, made by `printpress draft-table`; lookup where it has no entry) or auto (the "
+            "default: table where the model has one, else diffusion; diffusion when draft_steps or fused_draft is "
+            "set)",
+            default="auto", modes=("speculative",), check=_one_of(DRAFT_SOURCES), http={},
             choices=DRAFT_SOURCES),
 )
 
@@ -415,7 +420,7 @@ class SamplerSettings:
             _require(self.max_denoising_steps == 1,
                      f"fused_draft needs draft_steps (max_denoising_steps) = 1, got {self.max_denoising_steps}: a "
                      "fused pass drafts with a single decoder step; set draft_steps=1 or leave fused_draft off")
-            _require(self.draft_source == "diffusion",
+            _require(self.draft_source in ("diffusion", "auto"),
                      f"fused_draft drafts with the decoder; it needs draft_source diffusion, got {self.draft_source!r}")
         return self
 

@@ -39,6 +39,11 @@ earlier in the prompt or the output, the tokens that followed their latest such 
 verification of `[t]` alone, which is an AR step. "both" drafts by diffusion in the rounds where lookup finds
 nothing. The acceptance rule is the same; when sampling, a lookup draft is a draw from a one-hot q, so a draft
 token is kept with probability p(d) and a rejection draws from p without d: AR's distribution still.
+"table" drafts the same way from the model's draft table (`model.draft_table`, read from `draft_table.safetensors`
+beside the weights; printpress/draft_table.py): what the model itself most often wrote after the text's last
+1..5 tokens in its greedy continuations of training text; the context lookup where the table has no entry.
+"auto", the default, is "table" where the model has a table and the rounds are not fused, else "diffusion"
+(`draft_source`; `SpeculativeStats.draft_source` says which ran).
 
 Counting: `forward_passes` = 1 (the prompt pass, which yields the first token) + decoder passes + verification
 passes, so `tokens_per_forward` compares with AR's 1.0; a fused pass is one verification and no decoder pass
@@ -67,8 +72,8 @@ DEFAULT_CANVAS = 32  # the shipped models' canvas, used when the caller does not
 # within 0.03 of the best fused setting on the shipped model (0.60x AR, against 0.44x unfused with its default
 # 31 drafts) and at 1.9x AR on the toy model (docs/benchmarks-speculative.md, "Fused draft+verify").
 FUSED_CANVAS = 4
-# Drafts per round from the context (draft_source lookup or both) unless draft_length says otherwise: a block of 8
-# verified (docs/benchmarks-speculative.md, "Drafts from the context").
+# Drafts per round from the context or a draft table (draft_source lookup, both or table) unless draft_length says
+# otherwise: a block of 8 verified (docs/benchmarks-speculative.md, "Drafts from the context").
 LOOKUP_DRAFTS = 7
 LOOKUP_LONGEST = 3  # the longest suffix of the text that lookup matches
 
@@ -109,6 +114,7 @@ class _State(RequestState):
     verifications: int = 0
     drafted: int = 0
     accepted: int = 0
+    draft_source: str = ""
 
 
 @torch.no_grad()
@@ -128,7 +134,7 @@ def speculative(
     caps the drafts verified per pass (default: the whole canvas after the clamped token, canvas - 1).
     `fused_canvas`: each outcome's canvas in a fused pass (requests with `settings.fused_draft`; default
     `FUSED_CANVAS`); their drafts are also capped at fused_canvas - 1. Drafts from the context
-    (`settings.draft_source` lookup or both) are capped at `draft_length`, else `LOOKUP_DRAFTS`.
+    (`settings.draft_source` lookup, both or table) are capped at `draft_length`, else `LOOKUP_DRAFTS`.
     """
     canvas = DEFAULT_CANVAS if canvas_length is None else canvas_length
     if canvas < 2:
@@ -141,6 +147,10 @@ def speculative(
         raise GenerationError(f"fused_canvas must be at least 2 (the committed token's slot and a draft), got {fused}")
     for request in requests:
         _check(request)
+        if request.settings.draft_source == "table" and _table(model) is None:
+            raise GenerationError("draft_source 'table' needs the model's draft table (draft_table.safetensors in its "
+                                  "folder), and this model has none: make one with `printpress draft-table MODEL`, "
+                                  "or use draft_source 'lookup'")
     lookup_drafts = LOOKUP_DRAFTS if draft_length is None else draft_length
     for index, request in enumerate(requests):
         yield from _generate_one(model, index, request, decode, canvas, drafts, lookup_drafts, step_events, fused)
@@ -178,7 +188,7 @@ def _generate_one(
     fused = request.settings.fused_draft
     if fused:
         drafts = min(drafts, fused_canvas - 1)
-    source = request.settings.draft_source
+    source = state.draft_source = draft_source(model, request.settings)
     lookup = None if source == "diffusion" else ContextLookup(request.prompt_ids)
     drafted = None  # hidden states (1, L, H) of the canvas the last fused pass drafted for what it committed
     round_index = 0
@@ -190,8 +200,10 @@ def _generate_one(
         draft, q = torch.empty(0, dtype=torch.long, device=device), None
         if lookup is not None:
             lookup.extend(state.tokens[len(lookup.tokens) - len(request.prompt_ids) :])
-            draft, q = _lookup_draft(lookup, min(lookup_drafts, room), state.settings, model.config.vocab_size, device)
-        if not draft.numel() and source != "lookup" and m > 0:
+            m_lookup = min(lookup_drafts, room)
+            guess = _table(model).draft(lookup.tokens, m_lookup) if source == "table" else []
+            draft, q = _token_draft(guess or lookup.draft(m_lookup), state.settings, model.config.vocab_size, device)
+        if not draft.numel() and source in ("diffusion", "both") and m > 0:
             if drafted is not None:
                 draft, q = _canvas_draft(model, state, drafted, m)
             else:
@@ -204,6 +216,18 @@ def _generate_one(
             new, drafted = _verify(model, cache, state, last, draft, q), None
         yield from _commit(state, new, round_index, decode)
     yield state.done("speculative", decode, _stats(state))
+
+
+def draft_source(model: torch.nn.Module, settings: SamplerSettings) -> str:
+    """The source a request's drafts come from: its setting, with "auto" made "table" where the model has a draft
+    table and the rounds are not fused, else "diffusion"."""
+    if settings.draft_source != "auto":
+        return settings.draft_source
+    return "table" if _table(model) is not None and not settings.fused_draft else "diffusion"
+
+
+def _table(model: torch.nn.Module):
+    return getattr(model, "draft_table", None)
 
 
 def _draft(
@@ -254,10 +278,11 @@ def _draft(
     return draft, q
 
 
-def _lookup_draft(lookup: ContextLookup, m: int, settings: SamplerSettings, vocab: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The context's draft of at most `m` tokens (possibly none) and, when sampling, its one-hot q."""
-    draft = torch.tensor(lookup.draft(m), dtype=torch.long, device=device)
+def _token_draft(tokens: list[int], settings: SamplerSettings, vocab: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft guessed without the model (context lookup or draft table; possibly none) and, when sampling, its
+    one-hot q."""
+    draft = torch.tensor(tokens, dtype=torch.long, device=device)
     if settings.temperature == 0 or not draft.numel():
         return draft, None
     return draft, torch.nn.functional.one_hot(draft, vocab).float()
@@ -362,4 +387,5 @@ def _stats(state: _State) -> SpeculativeStats:
         accepted_drafts=state.accepted,
         # Every token after the first (the prompt pass's) was committed by a verification.
         accepted_per_verification=(len(state.tokens) - 1) / state.verifications if state.verifications else 0.0,
+        draft_source=state.draft_source,
     )

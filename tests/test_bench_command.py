@@ -42,8 +42,9 @@ from printpress.model import DiffusionGemma
 from printpress.tokenizer import train_tokenizer
 
 TEXT = "the cat sat on the mat, and the dog sat on the log. "
-GREEDY, SPECULATIVE = "ar, temperature 0", "speculative, 1 steps, temperature 0"
+GREEDY, SPECULATIVE = "ar, temperature 0", "speculative, 1 steps, temperature 0, draft_source diffusion"
 LOOKUP = "speculative, temperature 0, draft_source lookup"
+TABLE = "speculative, temperature 0, draft_source table"
 STOP = "diffusion, 24 steps, bound 12, confidence 2"
 
 
@@ -92,7 +93,7 @@ def report(tiny, tmp_path_factory) -> dict:
                              "--max-new-tokens", "16", "--seed", "3", "--seeds", "2", "--steps", "4", "2",
                              "--entropy-bounds", "0.1", "8", "--setting", "steps=4,t_max=0.4,t_min=0.1",
                              "--setting", "mode=ar,temperature=0",
-                             "--setting", "mode=speculative,steps=1,temperature=0",
+                             "--setting", "mode=speculative,steps=1,draft_source=diffusion,temperature=0",
                              "--heldout-data", str(corpus),
                              "--heldout-seq-len", "16", "--heldout-batch-size", "2", "--heldout-batches", "1",
                              "--forward-reps", "2", "--gguf-judge", "off", "--results", str(root / "results"),
@@ -264,7 +265,7 @@ def test_the_yardstick_preset_parses_and_explicit_options_win():
     args = _parse("--yardstick")
     assert (args.heldout_prompts, args.seeds, args.max_new_tokens) == (24, 3, 64)
     assert (args.steps, args.entropy_bounds, args.setting) == ([32, 16, 8], [0.1, 1.0, 4.0], YARDSTICK_SETTINGS)
-    assert [describe(parse_setting(s)) for s in args.setting] == [GREEDY, SPECULATIVE, LOOKUP, STOP]
+    assert [describe(parse_setting(s)) for s in args.setting] == [GREEDY, SPECULATIVE, LOOKUP, TABLE, STOP]
     args = _parse("--yardstick", "--steps", "4", "--seeds", "1", "--setting", "steps=2")
     assert (args.steps, args.seeds, args.max_new_tokens) == ([4], 1, 64)
     assert args.setting == [*YARDSTICK_SETTINGS, "steps=2"]
@@ -278,8 +279,9 @@ def test_the_yardstick_preset_parses_and_explicit_options_win():
 
 
 @pytest.mark.slow  # a whole benchmark run through the command line
-def test_the_yardstick_runs_end_to_end_on_held_out_prompts(tiny, tmp_path):
-    """... with the diffusion side decoding canvases of 4 (`--canvas-length`; the checkpoint's are 8)."""
+def test_the_yardstick_runs_end_to_end_on_held_out_prompts(tiny, tmp_path, capsys):
+    """... with the diffusion side decoding canvases of 4 (`--canvas-length`; the checkpoint's are 8), and without
+    the draft-table side, since this model has no table."""
     corpus = _corpus(tmp_path / "corpus")
     out = tmp_path / "yardstick.json"
     code = cli.main(["bench", "--yardstick", "--diffusion", str(tiny), "--ar", str(tiny), "--heldout-prompts", "2",
@@ -288,6 +290,7 @@ def test_the_yardstick_runs_end_to_end_on_held_out_prompts(tiny, tmp_path):
                      "--results", str(tmp_path / "results"), "--out", str(out), "--no-progress",
                      "--canvas-length", "4"])
     assert code == 0
+    assert f"{tiny} has no draft table: the yardstick's '{TABLE}' side is left out" in capsys.readouterr().err
     card = json.loads(out.read_text())
     assert [r["label"] for r in card["rows"]] == [AR_TWIN, OWN_AR, "diffusion, 2 steps, bound 8", GREEDY, SPECULATIVE,
                                                    LOOKUP, STOP]

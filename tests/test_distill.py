@@ -228,3 +228,55 @@ def test_two_processes_match_one_when_the_real_rows_all_sit_on_one_rank(teacher,
     for a, b in zip(*records, strict=True):
         for key in ("ar", "certainty", "diffusion", "loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
+
+
+def test_draft_table_holds_the_models_greedy_rows_and_travels_with_the_folder(teacher, tmp_path):
+    """`printpress draft-table`: the model's greedy continuations (distill's rows at temperature 0) with the last
+    `longest` prefix tokens as context, written beside the weights; `load` attaches it, `save_pretrained` keeps it,
+    and speculative decoding from it gives AR's tokens."""
+    import shutil
+
+    import printpress
+    from printpress.cli import main
+    from printpress.draft_table import FILE, DraftTable
+
+    corpus, model = teacher
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    assert printpress.load(folder).model.draft_table is None
+    assert main(["draft-table", str(folder), "--data", str(corpus), "--val-fraction", "0.2", "--rows", "6",
+                 "--new-tokens", "16", "--longest", "3", "--seed", "2", "--batch-size", "4", "--no-progress"]) == 0
+    pipe = printpress.load(folder)
+    table = pipe.model.draft_table
+    settings = DistillSettings(rows=6, prefix_tokens=64, new_tokens=16, temperature=0, top_k=None, seed=2,
+                               batch_size=4)
+    rows = distill(str(model), [str(corpus)], tmp_path / "greedy.bin", settings, val_fraction=0.2)
+    expected = np.asarray(open_token_file(rows).tokens).reshape(6, 80)[:, 61:]
+    assert table.maps == DraftTable.from_rows(expected, first=3, longest=3).maps and table.longest == 3
+    assert table.made_by["model"] == str(folder) and table.made_by["rows"] == 6
+    prompt = "the quick"
+    ar = pipe.generate(prompt, mode="ar", temperature=0, max_new_tokens=20)
+    spec = pipe.generate(prompt, mode="speculative", draft_source="table", temperature=0, max_new_tokens=20)
+    assert spec.token_ids == ar.token_ids and spec.stats.denoising_steps == 0
+    pipe.save_pretrained(tmp_path / "copy")
+    assert printpress.load(tmp_path / "copy").model.draft_table.maps == table.maps
+    (folder / FILE).write_bytes(b"broken")
+    with pytest.raises(printpress.errors.CheckpointError, match=f"{FILE}: unreadable draft table"):
+        printpress.load(folder)
+
+
+def test_draft_table_refuses_what_it_cannot_make(teacher, tmp_path, capsys):
+    from printpress.cli import main
+    from printpress.train.distill import make_draft_table
+
+    corpus, model = teacher
+    common = ["--data", str(corpus), "--rows", "2", "--no-progress"]
+    assert main(["draft-table", str(model), "--longest", "0", *common]) == 2
+    assert capsys.readouterr().err == "printpress: error: --longest must be in 1..64 (the prefix tokens), got 0\n"
+    assert main(["draft-table", str(model), "--out", str(tmp_path / "table.bin"), *common]) == 2
+    assert "--out must name a .safetensors file in an existing folder" in capsys.readouterr().err
+    with pytest.raises(DistillError, match="owner/model is not a local folder; give --out for its draft table"):
+        make_draft_table("owner/model", [str(corpus)], DistillSettings(rows=2, temperature=0), 5, None)
+    with pytest.raises(DistillError, match="temperature must be 0, got 0.7"):
+        make_draft_table(str(model), [str(corpus)], DistillSettings(rows=2), 5, None)
+    assert not list(tmp_path.iterdir()) and not (model / "draft_table.safetensors").exists()

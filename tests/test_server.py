@@ -552,7 +552,7 @@ BAD_REQUESTS = [
      "to mode='ar' (only modes 'diffusion' and 'speculative' use it)", None),
     ("/v1/completions", {"prompt": "x", "mode": "magic"}, 400, "mode", "mode"),
     ("/v1/completions", {"prompt": "x", "mode": "speculative", "draft_source": "ngram"}, 400,
-     "Input should be 'diffusion', 'lookup' or 'both'", "draft_source"),
+     "Input should be 'diffusion', 'lookup', 'both', 'table' or 'auto'", "draft_source"),
     ("/v1/completions", {"prompt": "x", "draft_source": "lookup"}, 400, "draft_source='lookup' does not apply to "
      "mode='diffusion' (only mode 'speculative' uses it)", None),
     ("/v1/completions", {"prompt": "x", "stream_steps": True}, 400, "stream_steps needs stream=true", "stream_steps"),

@@ -3,10 +3,12 @@ KV cache rolls back to precisely what AR decoding would hold."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from printpress.config import TextConfig
+from printpress.draft_table import DraftTable
 from printpress.engine import CommitEvent, DoneEvent, Request, StepEvent, run
 from printpress.errors import GenerationError
 from printpress.model import DiffusionGemma
@@ -310,6 +312,38 @@ def test_greedy_speculative_with_context_drafts_equals_ar(name, source):
         drafted += stats.drafted_tokens
         assert stats.accepted_drafts == new - 1 - stats.verifications
     assert drafted > 20
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_greedy_speculative_with_a_draft_table_equals_ar_and_keeps_its_drafts(name):
+    """A table made from the model's own greedy continuations (as `printpress draft-table` makes it) drafts what AR
+    then writes: AR's tokens, no decoder pass, more drafts kept than the context lookup keeps; a table of another
+    model's habits (here: random rows) costs speed, never the output."""
+    model = tiny_model(name)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    prefixes = [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(12)]
+    rows = np.array([p + ar_tokens(model, p, max_new_tokens=16) for p in prefixes])
+    kept = {}
+    for label, table in (("own", DraftTable.from_rows(rows, first=4, longest=3)),
+                         ("random", DraftTable.from_rows(np.random.default_rng(0).integers(0, vocab, (8, 20)), 2))):
+        model.draft_table = table
+        for source in ("table", "lookup"):
+            total = 0
+            for seed in range(4):
+                prompt = torch.randint(3, vocab, (5,), generator=g).tolist()
+                s = settings(max_new_tokens=24, draft_source=source)
+                (result,) = collect(speculative(model, [Request(prompt, s, seed)], canvas_length=8))[1]
+                assert result.token_ids == ar_tokens(model, prompt, max_new_tokens=24), (label, source)
+                assert result.stats.denoising_steps == 0
+                assert result.stats.forward_passes == 1 + result.stats.verifications
+                total += result.stats.accepted_drafts
+            kept[label, source] = total
+    assert kept["own", "table"] > kept["own", "lookup"], kept
+    del model.draft_table
+    with pytest.raises(GenerationError, match="draft_source 'table' needs the model's draft table "
+                                              r"\(draft_table.safetensors in its folder\), and this model has none"):
+        list(speculative(model, [Request([3], settings(draft_source="table"), 0)], canvas_length=8))
 
 
 def test_sample_accepted_only_is_honoured_by_the_draft_and_keeps_ar_output():

@@ -102,11 +102,12 @@ PLAIN = {"heldout_prompts": None, "seeds": 1, "max_new_tokens": 96, "steps": [64
          "entropy_bounds": [0.1, 1.0, 4.0]}
 YARDSTICK = {"heldout_prompts": 24, "seeds": 3, "max_new_tokens": 64, "steps": [32, 16, 8],
              "entropy_bounds": [0.1, 1.0, 4.0]}
-# Beside the grid: greedy AR, speculative decoding (diffusion drafts, and drafts from the context), and about 4 tokens
-# per forward with the adaptive stop (a canvas ends once its argmax settles; docs/benchmarks.md §7, L7), the first
-# setting to keep AR's diversity there.
-YARDSTICK_SETTINGS = ["mode=ar,temperature=0", "mode=speculative,steps=1,temperature=0",
-                      "mode=speculative,draft_source=lookup,temperature=0",
+# Beside the grid: greedy AR, speculative decoding (diffusion drafts, drafts from the context, and from the model's
+# draft table where it has one), and about 4 tokens per forward with the adaptive stop (a canvas ends once its argmax
+# settles; docs/benchmarks.md §7, L7), the first setting to keep AR's diversity there.
+TABLE_SETTING = "mode=speculative,draft_source=table,temperature=0"
+YARDSTICK_SETTINGS = ["mode=ar,temperature=0", "mode=speculative,steps=1,draft_source=diffusion,temperature=0",
+                      "mode=speculative,draft_source=lookup,temperature=0", TABLE_SETTING,
                       "steps=24,entropy_bound=12,confidence_threshold=2"]
 
 # Fewer samples per side than this (prompts x seeds), and a difference between two sides is mostly the luck of
@@ -240,6 +241,11 @@ def _run(args: argparse.Namespace) -> int:
                                                    compile=args.compile),
              "ar": Pipeline.from_pretrained(ar_path, compile=args.compile)}
     judge = pipes["ar"] if args.compile is None else Pipeline.from_pretrained(ar_path)  # the judge stays exact
+    if args.yardstick and getattr(pipes["diffusion"].model, "draft_table", None) is None:
+        table_side = describe(parse_setting(TABLE_SETTING))
+        sides = [side for side in sides if side.label != table_side]
+        print(f"{diffusion_path} has no draft table: the yardstick's '{table_side}' side is left out",
+              file=sys.stderr, flush=True)
     for side in sides:  # every setting checked before any work
         pipes[side.model].settings(max_new_tokens=args.max_new_tokens, **side.overrides).validate()
     gguf, gguf_note = load_gguf_judge(args.gguf_judge)

@@ -13,6 +13,9 @@ which the teacher never sees.
 
 The teacher continues through end-of-text (it writes the next document's start, as training windows do), so
 every row has the same length and no padding.
+
+`printpress draft-table` makes greedy rows the same way, with the model as its own teacher, and keeps them as the
+model's draft table (printpress/draft_table.py) for `mode="speculative"`'s `draft_source="table"`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import hashlib
 import json
 import logging
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from printpress.data import prepare_data
+
+from printpress.draft_table import DEFAULT_LONGEST
 from printpress.errors import PrintpressError
 
 logger = logging.getLogger(__name__)
@@ -101,7 +108,6 @@ def distill(teacher: str, sources: list[str], out: Path, settings: DistillSettin
             progress: bool = False) -> Path:
     """Make the token file `out` from `teacher`'s continuations of the training split of `sources`."""
     import printpress
-    from printpress.data import prepare_data
 
     settings.validate()
     if out.suffix != ".bin":
@@ -147,4 +153,70 @@ def run(args: argparse.Namespace) -> int:
         teacher = str(default_model_path())
     out = distill(teacher, args.data, Path(args.out), settings, args.val_fraction, progress=not args.no_progress)
     print(f"wrote {settings.rows} rows of {settings.prefix_tokens}+{settings.new_tokens} tokens to {out}")
+    return 0
+
+
+def make_draft_table(model: str, sources: list[str], settings: DistillSettings, longest: int, out: Path | None,
+                     val_fraction: float = 0.05, progress: bool = False) -> Path:
+    """Write `model`'s draft table: its greedy continuations of `settings.rows` training prefixes, each kept with
+    the `longest` prefix tokens before it as context. `out` None: `draft_table.safetensors` in the model's folder."""
+    import printpress
+    from printpress.draft_table import FILE, DraftTable
+    from printpress.pipeline import model_folder
+
+    settings.validate()
+    if settings.temperature != 0:
+        raise DistillError(f"a draft table holds the model's greedy continuations; temperature must be 0, "
+                           f"got {settings.temperature}")
+    if not 1 <= longest <= settings.prefix_tokens:
+        raise DistillError(f"--longest must be in 1..{settings.prefix_tokens} (the prefix tokens), got {longest}")
+    if out is None:
+        folder = model_folder(model)
+        if folder is None:
+            raise DistillError(f"{model} is not a local folder; give --out for its draft table")
+        out = folder / FILE
+    if out.suffix != ".safetensors" or not out.parent.is_dir():
+        raise DistillError(f"--out must name a .safetensors file in an existing folder, got {out}")
+    pipe = printpress.load(model)
+    with tempfile.TemporaryDirectory(prefix="draft-table-") as scratch:
+        splits = prepare_data(sources, pipe.tokenizer, Path(scratch), val_fraction=val_fraction)
+        started = time.perf_counter()
+        rows = teacher_rows(pipe, splits.train.tokens, settings, progress)
+    seconds = time.perf_counter() - started
+    made_by = {"model": str(model), "data": sources, "val_fraction": val_fraction, **asdict(settings)}
+    table = DraftTable.from_rows(rows[:, settings.prefix_tokens - longest :], first=longest, longest=longest,
+                                 made_by=made_by)
+    table.save(out)
+    logger.info("wrote %s: %d greedy rows in %.0f s", out, settings.rows, seconds)
+    return out
+
+
+def register_draft_table(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("draft-table", help="write a model's draft table for speculative decoding",
+                              description=make_draft_table.__doc__)
+    p.add_argument("model", nargs="?", default=None, help="a model folder or hub id (default: the shipped model)")
+    p.add_argument("--out", default=None,
+                   help="the file to write (default: draft_table.safetensors in the model's folder)")
+    p.add_argument("--data", nargs="+", default=["shakespeare"], help="corpus whose training split gives the prefixes")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="the held-out share, as in the recipes (0.05)")
+    p.add_argument("--rows", type=int, default=DistillSettings.rows, help=f"greedy rows ({DistillSettings.rows})")
+    p.add_argument("--new-tokens", type=int, default=DistillSettings.new_tokens, help="tokens the model writes per row")
+    p.add_argument("--longest", type=int, default=DEFAULT_LONGEST, help=f"longest context looked up ({DEFAULT_LONGEST})")
+    p.add_argument("--seed", type=int, default=3, help="which training prefixes (3)")
+    p.add_argument("--batch-size", type=int, default=DistillSettings.batch_size, help="rows continued at once")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run_draft_table)
+
+
+def run_draft_table(args: argparse.Namespace) -> int:
+    settings = DistillSettings(rows=args.rows, new_tokens=args.new_tokens, temperature=0.0, top_k=None,
+                               seed=args.seed, batch_size=args.batch_size)
+    model = args.model
+    if model is None:
+        from printpress.engine import default_model_path
+
+        model = str(default_model_path())
+    out = make_draft_table(model, args.data, settings, args.longest, None if args.out is None else Path(args.out),
+                           args.val_fraction, progress=not args.no_progress)
+    print(f"wrote the draft table of {model} ({settings.rows} greedy rows of {settings.new_tokens} tokens) to {out}")
     return 0
