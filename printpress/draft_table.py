@@ -36,7 +36,8 @@ DEFAULT_LONGEST = 5  # contexts of 1..5 tokens: 3 drafted 3.48, 4 3.71, 5 3.83 t
 
 
 class DraftTable:
-    """`maps[n - 1]`: each context of n tokens to the token the model most often wrote after it; `draft` follows them."""
+    """`maps[n - 1]`: each context of n tokens to the token the model most often wrote after it; `draft` follows
+    them."""
 
     def __init__(self, maps: list[dict[tuple[int, ...], int]], made_by: dict[str, Any] | None = None) -> None:
         if not maps:

@@ -27,7 +27,8 @@ from printpress.config import GenerationConfig
 from printpress.errors import GenerationError
 
 MODES = ("diffusion", "ar", "speculative")
-DRAFT_SOURCES = ("diffusion", "lookup", "both", "table", "auto")  # mode speculative's drafts (printpress/speculative.py)
+# mode speculative's drafts (printpress/speculative.py)
+DRAFT_SOURCES = ("diffusion", "lookup", "both", "table", "auto")
 CANVAS_MODES = ("diffusion", "speculative")  # the modes that denoise canvases (speculative: its drafts)
 
 # mode="speculative": decoder passes per draft unless told (`draft_steps`). One is the fastest setting measured on

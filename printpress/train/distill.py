@@ -201,7 +201,8 @@ def register_draft_table(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--val-fraction", type=float, default=0.05, help="the held-out share, as in the recipes (0.05)")
     p.add_argument("--rows", type=int, default=DistillSettings.rows, help=f"greedy rows ({DistillSettings.rows})")
     p.add_argument("--new-tokens", type=int, default=DistillSettings.new_tokens, help="tokens the model writes per row")
-    p.add_argument("--longest", type=int, default=DEFAULT_LONGEST, help=f"longest context looked up ({DEFAULT_LONGEST})")
+    p.add_argument("--longest", type=int, default=DEFAULT_LONGEST,
+                   help=f"longest context looked up ({DEFAULT_LONGEST})")
     p.add_argument("--seed", type=int, default=3, help="which training prefixes (3)")
     p.add_argument("--batch-size", type=int, default=DistillSettings.batch_size, help="rows continued at once")
     p.add_argument("--no-progress", action="store_true")
