@@ -3,7 +3,8 @@
     python scripts/ship_model.py --run /work/runs/joint --name shakespeare-joint \
         --recipe shakespeare-joint --judge /work/runs/ar/model
 
-Writes models/NAME (fp16 safetensors, config, generation config, tokenizer) and models/NAME/README.md:
+Writes models/NAME (fp16 safetensors, config, generation config, tokenizer; a joint model's draft table, made by
+`printpress draft-table`) and models/NAME/README.md:
 training command, wall time, parameter count, final validation losses, samples in both decoding modes,
 tokens per forward at the default settings, and each sample's NLL under a judge model's AR head.
 
@@ -24,6 +25,9 @@ from pathlib import Path
 import torch
 
 import printpress
+from printpress.draft_table import DEFAULT_LONGEST
+from printpress.draft_table import FILE as DRAFT_TABLE_FILE
+from printpress.train.distill import DistillSettings, make_draft_table
 from printpress.checkpoint import load_model, save_model
 from printpress.eval.judge import nll_per_char
 
@@ -153,9 +157,13 @@ def main() -> None:
         key, _, value = item.partition("=")
         setattr(generation, key, type(getattr(generation, key))(value))
     run_config = json.loads((run / "run.json").read_text())
-    corpus = corpus_card(run_config.get("data", {}).get("sources", ["shakespeare"]))
+    sources = run_config.get("data", {}).get("sources", ["shakespeare"])
+    corpus = corpus_card(sources)
     base = base_card(args.base_card or run_config.get("init_from"))
     save_model(model, config, folder, generation, tokenizer, dtype=torch.float16)
+    if run_config["train"]["objective"] != "ar":  # speculative mode's default drafts (a joint model's)
+        make_draft_table(str(folder), sources, DistillSettings(temperature=0.0, top_k=None, seed=3), DEFAULT_LONGEST,
+                         None, run_config.get("data", {}).get("val_fraction", 0.05))
     train = run_config["train"]
     tokens_per_step = train["batch_size"] * train["seq_len"]
     history = records(run)
@@ -201,6 +209,9 @@ objective **{objective}**. Weights are fp16 in the Hugging Face `diffusion_gemma
 | held-out loss (nats/token, step {last_eval['step']}) | {evals} |
 | default generation | {default_generation(g)} |
 """
+    if (folder / DRAFT_TABLE_FILE).exists():
+        card += (f"| draft table (speculative mode's drafts) | `printpress draft-table models/{args.name}"
+                 f"{'' if sources == ['shakespeare'] else ' --data ' + ' '.join(sources)}` |\n")
     if base:
         card += (f"| fine-tuned from | `{run_config.get('init_from')}`: {base['steps']} steps "
                  f"({base['tokens_seen'] / 1e6:.2f}M tokens, {base['train_wall_seconds'] / 60:.0f} min) of "
