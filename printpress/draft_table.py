@@ -12,9 +12,16 @@ context lookup where the table has none. This is retrieval-based drafting (REST,
 own output as the datastore instead of a corpus; the output stays AR's whatever the table holds, so a stale table
 (a model fine-tuned after it was made) costs speed, never correctness.
 
+When sampling, a one-hot draft is kept only with AR's probability of its token, so the table may also hold the
+model's *sampled* habits (`distributions`): for contexts seen at least `MIN_COUNT` times in continuations sampled at
+AR's default temperature, the counts of each token that followed. A sampled round draws its drafts from them
+(`sample`), and speculative sampling keeps a draft drawn from q with probability min(1, p/q), which on average is
+sum(min(p, q)): far more than p(mode) where the model's next token is spread over a few words.
+
 The file (`draft_table.safetensors` beside the weights; transformers ignores it) holds the table itself, per
-context length n the contexts and the token after each (the shipped model's: 110k contexts, 1.1 MB, read in
-about 0.1 s at load), and in its metadata what made it.
+context length n the contexts and the token after each, and the distributions as contexts, their number of
+distinct next tokens, the tokens and their counts (the shipped model's: 3.3 MB in all, read in about 0.3 s at load),
+and in its metadata what made it.
 """
 
 from __future__ import annotations
@@ -32,35 +39,70 @@ from printpress.errors import CheckpointError
 
 FILE = "draft_table.safetensors"
 FORMAT = "printpress draft table 1"
-DEFAULT_LONGEST = 5  # contexts of 1..5 tokens: 3 drafted 3.48, 4 3.71, 5 3.83 tokens per verification (docs)
+DEFAULT_LONGEST = 5  # contexts of 1..5 tokens: 3 drafted 3.47, 4 3.78, 5 3.91 tokens per verification (docs)
+MIN_COUNT = 3  # a sampled context's counts make a draft distribution once it was seen this often
+
+Distribution = tuple[np.ndarray, np.ndarray]  # the next tokens of a context, and their probabilities
 
 
 class DraftTable:
     """`maps[n - 1]`: each context of n tokens to the token the model most often wrote after it; `draft` follows
     them."""
 
-    def __init__(self, maps: list[dict[tuple[int, ...], int]], made_by: dict[str, Any] | None = None) -> None:
+    def __init__(self, maps: list[dict[tuple[int, ...], int]], made_by: dict[str, Any] | None = None,
+                 counts: list[dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]]] | None = None) -> None:
         if not maps:
             raise CheckpointError("a draft table needs contexts of at least 1 token")
+        if counts is not None and len(counts) != len(maps):
+            raise CheckpointError(f"a draft table's sampled counts cover contexts of 1..{len(counts)} tokens, its "
+                                  f"greedy ones 1..{len(maps)}")
         self.maps = maps
         self.longest = len(maps)
         self.made_by = dict(made_by or {})
+        self.counts = counts  # per context length: context -> (next tokens, their counts); None: greedy only
+        self.distributions: list[dict[tuple[int, ...], Distribution]] | None = None if counts is None else [
+            {context: (tokens, c / c.sum()) for context, (tokens, c) in table.items()} for table in counts]
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, first: int, longest: int = DEFAULT_LONGEST,
-                  made_by: dict[str, Any] | None = None) -> DraftTable:
-        """The table of `rows` (2-D token ids) whose positions from `first` on are the model's writing (those
-        before it are context only)."""
-        rows = np.asarray(rows)
-        if rows.ndim != 2 or not np.issubdtype(rows.dtype, np.integer):
-            raise CheckpointError(f"a draft table's rows must be a 2-D integer array, got {rows.dtype} of shape "
-                                  f"{rows.shape}")
-        if not 0 <= first < rows.shape[1]:
-            raise CheckpointError(f"a draft table's first written position must be in 0..{rows.shape[1] - 1}, "
-                                  f"got {first}")
+                  made_by: dict[str, Any] | None = None, sampled_rows: np.ndarray | None = None) -> DraftTable:
+        """The table of `rows` (2-D token ids) whose positions from `first` on are the model's greedy writing (those
+        before it are context only), with distributions from `sampled_rows` (the same layout) when given."""
         if longest < 1:
             raise CheckpointError(f"a draft table's longest context must be at least 1 token, got {longest}")
-        return cls([best_next(rows.astype(np.int64), first, n) for n in range(1, longest + 1)], made_by)
+        rows = _checked_rows(rows, first)
+        maps = [best_next(rows, first, n) for n in range(1, longest + 1)]
+        counts = None
+        if sampled_rows is not None:
+            sampled_rows = _checked_rows(sampled_rows, first)
+            counts = [{context: pair for context, pair in next_counts(sampled_rows, first, n).items()
+                       if pair[1].sum() >= MIN_COUNT} for n in range(1, longest + 1)]
+        return cls(maps, made_by, counts)
+
+    def sample(self, tokens: Sequence[int], m: int, generator) -> tuple[list[int], list[Distribution]]:
+        """Up to `m` tokens drawn one after another from the distribution of the longest known context (torch
+        `generator`), with the distribution each was drawn from; stops where no context has one (none without
+        distributions)."""
+        import torch
+
+        if self.distributions is None:
+            return [], []
+        text = list(tokens[-self.longest:])
+        out: list[int] = []
+        used: list[Distribution] = []
+        while len(out) < m:
+            for n in range(min(self.longest, len(text)), 0, -1):
+                found = self.distributions[n - 1].get(tuple(text[-n:]))
+                if found is not None:
+                    break
+            else:
+                break
+            next_tokens, probs = found
+            token = int(next_tokens[int(torch.multinomial(torch.from_numpy(probs), 1, generator=generator))])
+            out.append(token)
+            used.append(found)
+            text.append(token)
+        return out, used
 
     def draft(self, tokens: Sequence[int], m: int) -> list[int]:
         """Up to `m` tokens that the table says follow `tokens`; stops where no context has an entry."""
@@ -85,12 +127,17 @@ class DraftTable:
         path = Path(path)
         tensors = {}
         for n, table in enumerate(self.maps, start=1):
-            contexts = np.array(list(table), dtype=np.int64).reshape(-1, n)
-            tokens = np.array(list(table.values()), dtype=np.int64)
-            wide = max(int(contexts.max(initial=0)), int(tokens.max(initial=0))) >= 2**16
-            tensors[f"contexts_{n}"] = contexts.astype(np.int32 if wide else np.uint16)
-            tensors[f"next_{n}"] = tokens.astype(np.int32 if wide else np.uint16)
-        metadata = {"format": FORMAT, "longest": str(self.longest), "made_by": json.dumps(self.made_by, sort_keys=True)}
+            tensors[f"contexts_{n}"] = _ids(np.array(list(table), dtype=np.int64).reshape(-1, n))
+            tensors[f"next_{n}"] = _ids(np.array(list(table.values()), dtype=np.int64))
+        for n, table in enumerate(self.counts or [], start=1):
+            pairs = list(table.values())
+            tensors[f"sampled_contexts_{n}"] = _ids(np.array(list(table), dtype=np.int64).reshape(-1, n))
+            tensors[f"sampled_sizes_{n}"] = np.array([len(t) for t, _ in pairs], dtype=np.int32)
+            tensors[f"sampled_next_{n}"] = _ids(np.concatenate([t for t, _ in pairs] or [np.zeros(0, np.int64)]))
+            tensors[f"sampled_counts_{n}"] = np.concatenate([c for _, c in pairs] or [np.zeros(0, np.int64)]).astype(
+                np.int32)
+        metadata = {"format": FORMAT, "longest": str(self.longest), "sampled": str(self.counts is not None),
+                    "made_by": json.dumps(self.made_by, sort_keys=True)}
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
         try:
@@ -113,26 +160,30 @@ class DraftTable:
                 metadata = reader.metadata() or {}
                 if metadata.get("format") != FORMAT:
                     raise CheckpointError(f"{path}: not a printpress draft table (format {metadata.get('format')!r})")
-                maps = []
+                maps, counts = [], None if metadata.get("sampled") != "True" else []
                 for n in range(1, int(metadata["longest"]) + 1):
                     contexts = reader.get_tensor(f"contexts_{n}").astype(np.int64).reshape(-1, n).tolist()
                     tokens = reader.get_tensor(f"next_{n}").astype(np.int64).tolist()
                     if len(contexts) != len(tokens):
                         raise ValueError(f"{len(contexts)} contexts of {n} tokens but {len(tokens)} next tokens")
                     maps.append(dict(zip(map(tuple, contexts), tokens)))
-            return cls(maps, json.loads(metadata["made_by"]))
+                    if counts is not None:
+                        counts.append(_read_counts(reader, n))
+            return cls(maps, json.loads(metadata["made_by"]), counts)
         except (SafetensorError, OSError, KeyError, ValueError) as exc:
             raise CheckpointError(f"{path}: unreadable draft table ({exc})") from None
 
 
-def best_next(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], int]:
-    """For every n-token context followed, inside some row, by a token at a position >= `first`: the token that
-    follows it most often (ties: the smaller id). Vectorised: the contexts are numbered by `np.unique`, the
+def next_counts(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]]:
+    """For every n-token context followed, inside some row, by a token at a position >= `first`: the tokens that
+    follow it (ascending ids) and how often each does. Vectorised: the contexts are numbered by `np.unique`, the
     (context, token) pairs counted by sorting."""
     start = max(first - n, 0)  # the window whose last token sits at `first` starts n before it
     if rows.shape[1] - start <= n:
         return {}
     windows = np.lib.stride_tricks.sliding_window_view(rows[:, start:], n + 1, axis=1).reshape(-1, n + 1)
+    if not len(windows):
+        return {}
     contexts, context_id = np.unique(windows[:, :n], axis=0, return_inverse=True)
     context_id = context_id.reshape(-1)
     nxt = windows[:, n]
@@ -143,11 +194,43 @@ def best_next(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], int
     starts = np.flatnonzero(new)
     counts = np.diff(np.append(starts, len(nxt)))
     pair_context, pair_token = context_id[starts], nxt[starts]
-    order = np.lexsort((pair_token, -counts, pair_context))  # per context: most counted first, then smaller id
-    pair_context, pair_token = pair_context[order], pair_token[order]
-    keep = np.ones(len(pair_context), dtype=bool)
-    keep[1:] = pair_context[1:] != pair_context[:-1]
-    return dict(zip(map(tuple, contexts[pair_context[keep]].tolist()), pair_token[keep].tolist()))
+    bounds = np.flatnonzero(np.diff(pair_context)) + 1  # where each context's pairs begin (after the first's)
+    return {tuple(context): (tokens, c) for context, tokens, c in zip(
+        contexts[pair_context[np.append(0, bounds)]].tolist(), np.split(pair_token, bounds), np.split(counts, bounds))}
+
+
+def best_next(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], int]:
+    """For every n-token context of `next_counts`, the token that follows it most often (ties: the smaller id)."""
+    return {context: int(tokens[np.argmax(c)]) for context, (tokens, c) in next_counts(rows, first, n).items()}
+
+
+def _checked_rows(rows: np.ndarray, first: int) -> np.ndarray:
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or not np.issubdtype(rows.dtype, np.integer):
+        raise CheckpointError(f"a draft table's rows must be a 2-D integer array, got {rows.dtype} of shape "
+                              f"{rows.shape}")
+    if not 0 <= first < rows.shape[1]:
+        raise CheckpointError(f"a draft table's first written position must be in 0..{rows.shape[1] - 1}, "
+                              f"got {first}")
+    return rows.astype(np.int64)
+
+
+def _ids(values: np.ndarray) -> np.ndarray:
+    """Token ids as stored: uint16 where they fit, else int32."""
+    return values.astype(np.uint16 if int(values.max(initial=0)) < 2**16 else np.int32)
+
+
+def _read_counts(reader, n: int) -> dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]]:
+    contexts = reader.get_tensor(f"sampled_contexts_{n}").astype(np.int64).reshape(-1, n).tolist()
+    sizes = reader.get_tensor(f"sampled_sizes_{n}").astype(np.int64)
+    tokens = reader.get_tensor(f"sampled_next_{n}").astype(np.int64)
+    counts = reader.get_tensor(f"sampled_counts_{n}").astype(np.int64)
+    if len(sizes) != len(contexts) or int(sizes.sum()) != len(tokens) or len(tokens) != len(counts):
+        raise ValueError(f"sampled counts of contexts of {n} tokens do not add up: {len(contexts)} contexts, "
+                         f"{len(sizes)} sizes summing to {int(sizes.sum())}, {len(tokens)} tokens, {len(counts)} "
+                         "counts")
+    bounds = np.cumsum(sizes)[:-1]
+    return dict(zip(map(tuple, contexts), zip(np.split(tokens, bounds), np.split(counts, bounds))))
 
 
 def load_beside(folder: Path) -> DraftTable | None:

@@ -41,7 +41,9 @@ nothing. The acceptance rule is the same; when sampling, a lookup draft is a dra
 token is kept with probability p(d) and a rejection draws from p without d: AR's distribution still.
 "table" drafts the same way from the model's draft table (`model.draft_table`, read from `draft_table.safetensors`
 beside the weights; printpress/draft_table.py): what the model itself most often wrote after the text's last
-1..5 tokens in its greedy continuations of training text; the context lookup where the table has no entry.
+1..5 tokens in its greedy continuations of training text; the context lookup where the table has no entry. When
+sampling, a table with distributions (next-token counts of sampled continuations) draws each draft token from the
+distribution of the longest known context and passes it as q, so the rule keeps it with probability min(1, p/q).
 "auto", the default, is "table" where the model has a table and the rounds are not fused, else "diffusion"
 (`draft_source`; `SpeculativeStats.draft_source` says which ran).
 
@@ -75,6 +77,10 @@ FUSED_CANVAS = 4
 # Drafts per round from the context or a draft table (draft_source lookup, both or table) unless draft_length says
 # otherwise: a block of 8 verified (docs/benchmarks-speculative.md, "Drafts from the context").
 LOOKUP_DRAFTS = 7
+# The same cap for drafts sampled from a table's distributions (sampling requests): each is kept with probability
+# sum(min(p, q)) (about 0.5 on the shipped model), so long drafts rarely survive and their q rows cost: 3 drafts ran
+# at 1.32x AR sampling, 7 at 1.15x, 11 at 1.14x (docs/benchmarks-speculative.md, "Drafts from a draft table").
+SAMPLED_TABLE_DRAFTS = 3
 LOOKUP_LONGEST = 3  # the longest suffix of the text that lookup matches
 
 
@@ -134,7 +140,8 @@ def speculative(
     caps the drafts verified per pass (default: the whole canvas after the clamped token, canvas - 1).
     `fused_canvas`: each outcome's canvas in a fused pass (requests with `settings.fused_draft`; default
     `FUSED_CANVAS`); their drafts are also capped at fused_canvas - 1. Drafts from the context
-    (`settings.draft_source` lookup, both or table) are capped at `draft_length`, else `LOOKUP_DRAFTS`.
+    (`settings.draft_source` lookup, both or table) are capped at `draft_length`, else `LOOKUP_DRAFTS` (drafts sampled
+    from a table's distributions: `SAMPLED_TABLE_DRAFTS`).
     """
     canvas = DEFAULT_CANVAS if canvas_length is None else canvas_length
     if canvas < 2:
@@ -151,7 +158,7 @@ def speculative(
             raise GenerationError("draft_source 'table' needs the model's draft table (draft_table.safetensors in its "
                                   "folder), and this model has none: make one with `printpress draft-table MODEL`, "
                                   "or use draft_source 'lookup'")
-    lookup_drafts = LOOKUP_DRAFTS if draft_length is None else draft_length
+    lookup_drafts = (LOOKUP_DRAFTS, SAMPLED_TABLE_DRAFTS) if draft_length is None else (draft_length, draft_length)
     for index, request in enumerate(requests):
         yield from _generate_one(model, index, request, decode, canvas, drafts, lookup_drafts, step_events, fused)
 
@@ -170,7 +177,7 @@ def _generate_one(
     decode: Decode | None,
     canvas: int,
     drafts: int,
-    lookup_drafts: int,
+    lookup_drafts: tuple[int, int],
     step_events: bool,
     fused_canvas: int,
 ) -> Iterator[Event]:
@@ -184,7 +191,7 @@ def _generate_one(
     yield from _commit(state, [sample_next_token(logits[0, -1], state.settings, state.generator)], 0, decode)
     # A block of m + 1 tokens may be rolled back part way only while the sliding ring holds all of it.
     drafts = min(drafts, cache.window - 1)
-    lookup_drafts = min(lookup_drafts, cache.window - 1)
+    lookup_drafts = tuple(min(n, cache.window - 1) for n in lookup_drafts)  # (one-hot drafts, sampled ones)
     fused = request.settings.fused_draft
     if fused:
         drafts = min(drafts, fused_canvas - 1)
@@ -200,9 +207,7 @@ def _generate_one(
         draft, q = torch.empty(0, dtype=torch.long, device=device), None
         if lookup is not None:
             lookup.extend(state.tokens[len(lookup.tokens) - len(request.prompt_ids) :])
-            m_lookup = min(lookup_drafts, room)
-            guess = _table(model).draft(lookup.tokens, m_lookup) if source == "table" else []
-            draft, q = _token_draft(guess or lookup.draft(m_lookup), state.settings, model.config.vocab_size, device)
+            draft, q = _guess(model, source, lookup, [min(n, room) for n in lookup_drafts], state, device)
         if not draft.numel() and source in ("diffusion", "both") and m > 0:
             if drafted is not None:
                 draft, q = _canvas_draft(model, state, drafted, m)
@@ -276,6 +281,27 @@ def _draft(
         yield StepEvent(state.index, round_index, steps, steps, final[0].tolist(), final[0].tolist(),
                         [True] * canvas_length, stopped=True)
     return draft, q
+
+
+def _guess(model: torch.nn.Module, source: str, lookup: ContextLookup, caps: list[int], state: _State,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft made without the model's passes: from the table (sampled from its distributions when sampling and
+    it has them, at most caps[1] tokens; else its greedy chain), else from the context (caps[0]); possibly none."""
+    vocab = model.config.vocab_size
+    m, sampled_m = caps
+    if source == "table":
+        table = _table(model)
+        if state.settings.temperature > 0:
+            tokens, used = table.sample(lookup.tokens, sampled_m, state.generator)
+            if tokens:
+                q = torch.zeros(len(tokens), vocab, device=device)
+                for row, (next_tokens, probs) in enumerate(used):
+                    q[row, torch.from_numpy(next_tokens)] = torch.from_numpy(probs).float()
+                return torch.tensor(tokens, dtype=torch.long, device=device), q
+        tokens = table.draft(lookup.tokens, m)
+        if tokens:
+            return _token_draft(tokens, state.settings, vocab, device)
+    return _token_draft(lookup.draft(m), state.settings, vocab, device)
 
 
 def _token_draft(tokens: list[int], settings: SamplerSettings, vocab: int,

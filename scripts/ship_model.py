@@ -163,7 +163,8 @@ def main() -> None:
     save_model(model, config, folder, generation, tokenizer, dtype=torch.float16)
     if run_config["train"]["objective"] != "ar":  # speculative mode's default drafts (a joint model's)
         make_draft_table(str(folder), sources, DistillSettings(temperature=0.0, top_k=None, seed=3), DEFAULT_LONGEST,
-                         None, run_config.get("data", {}).get("val_fraction", 0.05))
+                         None, run_config.get("data", {}).get("val_fraction", 0.05),
+                         sampled=DistillSettings(temperature=0.8, top_k=50, seed=4))  # as `printpress draft-table`
     train = run_config["train"]
     tokens_per_step = train["batch_size"] * train["seq_len"]
     history = records(run)

@@ -245,14 +245,21 @@ def test_draft_table_holds_the_models_greedy_rows_and_travels_with_the_folder(te
     shutil.copytree(model, folder)
     assert printpress.load(folder).model.draft_table is None
     assert main(["draft-table", str(folder), "--data", str(corpus), "--val-fraction", "0.2", "--rows", "6",
-                 "--new-tokens", "16", "--longest", "3", "--seed", "2", "--batch-size", "4", "--no-progress"]) == 0
+                 "--sampled-rows", "5", "--temperature", "0.9", "--top-k", "20", "--new-tokens", "16", "--longest",
+                 "3", "--seed", "2", "--batch-size", "4", "--no-progress"]) == 0
     pipe = printpress.load(folder)
     table = pipe.model.draft_table
     settings = DistillSettings(rows=6, prefix_tokens=64, new_tokens=16, temperature=0, top_k=None, seed=2,
                                batch_size=4)
     rows = distill(str(model), [str(corpus)], tmp_path / "greedy.bin", settings, val_fraction=0.2)
     expected = np.asarray(open_token_file(rows).tokens).reshape(6, 80)[:, 61:]
-    assert table.maps == DraftTable.from_rows(expected, first=3, longest=3).maps and table.longest == 3
+    hot = DistillSettings(rows=5, prefix_tokens=64, new_tokens=16, temperature=0.9, top_k=20, seed=3, batch_size=4)
+    sampled = distill(str(model), [str(corpus)], tmp_path / "sampled.bin", hot, val_fraction=0.2)
+    sampled = np.asarray(open_token_file(sampled).tokens).reshape(5, 80)[:, 61:]
+    remade = DraftTable.from_rows(expected, first=3, longest=3, sampled_rows=sampled)
+    assert table.maps == remade.maps and table.longest == 3 and table.counts
+    assert [{k: (t.tolist(), c.tolist()) for k, (t, c) in level.items()} for level in table.counts] == [
+        {k: (t.tolist(), c.tolist()) for k, (t, c) in level.items()} for level in remade.counts]
     assert table.made_by["model"] == str(folder) and table.made_by["rows"] == 6
     prompt = "the quick"
     ar = pipe.generate(prompt, mode="ar", temperature=0, max_new_tokens=20)
@@ -279,4 +286,9 @@ def test_draft_table_refuses_what_it_cannot_make(teacher, tmp_path, capsys):
         make_draft_table("owner/model", [str(corpus)], DistillSettings(rows=2, temperature=0), 5, None)
     with pytest.raises(DistillError, match="temperature must be 0, got 0.7"):
         make_draft_table(str(model), [str(corpus)], DistillSettings(rows=2), 5, None)
+    with pytest.raises(DistillError, match="the sampled rows need a temperature above 0 \\(got 0"):
+        make_draft_table(str(model), [str(corpus)], DistillSettings(rows=2, temperature=0), 5, None,
+                         sampled=DistillSettings(rows=2, temperature=0))
+    assert main(["draft-table", str(model), "--sampled-rows", "-1", *common]) == 2
+    assert "--sampled-rows must be 0 (none) or positive, got -1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir()) and not (model / "draft_table.safetensors").exists()

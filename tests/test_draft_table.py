@@ -8,19 +8,25 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import save_file
 
-from printpress.draft_table import FILE, DraftTable, best_next, load_beside
+from printpress.draft_table import FILE, MIN_COUNT, DraftTable, best_next, load_beside, next_counts
 from printpress.errors import CheckpointError
 
 
-def counted(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], int]:
-    """best_next written plainly: count every (context, next) pair whose next token sits at >= first."""
+def tally(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], collections.Counter]:
+    """next_counts written plainly: count every (context, next) pair whose next token sits at >= first."""
     counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
     for row in rows.tolist():
         for j in range(max(first, n), len(row)):
             counts[tuple(row[j - n : j])][row[j]] += 1
-    return {context: min(c, key=lambda t: (-c[t], t)) for context, c in counts.items()}
+    return counts
+
+
+def counted(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], int]:
+    """best_next written plainly: the most counted next token, the smaller id on ties."""
+    return {context: min(c, key=lambda t: (-c[t], t)) for context, c in tally(rows, first, n).items()}
 
 
 @pytest.mark.parametrize("first", [0, 1, 3, 7])
@@ -29,6 +35,8 @@ def test_best_next_equals_plain_counting(first):
     rows = rng.integers(0, 5, size=(40, 12))  # a small vocabulary, so contexts repeat and counts tie
     for n in range(1, 6):
         assert best_next(rows, first, n) == counted(rows, first, n), n
+        assert {k: dict(zip(t.tolist(), c.tolist())) for k, (t, c) in next_counts(rows, first, n).items()} == {
+            k: dict(c) for k, c in tally(rows, first, n).items()}, n
     assert best_next(rows, 10, 4) == counted(rows, 10, 4) and best_next(rows[:, :4], 0, 4) == {}
 
 
@@ -84,3 +92,46 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_sampled_rows_give_distributions_drawn_from_the_longest_context():
+    rows = np.array([[1, 2, 5, 6, 3],
+                     [9, 4, 5, 7, 3],
+                     [2, 2, 5, 6, 8]])
+    sampled = np.array([[0, 5, 6, 6, 6], [0, 5, 7, 7, 7], [0, 5, 6, 6, 1], [0, 4, 5, 7, 7]])
+    table = DraftTable.from_rows(rows, first=2, longest=2, sampled_rows=sampled)
+    assert MIN_COUNT == 3
+    # After (5,): 6 twice and 7 twice in the sampled rows' written part (positions >= 2); after (6,): 6 three times
+    # and 1 once; after (7,): 7 three times; (4,) once, too few. Of the 2-token contexts only (0, 5) was seen 3 times.
+    assert {k: (t.tolist(), c.tolist()) for k, (t, c) in table.counts[0].items()} == {
+        (5,): ([6, 7], [2, 2]), (6,): ([1, 6], [1, 3]), (7,): ([7], [3])}
+    assert {k: (t.tolist(), c.tolist()) for k, (t, c) in table.counts[1].items()} == {(0, 5): ([6, 7], [2, 1])}
+    generator = torch.Generator().manual_seed(0)
+    draws = [table.sample([5], 3, generator) for _ in range(200)]
+    firsts = collections.Counter(tokens[0] for tokens, _ in draws)
+    assert set(firsts) == {6, 7} and 70 < firsts[6] < 130  # half and half
+    tokens, used = draws[0]
+    assert len(tokens) == 3 and used[0][0].tolist() == [6, 7] and used[0][1].tolist() == [0.5, 0.5]
+    assert table.sample([3], 3, generator) == ([], [])  # 3 was never followed by anything in the sampled rows
+    assert DraftTable.from_rows(rows, first=2).sample([5], 3, generator) == ([], [])  # greedy only
+
+
+def test_distributions_round_trip_and_a_file_that_does_not_add_up_is_refused(tmp_path):
+    rng = np.random.default_rng(1)
+    rows, sampled = rng.integers(0, 6, size=(30, 10)), rng.integers(0, 6, size=(30, 10))
+    table = DraftTable.from_rows(rows, first=2, longest=3, sampled_rows=sampled)
+    assert all(table.counts) and all(c.sum() >= MIN_COUNT for level in table.counts for _, c in level.values())
+    back = DraftTable.load(table.save(tmp_path / FILE))
+    assert back.maps == table.maps and len(back.counts) == 3
+    for mine, theirs in zip(back.distributions, table.distributions, strict=True):
+        assert mine.keys() == theirs.keys()
+        assert all(np.array_equal(mine[k][0], theirs[k][0]) and np.allclose(mine[k][1], theirs[k][1]) for k in mine)
+    path = tmp_path / "bad.safetensors"
+    tensors = {"contexts_1": np.zeros((1, 1), np.uint16), "next_1": np.zeros(1, np.uint16),
+               "sampled_contexts_1": np.zeros((2, 1), np.uint16), "sampled_sizes_1": np.array([1, 2], np.int32),
+               "sampled_next_1": np.zeros(2, np.uint16), "sampled_counts_1": np.ones(2, np.int32)}
+    save_file(tensors, str(path), metadata={"format": "printpress draft table 1", "longest": "1", "sampled": "True",
+                                            "made_by": "{}"})
+    with pytest.raises(CheckpointError, match="bad.safetensors: unreadable draft table \\(sampled counts of contexts "
+                                              "of 1 tokens do not add up: 2 contexts, 2 sizes summing to 3, 2 tokens"):
+        DraftTable.load(path)

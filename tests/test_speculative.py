@@ -346,6 +346,39 @@ def test_greedy_speculative_with_a_draft_table_equals_ar_and_keeps_its_drafts(na
         list(speculative(model, [Request([3], settings(draft_source="table"), 0)], canvas_length=8))
 
 
+def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_drawn_from(monkeypatch):
+    """When sampling, a table draft is drawn from its counts and the acceptance rule gets exactly that q (row i: the
+    distribution token i was drawn from, zero elsewhere); where no context has counts the greedy chain drafts."""
+    import printpress.speculative as module
+
+    model = tiny_model("ring6")
+    vocab = model.config.vocab_size
+    rows = np.random.default_rng(2).integers(3, vocab, (60, 10))
+    table = model.draft_table = DraftTable.from_rows(rows, first=3, longest=2, sampled_rows=rows[:20])
+    drawn, verified = [], []
+    sample = table.sample
+    monkeypatch.setattr(table, "sample", lambda *a: drawn.append(sample(*a)) or drawn[-1])
+    accept = module.sampled_accept
+    monkeypatch.setattr(module, "sampled_accept", lambda d, q, p, g: verified.append((d, q)) or accept(d, q, p, g))
+    for seed in range(6):
+        s = settings(max_new_tokens=16, temperature=0.9, draft_source="table")
+        collect(speculative(model, [Request([3, 4, 5], s, seed)], canvas_length=8))
+    assert len(drawn) == len(verified) and sum(1 for tokens, _ in drawn if tokens) > 10
+    greedy_rounds = 0
+    for (tokens, used), (draft, q) in zip(drawn, verified, strict=True):
+        if not tokens:  # no counts for the context: a one-hot draft of the greedy chain (or the lookup)
+            greedy_rounds += 1
+            assert q is None or bool(((q == 0) | (q == 1)).all())
+            continue
+        assert draft.tolist() == tokens
+        expected = torch.zeros(len(tokens), vocab)
+        for i, (next_tokens, probs) in enumerate(used):
+            expected[i, torch.from_numpy(next_tokens)] = torch.from_numpy(probs).float()
+            assert tokens[i] in next_tokens.tolist()
+        assert torch.equal(q, expected)
+    assert greedy_rounds > 0  # the rows' counts do not cover every context
+
+
 def test_sample_accepted_only_is_honoured_by_the_draft_and_keeps_ar_output():
     """The draft runs the engine's canvas step, so the faster sampler applies to it as to diffusion decoding: other
     draws (so other drafts), and still exactly the AR model's tokens."""
@@ -471,14 +504,22 @@ def test_sampled_fused_speculative_follows_the_ar_distribution():
 
 
 @pytest.mark.slow  # a statistical sweep: 600 sampled runs
-def test_sampled_speculative_with_context_drafts_follows_the_ar_distribution():
-    """A lookup draft is a draw from a one-hot q: kept with probability p(d), else a draw from p without d. The
-    committed tokens, tallied by the AR argmax of their position as in the fused test, must follow AR's law."""
+@pytest.mark.parametrize("source", ["lookup", "table"])
+def test_sampled_speculative_with_context_drafts_follows_the_ar_distribution(source):
+    """A lookup draft is a draw from a one-hot q: kept with probability p(d), else a draw from p without d; a table's
+    draft is a draw from its counts' q. The committed tokens, tallied by the AR argmax of their position as in the
+    fused test, must follow AR's law."""
     model = tiny_model("ring3")
     vocab = model.config.vocab_size
     prompt = [3, 4, 5, 3, 4]  # so the first round already finds a draft
-    temperature, new = 0.3, 10
-    s = settings(max_new_tokens=new, temperature=temperature, draft_source="lookup")
+    temperature, new = (0.3 if source == "lookup" else 1.0), 10  # hot: the table's counts spread over tokens
+    if source == "table":  # the model's own sampled continuations: drafts kept often, and refused often too
+        g = torch.Generator().manual_seed(1)
+        rows = [p + collect(run(model, 8, [Request(p, settings(max_new_tokens=12, temperature=temperature,
+                                                               mode="ar"), i)]))[1][0].token_ids
+                for i, p in enumerate(torch.randint(3, vocab, (40, 3), generator=g).tolist())]
+        model.draft_table = DraftTable.from_rows(np.array(rows), first=3, longest=2, sampled_rows=np.array(rows))
+    s = settings(max_new_tokens=new, temperature=temperature, draft_source=source)
     observed, expected = torch.zeros(vocab, vocab), torch.zeros(vocab, vocab)  # [AR argmax, token]
     runs, drafted, kept = 600, 0, 0
     with torch.no_grad():
@@ -492,11 +533,11 @@ def test_sampled_speculative_with_context_drafts_follows_the_ar_distribution():
             expected.index_add_(0, logits.argmax(dim=-1), torch.softmax(logits / temperature, dim=-1))
             observed.index_put_((logits.argmax(dim=-1), torch.tensor(result.token_ids)), torch.ones(new),
                                 accumulate=True)
-    assert drafted > 5 * runs and kept > 300  # both branches of the rule, many times
+    assert drafted > 5 * runs and kept > 300, (drafted, kept)  # both branches of the rule, many times
     tv = (observed - expected).abs().sum() / 2 / (runs * new)
     # Sampling noise alone: 0.028-0.034 over four seed ranges; the drafts' q taken as uniform instead of one-hot
     # (so a wrong acceptance ratio): 0.12-0.14.
-    assert tv < 0.06, tv
+    assert tv < 0.06, (tv, drafted, kept)
 
 
 def test_bad_arguments_are_refused():

@@ -157,9 +157,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def make_draft_table(model: str, sources: list[str], settings: DistillSettings, longest: int, out: Path | None,
-                     val_fraction: float = 0.05, progress: bool = False) -> Path:
+                     val_fraction: float = 0.05, progress: bool = False,
+                     sampled: DistillSettings | None = None) -> Path:
     """Write `model`'s draft table: its greedy continuations of `settings.rows` training prefixes, each kept with
-    the `longest` prefix tokens before it as context. `out` None: `draft_table.safetensors` in the model's folder."""
+    the `longest` prefix tokens before it as context, and with `sampled` (rows at a temperature above 0) the
+    next-token counts of its sampled continuations too. `out` None: `draft_table.safetensors` in the model's
+    folder."""
     import printpress
     from printpress.draft_table import FILE, DraftTable
     from printpress.pipeline import model_folder
@@ -168,6 +171,11 @@ def make_draft_table(model: str, sources: list[str], settings: DistillSettings, 
     if settings.temperature != 0:
         raise DistillError(f"a draft table holds the model's greedy continuations; temperature must be 0, "
                            f"got {settings.temperature}")
+    if sampled is not None:
+        sampled.validate()
+        if sampled.temperature <= 0 or sampled.prefix_tokens != settings.prefix_tokens:
+            raise DistillError(f"the sampled rows need a temperature above 0 (got {sampled.temperature}) and the "
+                               f"greedy rows' prefix length ({settings.prefix_tokens}, got {sampled.prefix_tokens})")
     if not 1 <= longest <= settings.prefix_tokens:
         raise DistillError(f"--longest must be in 1..{settings.prefix_tokens} (the prefix tokens), got {longest}")
     if out is None:
@@ -178,16 +186,20 @@ def make_draft_table(model: str, sources: list[str], settings: DistillSettings, 
     if out.suffix != ".safetensors" or not out.parent.is_dir():
         raise DistillError(f"--out must name a .safetensors file in an existing folder, got {out}")
     pipe = printpress.load(model)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="draft-table-") as scratch:
-        splits = prepare_data(sources, pipe.tokenizer, Path(scratch), val_fraction=val_fraction)
-        started = time.perf_counter()
-        rows = teacher_rows(pipe, splits.train.tokens, settings, progress)
+        train = prepare_data(sources, pipe.tokenizer, Path(scratch), val_fraction=val_fraction).train.tokens
+        rows = teacher_rows(pipe, train, settings, progress)
+        sampled_rows = None if sampled is None else teacher_rows(pipe, train, sampled, progress)
     seconds = time.perf_counter() - started
-    made_by = {"model": str(model), "data": sources, "val_fraction": val_fraction, **asdict(settings)}
-    table = DraftTable.from_rows(rows[:, settings.prefix_tokens - longest :], first=longest, longest=longest,
-                                 made_by=made_by)
+    made_by = {"model": str(model), "data": sources, "val_fraction": val_fraction, **asdict(settings),
+               "sampled": None if sampled is None else asdict(sampled)}
+    context = slice(settings.prefix_tokens - longest, None)  # the model's writing, after `longest` prefix tokens
+    table = DraftTable.from_rows(rows[:, context], first=longest, longest=longest, made_by=made_by,
+                                 sampled_rows=None if sampled_rows is None else sampled_rows[:, context])
     table.save(out)
-    logger.info("wrote %s: %d greedy rows in %.0f s", out, settings.rows, seconds)
+    logger.info("wrote %s: %d greedy and %d sampled rows in %.0f s", out, settings.rows,
+                0 if sampled is None else sampled.rows, seconds)
     return out
 
 
@@ -203,7 +215,12 @@ def register_draft_table(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=DistillSettings.new_tokens, help="tokens the model writes per row")
     p.add_argument("--longest", type=int, default=DEFAULT_LONGEST,
                    help=f"longest context looked up ({DEFAULT_LONGEST})")
-    p.add_argument("--seed", type=int, default=3, help="which training prefixes (3)")
+    p.add_argument("--sampled-rows", type=int, default=DistillSettings.rows,
+                   help=f"rows sampled for the draft distributions of sampling requests ({DistillSettings.rows}; 0: "
+                        "none, greedy drafts only)")
+    p.add_argument("--temperature", type=float, default=0.8, help="of the sampled rows (0.8, as AR sampling)")
+    p.add_argument("--top-k", type=int, default=50, help="of the sampled rows (50, as AR sampling)")
+    p.add_argument("--seed", type=int, default=3, help="which training prefixes (3; the sampled rows: seed + 1)")
     p.add_argument("--batch-size", type=int, default=DistillSettings.batch_size, help="rows continued at once")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_draft_table)
@@ -212,12 +229,19 @@ def register_draft_table(subparsers: argparse._SubParsersAction) -> None:
 def run_draft_table(args: argparse.Namespace) -> int:
     settings = DistillSettings(rows=args.rows, new_tokens=args.new_tokens, temperature=0.0, top_k=None,
                                seed=args.seed, batch_size=args.batch_size)
+    if args.sampled_rows < 0:
+        raise DistillError(f"--sampled-rows must be 0 (none) or positive, got {args.sampled_rows}")
+    sampled = None if args.sampled_rows == 0 else DistillSettings(
+        rows=args.sampled_rows, new_tokens=args.new_tokens, temperature=args.temperature, top_k=args.top_k,
+        seed=args.seed + 1, batch_size=args.batch_size)
     model = args.model
     if model is None:
         from printpress.engine import default_model_path
 
         model = str(default_model_path())
     out = make_draft_table(model, args.data, settings, args.longest, None if args.out is None else Path(args.out),
-                           args.val_fraction, progress=not args.no_progress)
-    print(f"wrote the draft table of {model} ({settings.rows} greedy rows of {settings.new_tokens} tokens) to {out}")
+                           args.val_fraction, progress=not args.no_progress, sampled=sampled)
+    also = "" if sampled is None else f" and {sampled.rows} sampled at temperature {sampled.temperature:g}"
+    print(f"wrote the draft table of {model} ({settings.rows} greedy rows of {settings.new_tokens} tokens{also}) "
+          f"to {out}")
     return 0

@@ -1,0 +1,154 @@
+"""How many drafts a draft table would get kept, without timing anything: replays on held-out prompts.
+
+Greedy (`--greedy`): the model's greedy continuation of each held-out prompt is computed once (`mode="ar"`, what
+greedy speculative decoding outputs); each speculative round is then replayed from it: a draft of up to `--drafts`
+tokens from the context lookup, or from the draft table (the lookup where the table has none, as
+`draft_source="table"` drafts), keeps its prefix that equals the continuation, plus the AR token. The result is
+the engine's tokens per verification exactly (no noise is involved), for the table as it is and for tables made
+with shorter contexts or from other rows.
+
+Sampled (`--sampled ROWS.bin`): speculative sampling keeps a draft token d drawn from q with probability
+min(1, p(d) / q(d)), so one draft token is kept with probability sum_x min(p(x), q(x)). Along AR samples
+(temperature 0.8, top-k 50) of the held-out prompts this averages that figure for the table's one-hot draft (q on
+the table's token: p(d)) and for a q made of the next-token counts of sampled rows (`printpress distill` at a
+temperature: a table that would keep the distribution instead of its mode), taking the longest context with at
+least `--min-count` counts. Tokens per verification of m drafts are then about 1 + a + ... + a^m for a mean
+acceptance a (acceptances taken as independent: a rough figure).
+
+    python bench/draft_table_acceptance.py --greedy --out docs/results/draft_table_acceptance.json
+    python bench/draft_table_acceptance.py --sampled runs/distill/l13-t09.bin --out docs/results/draft_table_sampled.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import printpress
+from printpress.draft_table import DraftTable
+from printpress.eval.bench import heldout_prompts
+from printpress.sampling import next_token_probs
+from printpress.speculative import ContextLookup
+
+
+def replay(prompt: list[int], continuation: list[int], draft, m: int) -> tuple[int, int]:
+    """(tokens committed, verifications) of greedy speculative rounds that output `continuation` after `prompt`;
+    `draft(text, lookup, m)` gives each round's draft. The first token comes from the prompt pass."""
+    text = prompt + continuation
+    i = len(prompt)  # text[i] is committed; its verification comes next
+    lookup = ContextLookup(text[: i + 1])
+    tokens = rounds = 0
+    while i + 1 < len(text):
+        guess = draft(text[: i + 1], lookup, m)
+        kept = 0
+        while kept < len(guess) and i + 1 + kept < len(text) and text[i + 1 + kept] == guess[kept]:
+            kept += 1
+        step = min(kept + 1, len(text) - 1 - i)
+        lookup.extend(text[i + 1 : i + 1 + step])
+        i, tokens, rounds = i + step, tokens + step, rounds + 1
+    return tokens, rounds
+
+
+def greedy(pipe, prompts: list[list[int]], args) -> dict:
+    table = pipe.model.draft_table
+    continuations = [pipe.generate(p, mode="ar", temperature=0, max_new_tokens=args.tokens).token_ids for p in prompts]
+    sources = {"lookup": lambda text, lookup, m: lookup.draft(m),
+               "table": lambda text, lookup, m: table.draft(text, m) or lookup.draft(m)}
+    if args.rows:  # tables made from the same rows with shorter contexts
+        rows = np.fromfile(args.rows, dtype=np.uint16).reshape(-1, args.row_length).astype(np.int64)
+        for longest in (1, 2, 3, 4, 5):
+            other = DraftTable.from_rows(rows, first=args.row_length // 2, longest=longest)
+            sources[f"table, contexts <= {longest}"] = (
+                lambda text, lookup, m, t=other: t.draft(text, m) or lookup.draft(m))
+        half = DraftTable.from_rows(rows[: len(rows) // 2], first=args.row_length // 2, longest=5)
+        sources["table of half the rows"] = lambda text, lookup, m: half.draft(text, m) or lookup.draft(m)
+    out = {}
+    for name, draft in sources.items():
+        for m in args.drafts:
+            tokens, rounds = map(sum, zip(*(replay(p, c, draft, m) for p, c in zip(prompts, continuations))))
+            out[f"{name}, {m} drafts"] = tokens / rounds
+            print(f"{name:28s} {m:2d} drafts: {tokens / rounds:.2f} tokens per verification", flush=True)
+    return out
+
+
+def sampled(pipe, prompts: list[list[int]], args) -> dict:
+    model, table = pipe.model, pipe.model.draft_table
+    rows = np.fromfile(args.sampled, dtype=np.uint16).reshape(-1, args.row_length).tolist()
+    counts = [collections.defaultdict(collections.Counter) for _ in range(table.longest)]
+    for row in rows:
+        for j in range(args.row_length // 2, len(row)):
+            for n in range(1, table.longest + 1):
+                counts[n - 1][tuple(row[j - n : j])][row[j]] += 1
+    settings = pipe.settings(mode="ar", temperature=args.temperature, top_k=args.top_k)
+    kept: dict[str, list[float]] = {"one-hot (the table)": [], "counts of sampled rows": []}
+    for prompt in prompts:
+        for seed in range(args.seeds):
+            new = pipe.generate(prompt, mode="ar", temperature=args.temperature, top_k=args.top_k,
+                                max_new_tokens=args.tokens, seed=seed).token_ids
+            ids = prompt + new
+            with torch.no_grad():
+                logits = model.encode(torch.tensor([ids]), model.new_cache(1, len(ids)), logits="all")[0]
+            p = next_token_probs(logits, settings)  # p[j]: the distribution of token j + 1
+            for j in range(len(prompt), len(ids)):
+                guess = table.draft(ids[:j], 1)
+                kept["one-hot (the table)"].append(float(p[j - 1, guess[0]]) if guess else 0.0)
+                q = next((c for n in range(min(table.longest, j), 0, -1)
+                          if (c := counts[n - 1].get(tuple(ids[j - n : j]))) and sum(c.values()) >= args.min_count),
+                         None)
+                if q is None:
+                    kept["counts of sampled rows"].append(0.0)
+                    continue
+                total = sum(q.values())
+                overlap = torch.minimum(p[j - 1, list(q)], torch.tensor([v / total for v in q.values()])).sum()
+                kept["counts of sampled rows"].append(float(overlap))
+    out = {}
+    for name, values in kept.items():
+        a = float(np.mean(values))
+        out[name] = {"mean_acceptance": a, **{f"tokens_per_verification_{m}_drafts": sum(a**k for k in range(m + 1))
+                                              for m in args.drafts}}
+        print(f"{name:24s} mean acceptance {a:.3f}; " + ", ".join(
+            f"{m} drafts ~{out[name][f'tokens_per_verification_{m}_drafts']:.2f}" for m in args.drafts), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/shakespeare-joint")
+    parser.add_argument("--heldout", type=int, default=48, help="held-out prompts, as `printpress bench` draws them")
+    parser.add_argument("--heldout-data", default="shakespeare")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 11])
+    parser.add_argument("--greedy", action="store_true", help="replay greedy rounds")
+    parser.add_argument("--rows", default=None, help="with --greedy: the greedy rows (a distill .bin) to remake "
+                                                     "tables from with other context lengths and half the rows")
+    parser.add_argument("--sampled", default=None, metavar="ROWS.bin", help="sampled rows (a distill .bin)")
+    parser.add_argument("--row-length", type=int, default=128, help="prefix + continuation tokens per row")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--min-count", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pipe = printpress.load(args.model)
+    if pipe.model.draft_table is None:
+        raise SystemExit(f"{args.model} has no draft table: make one with `printpress draft-table {args.model}`")
+    prompts = [pipe.encode_text(p) for p in heldout_prompts(args.heldout, [args.heldout_data], 0.05)]
+    results = {}
+    if args.greedy:
+        results["greedy_tokens_per_verification"] = greedy(pipe, prompts, args)
+    if args.sampled:
+        results["sampled"] = sampled(pipe, prompts, args)
+    command = "python bench/draft_table_acceptance.py " + " ".join(sys.argv[1:])
+    Path(args.out).write_text(json.dumps({"command": command, "model": args.model, "results": results}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
