@@ -46,8 +46,9 @@ Distribution = tuple[np.ndarray, np.ndarray]  # the next tokens of a context, an
 
 
 class DraftTable:
-    """`maps[n - 1]`: each context of n tokens to the token the model most often wrote after it; `draft` follows
-    them."""
+    """`maps[n - 1]`: each context of n tokens to the token the model most often wrote after it (`draft` follows
+    them); `counts[n - 1]`, where the table has sampled rows: each context to the tokens that followed it and how
+    often, which `sample` draws from."""
 
     def __init__(self, maps: list[dict[tuple[int, ...], int]], made_by: dict[str, Any] | None = None,
                  counts: list[dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]]] | None = None) -> None:
@@ -90,13 +91,7 @@ class DraftTable:
         text = list(tokens[-self.longest:])
         out: list[int] = []
         used: list[Distribution] = []
-        while len(out) < m:
-            for n in range(min(self.longest, len(text)), 0, -1):
-                found = self.distributions[n - 1].get(tuple(text[-n:]))
-                if found is not None:
-                    break
-            else:
-                break
+        while len(out) < m and (found := _longest(self.distributions, text)) is not None:
             next_tokens, probs = found
             token = int(next_tokens[int(torch.multinomial(torch.from_numpy(probs), 1, generator=generator))])
             out.append(token)
@@ -108,13 +103,7 @@ class DraftTable:
         """Up to `m` tokens that the table says follow `tokens`; stops where no context has an entry."""
         text = list(tokens[-self.longest:])
         out: list[int] = []
-        while len(out) < m:
-            for n in range(min(self.longest, len(text)), 0, -1):
-                token = self.maps[n - 1].get(tuple(text[-n:]))
-                if token is not None:
-                    break
-            else:
-                break
+        while len(out) < m and (token := _longest(self.maps, text)) is not None:
             out.append(token)
             text.append(token)
         return out
@@ -202,6 +191,15 @@ def next_counts(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], t
 def best_next(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], int]:
     """For every n-token context of `next_counts`, the token that follows it most often (ties: the smaller id)."""
     return {context: int(tokens[np.argmax(c)]) for context, (tokens, c) in next_counts(rows, first, n).items()}
+
+
+def _longest(levels: list[dict[tuple[int, ...], Any]], text: list[int]) -> Any:
+    """The entry of the longest context that ends `text` and that `levels` (by context length) know; None if none."""
+    for n in range(min(len(levels), len(text)), 0, -1):
+        found = levels[n - 1].get(tuple(text[-n:]))
+        if found is not None:
+            return found
+    return None
 
 
 def _checked_rows(rows: np.ndarray, first: int) -> np.ndarray:
