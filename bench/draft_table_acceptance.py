@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import printpress
-from printpress.draft_table import DraftTable
+from printpress.draft_table import MIN_COUNT, DraftTable
 from printpress.eval.bench import heldout_prompts
 from printpress.sampling import next_token_probs
 from printpress.speculative import ContextLookup
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--min-count", type=int, default=3)
+    parser.add_argument("--min-count", type=int, default=MIN_COUNT)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
