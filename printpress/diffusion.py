@@ -15,6 +15,7 @@ import torch
 
 from printpress.cache import StackedCache
 from printpress.canvas import StepOutcome, advance, denoise, denoise_step, step_event
+from printpress.errors import GenerationError
 from printpress.events import CommitEvent, Decode, Event
 from printpress.request import Request, RequestState, check_prompts, model_device
 from printpress.sampling import canvases_for, pad_after_eos
@@ -69,6 +70,11 @@ class DiffusionBatch:
         """Encode the prompt of a new request and start its first canvas; events carry `handle`."""
         request.settings.validate()
         check_prompts(self.model.config, self.canvas_length, [request])
+        table = getattr(self.model, "draft_table", None)
+        if request.settings.canvas_start == "table" and (table is None or table.distributions is None):
+            raise GenerationError("canvas_start 'table' draws from the model's draft table's sampled counts, and this "
+                                  "model has " + ("no draft table" if table is None else "a table without them")
+                                  + ": make one with `printpress draft-table MODEL`")
         budget = canvases_for(request.settings.max_new_tokens, self.canvas_length) * self.canvas_length
         row = RequestState.start(handle, request, self.device, budget, step_events=step_events)
         prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
@@ -83,6 +89,11 @@ class DiffusionBatch:
 
     def _start_canvas(self, row: RequestState) -> None:
         row.start_canvas(self.canvas_length, self.model.config.vocab_size, self.device)
+        if row.settings.canvas_start == "table":  # after the uniform draw: the random stream as with noise, then this
+            text = list(row.request.prompt_ids) + row.tokens
+            tokens, _ = self.model.draft_table.sample(text, self.canvas_length, row.generator)
+            if tokens:
+                row.canvas[0, : len(tokens)] = torch.tensor(tokens, device=self.device)
 
     @torch.no_grad()
     def step(self, on_error: OnError | None = None) -> list[Event]:

@@ -29,6 +29,7 @@ from printpress.errors import GenerationError
 MODES = ("diffusion", "ar", "speculative")
 # mode speculative's drafts (printpress/speculative.py)
 DRAFT_SOURCES = ("diffusion", "lookup", "both", "table", "auto")
+CANVAS_STARTS = ("noise", "table")  # how a diffusion canvas starts (printpress/diffusion.py)
 CANVAS_MODES = ("diffusion", "speculative")  # the modes that denoise canvases (speculative: its drafts)
 
 # mode="speculative": decoder passes per draft unless told (`draft_steps`). One is the fastest setting measured on
@@ -213,6 +214,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("canvas_top_k", int, "canvas steps: keep only each position's k most likely tokens for the entropy, the "
             "acceptance and the draw (0 = off, as the reference)", default=0, modes=CANVAS_MODES,
             check=_integer(0), http=dict(ge=0), editing=True),
+    # Opt-in, "noise" in the reference: a canvas that starts from tokens drawn from the model's draft table's sampled
+    # counts (printpress/draft_table.py) instead of uniform noise. Not the reference's; screened as L16 in
+    # docs/benchmarks.md §7 (faster and better judged on the shipped model, mostly the table's doing).
+    Setting("canvas_start", str, "mode diffusion: what each canvas starts from: noise (uniform, as the reference) or "
+            "table (tokens drawn one after another from the model's draft table, then denoised; opt-in)",
+            default="noise", modes=("diffusion",), check=_one_of(CANVAS_STARTS), http={}, choices=CANVAS_STARTS),
     # top_k asks for AR sampling, which diffusion never does: any value of it is refused there.
     Setting("top_k", int, "modes ar and speculative: sample among the k most likely tokens (default: the "
             "checkpoint's, else 50)", checkpoint="top_k", modes=("ar", "speculative"),
@@ -371,8 +378,8 @@ class SamplerSettings:
     """Everything that decides the tokens of one request, apart from the prompt and the seed.
 
     One field per stored entry of `SETTINGS` (mode, max_new_tokens, max_denoising_steps, entropy_bound, t_min,
-    t_max, stability_threshold, confidence_threshold, window_lead, canvas_top_k, temperature, top_k, eos_token_ids,
-    sample_accepted_only, fused_draft, draft_source),
+    t_max, stability_threshold, confidence_threshold, window_lead, canvas_top_k, canvas_start, temperature, top_k,
+    eos_token_ids, sample_accepted_only, fused_draft, draft_source),
     with that entry's default, plus the checkpoint's pad id. Names follow the checkpoint's generation_config.json.
     `temperature` and `top_k` are the AR model's sampling (`mode="ar"` and `"speculative"`); the diffusion
     sampler uses the linear schedule `t_max -> t_min` instead, which a `temperature` given in diffusion mode

@@ -135,3 +135,54 @@ def test_distributions_round_trip_and_a_file_that_does_not_add_up_is_refused(tmp
     with pytest.raises(CheckpointError, match="bad.safetensors: unreadable draft table \\(sampled counts of contexts "
                                               "of 1 tokens do not add up: 2 contexts, 2 sizes summing to 3, 2 tokens"):
         DraftTable.load(path)
+
+
+def tiny_model():
+    from printpress.config import TextConfig
+    from printpress.model import DiffusionGemma
+
+    torch.manual_seed(0)
+    return DiffusionGemma(TextConfig(
+        vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], num_experts=2, top_k_experts=1, moe_intermediate_size=8,
+        max_position_embeddings=256)).eval()
+
+
+def test_a_diffusion_canvas_can_start_from_the_tables_chain():
+    """canvas_start="table": each canvas's first decoder pass sees the chain drawn from the table's counts after
+    the text so far (here a table whose every context has one next token, so the chain is known); "noise" (the
+    default, the reference's) sees uniform noise; a model without sampled counts is refused."""
+    from printpress.engine import Request, StepEvent, run
+    from printpress.errors import GenerationError
+    from printpress.sampling import SamplerSettings
+
+    model = tiny_model()
+    cycle = list(range(12)) * 3  # every token is a known context: t -> t + 1 (mod 12)
+    rows = np.array([cycle] * MIN_COUNT)
+    model.draft_table = DraftTable.from_rows(rows, first=3, longest=2, sampled_rows=rows)
+    seen = []
+    denoise = model.denoise
+    model.denoise = lambda canvas, *a, **k: seen.append(canvas[0].tolist()) or denoise(canvas, *a, **k)
+
+    def first_canvases(start: str) -> tuple[list[list[int]], list[int]]:
+        seen.clear()
+        settings = SamplerSettings(max_new_tokens=16, max_denoising_steps=3, eos_token_ids=(), canvas_start=start)
+        events = list(run(model, 8, [Request([3, 4, 5], settings, 0)]))
+        steps = [e for e in events if isinstance(e, StepEvent)]  # one per decoder pass, in order
+        second = next(i for i, e in enumerate(steps) if e.canvas == steps[-1].canvas)
+        return [seen[0], seen[second]], events[-1].result.token_ids
+
+    (first, second), tokens = first_canvases("table")
+    assert first == [6, 7, 8, 9, 10, 11, 0, 1]
+    assert second == model.draft_table.draft([3, 4, 5, *tokens[:8]], 8) != []  # the chain after the committed canvas
+    (noise_first, _), _ = first_canvases("noise")
+    assert noise_first != first
+    model.draft_table = DraftTable.from_rows(rows, first=3, longest=2)  # greedy only
+    settings = SamplerSettings(max_new_tokens=8, eos_token_ids=(), canvas_start="table")
+    with pytest.raises(GenerationError, match="canvas_start 'table' draws from the model's draft table's sampled "
+                                              "counts, and this model has a table without them"):
+        list(run(model, 8, [Request([3], settings, 0)]))
+    del model.draft_table
+    with pytest.raises(GenerationError, match="this model has no draft table: make one with `printpress draft-table"):
+        list(run(model, 8, [Request([3], settings, 0)]))
