@@ -11,18 +11,18 @@ Sampled (`--sampled ROWS.bin`): speculative sampling keeps a draft token d drawn
 min(1, p(d) / q(d)), so one draft token is kept with probability sum_x min(p(x), q(x)). Along AR samples
 (temperature 0.8, top-k 50) of the held-out prompts this averages that figure for the table's one-hot draft (q on
 the table's token: p(d)) and for a q made of the next-token counts of sampled rows (`printpress distill` at a
-temperature: a table that would keep the distribution instead of its mode), taking the longest context with at
-least `--min-count` counts. Tokens per verification of m drafts are then about 1 + a + ... + a^m for a mean
+temperature), taken as `printpress draft-table` takes them (the longest context seen at least `MIN_COUNT` times).
+Tokens per verification of m drafts are then about 1 + a + ... + a^m for a mean
 acceptance a (acceptances taken as independent: a rough figure).
 
     python bench/draft_table_acceptance.py --greedy --out docs/results/draft_table_acceptance.json
-    python bench/draft_table_acceptance.py --sampled runs/distill/l13-t09.bin --out docs/results/draft_table_sampled.json
+    python bench/draft_table_acceptance.py --sampled runs/distill/l13-t09.bin \
+        --out docs/results/draft_table_sampled.json
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 from pathlib import Path
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import printpress
-from printpress.draft_table import MIN_COUNT, DraftTable
+from printpress.draft_table import DraftTable
 from printpress.eval.bench import heldout_prompts
 from printpress.sampling import next_token_probs
 from printpress.speculative import ContextLookup
@@ -79,12 +79,9 @@ def greedy(pipe, prompts: list[list[int]], args) -> dict:
 
 def sampled(pipe, prompts: list[list[int]], args) -> dict:
     model, table = pipe.model, pipe.model.draft_table
-    rows = np.fromfile(args.sampled, dtype=np.uint16).reshape(-1, args.row_length).tolist()
-    counts = [collections.defaultdict(collections.Counter) for _ in range(table.longest)]
-    for row in rows:
-        for j in range(args.row_length // 2, len(row)):
-            for n in range(1, table.longest + 1):
-                counts[n - 1][tuple(row[j - n : j])][row[j]] += 1
+    rows = np.fromfile(args.sampled, dtype=np.uint16).reshape(-1, args.row_length)
+    # Counts of these rows as `printpress draft-table` keeps them (only its `distribution` is read here).
+    counted = DraftTable.from_rows(rows, args.row_length // 2, table.longest, sampled_rows=rows)
     settings = pipe.settings(mode="ar", temperature=args.temperature, top_k=args.top_k)
     kept: dict[str, list[float]] = {"one-hot (the table)": [], "counts of sampled rows": []}
     for prompt in prompts:
@@ -98,14 +95,8 @@ def sampled(pipe, prompts: list[list[int]], args) -> dict:
             for j in range(len(prompt), len(ids)):
                 guess = table.draft(ids[:j], 1)
                 kept["one-hot (the table)"].append(float(p[j - 1, guess[0]]) if guess else 0.0)
-                q = next((c for n in range(min(table.longest, j), 0, -1)
-                          if (c := counts[n - 1].get(tuple(ids[j - n : j]))) and sum(c.values()) >= args.min_count),
-                         None)
-                if q is None:
-                    kept["counts of sampled rows"].append(0.0)
-                    continue
-                total = sum(q.values())
-                overlap = torch.minimum(p[j - 1, list(q)], torch.tensor([v / total for v in q.values()])).sum()
+                q = counted.distribution(ids[:j])
+                overlap = 0.0 if q is None else torch.minimum(p[j - 1, q[0]], torch.from_numpy(q[1]).float()).sum()
                 kept["counts of sampled rows"].append(float(overlap))
     out = {}
     for name, values in kept.items():
@@ -132,7 +123,6 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--min-count", type=int, default=MIN_COUNT)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -146,7 +136,8 @@ def main() -> None:
     if args.sampled:
         results["sampled"] = sampled(pipe, prompts, args)
     command = "python bench/draft_table_acceptance.py " + " ".join(sys.argv[1:])
-    Path(args.out).write_text(json.dumps({"command": command, "model": args.model, "results": results}, indent=2) + "\n")
+    out = {"command": command, "model": args.model, "results": results}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

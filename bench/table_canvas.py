@@ -31,14 +31,8 @@ from printpress.eval.judge import nll_per_char
 
 def chain(pipe, prompt: str, seed: int, tokens: int) -> str:
     """The table's chain after `prompt`: `tokens` tokens drawn from its counts, fewer where it knows no context."""
-    generator = torch.Generator().manual_seed(seed)
-    ids, out = pipe.encode_text(prompt), []
-    while len(out) < tokens:
-        drawn, _ = pipe.model.draft_table.sample(ids + out, tokens - len(out), generator)
-        if not drawn:
-            break
-        out += drawn
-    return pipe.decode(out)
+    drawn, _ = pipe.model.draft_table.sample(pipe.encode_text(prompt), tokens, torch.Generator().manual_seed(seed))
+    return pipe.decode(drawn)
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ class DiffusionBatch:
         """Encode the prompt of a new request and start its first canvas; events carry `handle`."""
         request.settings.validate()
         check_prompts(self.model.config, self.canvas_length, [request])
-        table = getattr(self.model, "draft_table", None)
+        table = self.model.draft_table
         if request.settings.canvas_start == "table" and (table is None or table.distributions is None):
             raise GenerationError("canvas_start 'table' draws from the model's draft table's sampled counts, and this "
                                   "model has " + ("no draft table" if table is None else "a table without them")

@@ -86,18 +86,21 @@ class DraftTable:
         distributions)."""
         import torch
 
-        if self.distributions is None:
-            return [], []
         text = list(tokens[-self.longest:])
         out: list[int] = []
         used: list[Distribution] = []
-        while len(out) < m and (found := _longest(self.distributions, text)) is not None:
+        while len(out) < m and (found := self.distribution(text)) is not None:
             next_tokens, probs = found
             token = int(next_tokens[int(torch.multinomial(torch.from_numpy(probs), 1, generator=generator))])
             out.append(token)
             used.append(found)
             text.append(token)
         return out, used
+
+    def distribution(self, tokens: Sequence[int]) -> Distribution | None:
+        """What the sampled counts say follows `tokens`: the distribution of the longest context they know; None
+        where they know none (or the table has no sampled counts)."""
+        return None if self.distributions is None else _longest(self.distributions, list(tokens[-self.longest:]))
 
     def draft(self, tokens: Sequence[int], m: int) -> list[int]:
         """Up to `m` tokens that the table says follow `tokens`; stops where no context has an entry."""

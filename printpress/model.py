@@ -383,6 +383,10 @@ class Masks:
 class DiffusionGemma(nn.Module):
     """The shared backbone with `encode` (causal, writes the cache) and `denoise` (bidirectional)."""
 
+    # The model's draft table (printpress/draft_table.py), which `load` reads from beside the weights: speculative
+    # drafts and `canvas_start="table"` read it. None: the model has none.
+    draft_table = None
+
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
         self.config = config

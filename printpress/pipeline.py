@@ -169,7 +169,7 @@ class Pipeline:
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        table = getattr(self.model, "draft_table", None)
+        table = self.model.draft_table
         return save_model(self.model, self.config, folder, self.generation_config, self.tokenizer,
                           max_shard_size=max_shard_size, dtype=dtype,
                           extra_files=None if table is None else lambda tmp: table.save(tmp / FILE))

@@ -154,7 +154,7 @@ def speculative(
         raise GenerationError(f"fused_canvas must be at least 2 (the committed token's slot and a draft), got {fused}")
     for request in requests:
         _check(request)
-        if request.settings.draft_source == "table" and _table(model) is None:
+        if request.settings.draft_source == "table" and model.draft_table is None:
             raise GenerationError("draft_source 'table' needs the model's draft table (draft_table.safetensors in its "
                                   "folder), and this model has none: make one with `printpress draft-table MODEL`, "
                                   "or use draft_source 'lookup'")
@@ -228,11 +228,7 @@ def draft_source(model: torch.nn.Module, settings: SamplerSettings) -> str:
     table and the rounds are not fused, else "diffusion"."""
     if settings.draft_source != "auto":
         return settings.draft_source
-    return "table" if _table(model) is not None and not settings.fused_draft else "diffusion"
-
-
-def _table(model: torch.nn.Module):
-    return getattr(model, "draft_table", None)
+    return "table" if model.draft_table is not None and not settings.fused_draft else "diffusion"
 
 
 def _draft(
@@ -290,7 +286,7 @@ def _guess(model: torch.nn.Module, source: str, lookup: ContextLookup, caps: lis
     vocab = model.config.vocab_size
     m, sampled_m = caps
     if source == "table":
-        table = _table(model)
+        table = model.draft_table
         if state.settings.temperature > 0:
             tokens, used = table.sample(lookup.tokens, sampled_m, state.generator)
             if tokens:

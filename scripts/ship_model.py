@@ -27,7 +27,7 @@ import torch
 import printpress
 from printpress.draft_table import DEFAULT_LONGEST
 from printpress.draft_table import FILE as DRAFT_TABLE_FILE
-from printpress.train.distill import DistillSettings, make_draft_table
+from printpress.train.distill import TABLE_GREEDY, TABLE_SAMPLED, make_draft_table
 from printpress.checkpoint import load_model, save_model
 from printpress.eval.judge import nll_per_char
 
@@ -162,9 +162,8 @@ def main() -> None:
     base = base_card(args.base_card or run_config.get("init_from"))
     save_model(model, config, folder, generation, tokenizer, dtype=torch.float16)
     if run_config["train"]["objective"] != "ar":  # speculative mode's default drafts (a joint model's)
-        make_draft_table(str(folder), sources, DistillSettings(temperature=0.0, top_k=None, seed=3), DEFAULT_LONGEST,
-                         None, run_config.get("data", {}).get("val_fraction", 0.05),
-                         sampled=DistillSettings(temperature=0.8, top_k=50, seed=4))  # as `printpress draft-table`
+        make_draft_table(str(folder), sources, TABLE_GREEDY, DEFAULT_LONGEST, None,
+                         run_config.get("data", {}).get("val_fraction", 0.05), sampled=TABLE_SAMPLED)
     train = run_config["train"]
     tokens_per_step = train["batch_size"] * train["seq_len"]
     history = records(run)

@@ -241,7 +241,7 @@ def _run(args: argparse.Namespace) -> int:
                                                    compile=args.compile),
              "ar": Pipeline.from_pretrained(ar_path, compile=args.compile)}
     judge = pipes["ar"] if args.compile is None else Pipeline.from_pretrained(ar_path)  # the judge stays exact
-    if args.yardstick and getattr(pipes["diffusion"].model, "draft_table", None) is None:
+    if args.yardstick and pipes["diffusion"].model.draft_table is None:
         table_side = describe(parse_setting(TABLE_SETTING))
         sides = [side for side in sides if side.label != table_side]
         print(f"{diffusion_path} has no draft table: the yardstick's '{table_side}' side is left out",

@@ -26,7 +26,7 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +156,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# A draft table's rows: greedy for the greedy chain, sampled as AR sampling samples (0.8, top-k 50) for the counts,
+# from other prefixes (seed + 1). `printpress draft-table` and scripts/ship_model.py start from these.
+TABLE_GREEDY = DistillSettings(temperature=0.0, top_k=None, seed=3)
+TABLE_SAMPLED = DistillSettings(temperature=0.8, top_k=50, seed=TABLE_GREEDY.seed + 1)
+
+
 def make_draft_table(model: str, sources: list[str], settings: DistillSettings, longest: int, out: Path | None,
                      val_fraction: float = 0.05, progress: bool = False,
                      sampled: DistillSettings | None = None) -> Path:
@@ -218,22 +224,25 @@ def register_draft_table(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sampled-rows", type=int, default=DistillSettings.rows,
                    help=f"rows sampled for the draft distributions of sampling requests ({DistillSettings.rows}; 0: "
                         "none, greedy drafts only)")
-    p.add_argument("--temperature", type=float, default=0.8, help="of the sampled rows (0.8, as AR sampling)")
-    p.add_argument("--top-k", type=int, default=50, help="of the sampled rows (50, as AR sampling)")
-    p.add_argument("--seed", type=int, default=3, help="which training prefixes (3; the sampled rows: seed + 1)")
+    p.add_argument("--temperature", type=float, default=TABLE_SAMPLED.temperature,
+                   help=f"of the sampled rows ({TABLE_SAMPLED.temperature:g}, as AR sampling)")
+    p.add_argument("--top-k", type=int, default=TABLE_SAMPLED.top_k,
+                   help=f"of the sampled rows ({TABLE_SAMPLED.top_k}, as AR sampling)")
+    p.add_argument("--seed", type=int, default=TABLE_GREEDY.seed,
+                   help=f"which training prefixes ({TABLE_GREEDY.seed}; the sampled rows: seed + 1)")
     p.add_argument("--batch-size", type=int, default=DistillSettings.batch_size, help="rows continued at once")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_draft_table)
 
 
 def run_draft_table(args: argparse.Namespace) -> int:
-    settings = DistillSettings(rows=args.rows, new_tokens=args.new_tokens, temperature=0.0, top_k=None,
-                               seed=args.seed, batch_size=args.batch_size)
+    shared = dict(new_tokens=args.new_tokens, batch_size=args.batch_size)
+    settings = replace(TABLE_GREEDY, rows=args.rows, seed=args.seed, **shared)
     if args.sampled_rows < 0:
         raise DistillError(f"--sampled-rows must be 0 (none) or positive, got {args.sampled_rows}")
-    sampled = None if args.sampled_rows == 0 else DistillSettings(
-        rows=args.sampled_rows, new_tokens=args.new_tokens, temperature=args.temperature, top_k=args.top_k,
-        seed=args.seed + 1, batch_size=args.batch_size)
+    sampled = None if args.sampled_rows == 0 else replace(
+        TABLE_SAMPLED, rows=args.sampled_rows, temperature=args.temperature, top_k=args.top_k, seed=args.seed + 1,
+        **shared)
     model = args.model
     if model is None:
         from printpress.engine import default_model_path
