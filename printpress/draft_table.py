@@ -84,14 +84,11 @@ class DraftTable:
         """Up to `m` tokens drawn one after another from the distribution of the longest known context (torch
         `generator`), with the distribution each was drawn from; stops where no context has one (none without
         distributions)."""
-        import torch
-
         text = list(tokens[-self.longest:])
         out: list[int] = []
         used: list[Distribution] = []
         while len(out) < m and (found := self.distribution(text)) is not None:
-            next_tokens, probs = found
-            token = int(next_tokens[int(torch.multinomial(torch.from_numpy(probs), 1, generator=generator))])
+            token = draw(found, generator)
             out.append(token)
             used.append(found)
             text.append(token)
@@ -194,6 +191,14 @@ def next_counts(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], t
 def best_next(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], int]:
     """For every n-token context of `next_counts`, the token that follows it most often (ties: the smaller id)."""
     return {context: int(tokens[np.argmax(c)]) for context, (tokens, c) in next_counts(rows, first, n).items()}
+
+
+def draw(distribution: Distribution, generator) -> int:
+    """One token drawn from `distribution` with the torch `generator` (as `DraftTable.sample` draws each)."""
+    import torch
+
+    next_tokens, probs = distribution
+    return int(next_tokens[int(torch.multinomial(torch.from_numpy(probs), 1, generator=generator))])
 
 
 def _longest(levels: list[dict[tuple[int, ...], Any]], text: list[int]) -> Any:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from printpress.draft_table import DraftTable, draw
 from printpress.model import DiffusionGemma, Masks
 
 Objective = Literal["diffusion", "ar", "joint"]
@@ -77,6 +78,10 @@ class DiffusionSettings:
     # t ** ar_target_power per block (`ar_target_loss`). 0 turns it off.
     ar_target_weight: float = 0.0
     ar_target_power: float = 1.0
+    # Table noise (for `canvas_start="table"`): the share of rows whose noised positions hold tokens drawn from the
+    # draft table's sampled counts after the text before them, instead of uniform ones (`table_noise`), so the
+    # denoiser learns to revise a plausible draft rather than take plausible tokens for clean ones. 0 turns it off.
+    table_noise: float = 0.0
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -124,7 +129,7 @@ def add_uniform_noise(
 
 def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settings: DiffusionSettings,
               vocab_size: int, teacher_draws: bool = False, draft_rows: torch.Tensor | None = None,
-              sampler_states: bool = False):
+              sampler_states: bool = False, table: DraftTable | None = None):
     """Noise per row from a generator keyed by (seed, step, global row): the same on any number of ranks.
 
     Returns (noisy, t, self-conditioning flags), plus, with `teacher_draws`, the per-token draws of the few-step
@@ -139,7 +144,12 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
     With `sampler_states` (and `settings.sampler_states` > 0), two more tensors come last, drawn last per row:
     the share of each canvas's noised positions `sampler_state` fills with the model's own samples (B,), 0 for a
     row left as it is (not chosen, not self-conditioned, or a draft row), and the inverse-CDF draws (B, L).
+
+    With `table` (and `settings.table_noise` > 0), that share of the rows that are not draft rows has its noise
+    redrawn from the table (`table_noise`), chosen and drawn after everything else, so the other draws stay the same.
     """
+    if settings.table_noise > 0 and table is None:
+        raise ValueError("table_noise draws noise from a draft table, and none was given")
     noisy, levels, use, uniform, renoise, keep, state_uniform = [], [], [], [], [], [], []
     length = tokens.shape[1]
     for offset in range(tokens.shape[0]):
@@ -162,6 +172,9 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
             share = torch.rand(1, generator=g)
             keep.append(share if chosen else torch.zeros(1))
             state_uniform.append(torch.rand(1, length, generator=g))
+        if table is not None and settings.table_noise > 0 and not drafted:
+            if float(torch.rand(1, generator=g)) < settings.table_noise:
+                row = table_noise(tokens[offset : offset + 1], row, table, settings.block, g)
         noisy.append(row)
         levels.append(t)
         use.append(flag)
@@ -171,6 +184,26 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
     if keep:
         noise = (*noise, torch.cat(keep), torch.cat(state_uniform))
     return noise
+
+
+def table_noise(clean: torch.Tensor, noisy: torch.Tensor, table: DraftTable, block: int,
+                generator: torch.Generator) -> torch.Tensor:
+    """`noisy` (1, L) with each noised position (one whose token is not `clean`'s) redrawn, in order, from `table`'s
+    sampled counts after the tokens the decoder sees before it: the clean text of the earlier canvases, then this
+    canvas's tokens as noised so far. A position whose context the table does not know keeps its uniform token. At
+    t = 1 a canvas is a chain as `canvas_start="table"` starts one; at lower t, the table's guesses sit among clean
+    tokens, plausible after what precedes them and wrong as often as the table is, which the denoiser must find.
+    (A uniform draw that happened to be the clean token counts as kept: one chance in the vocabulary size.)"""
+    clean_ids, ids = clean[0].tolist(), noisy[0].tolist()
+    for position, token in enumerate(ids):
+        if token == clean_ids[position]:
+            continue
+        start = position - position % block
+        context = clean_ids[max(0, start - table.longest) : start] + ids[start:position]
+        found = table.distribution(context)
+        if found is not None:
+            ids[position] = draw(found, generator)
+    return torch.tensor([ids], dtype=noisy.dtype, device=noisy.device)
 
 
 def draft_noise(tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None,
@@ -474,7 +507,7 @@ def evaluate_losses(step: Callable[..., dict[str, torch.Tensor]], windows: Seque
     in the global batch (batch i's rows from i * 10_000): the same draws at every evaluation of a run and on any
     number of ranks, so two evaluations differ only by the weights.
     """
-    settings = dataclasses.replace(settings, draft_fraction=0.0)  # held-out figures stay comparable across runs
+    settings = dataclasses.replace(settings, draft_fraction=0.0, table_noise=0.0)  # comparable across runs
     sums: dict[str, float] = {}
     for index, tokens in enumerate(windows):
         noise = None

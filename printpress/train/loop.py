@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from printpress.checkpoint import available_memory_bytes, load_model, recover_folder, save_model
 from printpress.config import GenerationConfig, ModelConfig, TextConfig
-from printpress.errors import PrintpressError
+from printpress.draft_table import DraftTable, load_beside
+from printpress.errors import CheckpointError, PrintpressError
 from printpress.model import DiffusionGemma
 from printpress.objectives import DiffusionSettings, TeacherDraws, TrainStep, evaluate_losses, row_noise
 
@@ -85,6 +86,9 @@ class TrainSettings:
     # distribution, with weight ar_target_weight * t ** ar_target_power; 0 = off. Needs the joint objective.
     ar_target_weight: float = 0.0
     ar_target_power: float = 1.0
+    # Table noise (objectives.table_noise): the share of rows whose noise is drawn from a draft table (data.draft_table,
+    # else init_from's) instead of uniformly, as `canvas_start="table"` starts a canvas; 0 = off.
+    table_noise: float = 0.0
     fsdp: bool = False
     # Where the steps run: cpu, or cuda (one process on one GPU). The data, the noise and every random draw stay on
     # the CPU (the same draws on any device) and only the batch moves; checkpoints are saved from the CPU.
@@ -132,6 +136,8 @@ class TrainSettings:
         need(self.ar_target_power >= 0, f"ar_target_power must be >= 0 (got {self.ar_target_power})")
         need(self.ar_target_weight == 0 or self.objective == "joint",
              "ar_target_weight needs the joint objective (the AR distribution comes from its clean half)")
+        need(0 <= self.table_noise <= 1, f"table_noise must be in [0, 1] (got {self.table_noise})")
+        need(self.table_noise == 0 or self.objective != "ar", "table_noise needs a diffusion or joint objective")
         need(self.device == "cpu" or self.device.split(":")[0] == "cuda",
              f"device {self.device!r} is not cpu or cuda (cuda:N for another GPU)")
         need(self.precision in ("float32", "bfloat16"), f"precision {self.precision!r} is not float32 or bfloat16")
@@ -399,6 +405,7 @@ class Trainer:
                                               world_size=self.env.world))
         # Every objective setting but the canvas length is a training setting of the same name.
         self.diffusion = DiffusionSettings(block=config.canvas_length, **objective_settings(settings))
+        self.noise_table = self._noise_table() if settings.table_noise > 0 else None
         self.teacher = None
         if settings.step_distill_weight > 0:  # a frozen copy, outside the optimizer and the DDP wrapper
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
@@ -450,6 +457,24 @@ class Trainer:
                                  settings.batch_size, rows, seed=settings.seed, rank=self.env.rank,
                                  world_size=self.env.world, draft_rows=draft_rows,
                                  draft=self._teacher_tokens("distill_draft", tokenizer) if draft_rows else None)
+
+    def _noise_table(self) -> DraftTable:
+        """The draft table `train.table_noise` draws from: `data.draft_table` (a model folder or a table file), else
+        the one beside `init_from`'s weights. Named in the run's config, so a resumed run draws from the same."""
+        source = self.run.data.get("draft_table") or self.run.init_from
+        if not source:
+            raise TrainingError("train.table_noise draws noise from a draft table: set data.draft_table (a model "
+                                "folder or a draft_table.safetensors) or init_from a model that has one")
+        path = Path(source)
+        try:
+            table = load_beside(path) if path.is_dir() else DraftTable.load(path) if path.is_file() else None
+        except CheckpointError as error:
+            raise TrainingError(f"train.table_noise: {error}") from None
+        if table is None or table.distributions is None:
+            raise TrainingError(f"train.table_noise needs a draft table with sampled counts, and {source} has "
+                                + ("none" if table is None else "one without them")
+                                + ": make one with `printpress draft-table MODEL`")
+        return table
 
     def _teacher_rows(self, key: str, default: float) -> int:
         """Rows per batch that `data.<key>` (a share of the batch) asks for: at least one."""
@@ -536,7 +561,7 @@ class Trainer:
         if self.settings.objective != "ar":
             noise = row_noise(tokens, first_row, step, self.settings.seed, self.diffusion, self.config.text.vocab_size,
                               teacher_draws=self.teacher is not None, draft_rows=draft_rows,
-                              sampler_states=self.diffusion.sampler_states > 0)
+                              sampler_states=self.diffusion.sampler_states > 0, table=self.noise_table)
             if self.teacher is not None:  # its two draws follow the first three; any sampler states come last
                 teacher = TeacherDraws(self.teacher, *self._moved(noise[3:5]))
                 noise = noise[:3] + noise[5:]
