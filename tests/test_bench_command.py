@@ -29,6 +29,7 @@ from printpress.eval.bench_sides import (
     AR_TWIN,
     OWN_AR,
     SETTING_KEYS,
+    TABLE_CHAIN,
     BenchError,
     Sample,
     Trace,
@@ -474,3 +475,40 @@ def test_a_second_judge_scores_every_sample_in_its_own_column(tiny):
     assert scores["gguf"] == [14.0, 7.0]
     assert scores["ar_twin"][0] == pytest.approx(nll_per_char(twin, "the cat", " sat on"))
     assert math.isnan(scores["ar_twin"][1])
+
+
+def test_a_table_started_side_brings_the_tables_chain_alone_as_its_control(tiny, tmp_path):
+    """A run with a `canvas_start=table` side also draws the draft table's chain alone for every prompt and seed
+    (no network pass), judged and measured like the other sides but kept out of the diffusion frontier."""
+    import shutil
+
+    import numpy as np
+
+    from printpress.draft_table import MIN_COUNT, DraftTable
+
+    model = tmp_path / "with-table"
+    shutil.copytree(tiny, model)
+    pipe = Pipeline.from_pretrained(str(tiny))
+    rows = np.array([pipe.encode_text(TEXT * 3)[:40]] * MIN_COUNT)
+    DraftTable.from_rows(rows, first=2, longest=2, sampled_rows=rows).save(model / "draft_table.safetensors")
+    out, prompts = tmp_path / "chain.json", tmp_path / "prompts.txt"
+    prompts.write_text("the cat\nthe dog sat\n")
+    code = cli.main(["bench", "--diffusion", str(model), "--ar", str(tiny), "--prompts-file", str(prompts),
+                     "--max-new-tokens", "16", "--seeds", "2", "--steps", "2", "--entropy-bounds", "8",
+                     "--setting", "steps=2,entropy_bound=8,canvas_start=table", "--no-heldout", "--forward-reps", "1",
+                     "--gguf-judge", "off", "--results", str(tmp_path / "results"), "--out", str(out), "--no-progress"])
+    assert code == 0
+    card = json.loads(out.read_text())
+    assert [r["label"] for r in card["rows"]][-2:] == ["diffusion, 2 steps, bound 8, canvas_start table", TABLE_CHAIN]
+    chain = card["rows"][-1]
+    assert chain["kind"] == "chain" and chain["forward_passes"] == 0 and chain["all_passes"] == 0
+    table = Pipeline.from_pretrained(str(model)).model.draft_table
+    samples = [s for s in card["samples"] if s["side"] == TABLE_CHAIN]
+    assert len(samples) == 4
+    for sample in samples:  # exactly the table's chain after the prompt, drawn with the sample's seed
+        drawn, _ = table.sample(pipe.encode_text(sample["prompt"]), 16, torch.Generator().manual_seed(sample["seed"]))
+        assert drawn and sample["text"] == pipe.decode(drawn)
+        assert math.isclose(chain["judge_ar_twin_per_sample"][samples.index(sample)],
+                            nll_per_char(pipe, sample["prompt"], sample["text"]), rel_tol=1e-9)
+    assert TABLE_CHAIN not in card["headline"]["ar_twin/wall"]["frontier"]
+    assert "matched_diversity" in chain

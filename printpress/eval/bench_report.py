@@ -165,7 +165,7 @@ STYLES = {"ar": ("s", "tab:red"), "diffusion": ("o", "tab:blue"), "speculative":
 def _panel(ax, rows: list[dict[str, Any]], head: dict[str, Any], x_of, xlabel: str, title: str) -> None:
     key = head["judge"]
     for row in rows:
-        if row.get(key) is None:
+        if row.get(key) is None or row["kind"] == "chain":  # the table's chain is a control, not a way to decode
             continue
         marker, color = STYLES[row["kind"]]
         x = x_of(row)

@@ -30,6 +30,11 @@ SETTING_KEYS = tuple(key for key in BY_WIRE if key != "max_new_tokens")
 # model's own weights, the reference for diversity (issue 11 compares diffusion with AR on the same weights).
 AR_TWIN, OWN_AR = "AR twin", "diffusion model, AR decoding"
 
+# The control every run with a `canvas_start="table"` side gets: the draft table's chain alone, the tokens a canvas
+# would start from, with no network pass. Where it is judged as well as the canvases revised from it, the quality
+# is the table's, not diffusion's (docs/benchmarks.md §7, L16 and L17).
+TABLE_CHAIN = "draft table's chain alone (no pass)"
+
 
 class BenchError(PrintpressError):
     """A benchmark that cannot run as asked (bad setting, missing judge, no held-out data)."""
@@ -47,11 +52,12 @@ class Side:
     label: str
     model: str
     overrides: dict[str, Any] = field(default_factory=dict)
+    chain: bool = False  # `TABLE_CHAIN`: the model's draft table's chain, drawn without the network
 
     @property
     def kind(self) -> str:
-        """ar | diffusion | speculative: how it decodes."""
-        return self.overrides.get("mode", "diffusion")
+        """ar | diffusion | speculative | chain: how it decodes."""
+        return "chain" if self.chain else self.overrides.get("mode", "diffusion")
 
 
 def default_sides(steps: list[int], bounds: list[float], extra: list[dict[str, Any]]) -> list[Side]:
@@ -62,6 +68,8 @@ def default_sides(steps: list[int], bounds: list[float], extra: list[dict[str, A
                               {"max_denoising_steps": n, "entropy_bound": bound}))
     for overrides in extra:
         sides.append(Side(describe(overrides), "diffusion", overrides))
+    if any(side.overrides.get("canvas_start") == "table" for side in sides):
+        sides.append(Side(TABLE_CHAIN, "diffusion", chain=True))
     labels = [s.label for s in sides]
     duplicates = sorted({x for x in labels if labels.count(x) > 1})
     if duplicates:
@@ -184,6 +192,19 @@ def seed_plan(prompts: Sequence[str], seeds: int = 1, first_seed: int = 0) -> li
     return [(prompt, first_seed + r * len(prompts) + i) for r in range(seeds) for i, prompt in enumerate(prompts)]
 
 
+def chain_sample(pipe, label: str, prompt: str, seed: int, max_new_tokens: int) -> Sample:
+    """`TABLE_CHAIN`'s sample: up to `max_new_tokens` tokens drawn from the draft table's counts after `prompt` with
+    a generator seeded `seed` (fewer where it knows no context), timed; no network pass."""
+    import torch
+
+    start, cpu_start = time.perf_counter(), time.process_time()
+    tokens, _ = pipe.model.draft_table.sample(pipe.encode_text(prompt), max_new_tokens,
+                                              torch.Generator().manual_seed(seed))
+    text = pipe.decode(tokens)
+    return Sample(label, prompt, seed, text, len(tokens), 0, time.perf_counter() - start,
+                  time.process_time() - cpu_start, None, Trace(), {})
+
+
 def decode_all(pipes: dict[str, Any], sides: list[Side], plan: list[tuple[str, int]], max_new_tokens: int,
                progress: bool) -> dict[str, list[Sample]]:
     """Every side on every (prompt, seed) of `plan`, sample-major, side order rotated per sample."""
@@ -194,7 +215,8 @@ def decode_all(pipes: dict[str, Any], sides: list[Side], plan: list[tuple[str, i
     samples: dict[str, list[Sample]] = {s.label: [] for s in sides}
     # Warm-up (allocator, first-call costs) on a short budget, untimed.
     for side in sides:
-        pipes[side.model].generate(plan[0][0], seed=0, max_new_tokens=min(max_new_tokens, 8), **side.overrides)
+        if not side.chain:
+            pipes[side.model].generate(plan[0][0], seed=0, max_new_tokens=min(max_new_tokens, 8), **side.overrides)
     metered = {name: Pipeline(MeteredModel(pipe.model), pipe.config, pipe.generation_config, pipe.tokenizer)
                for name, pipe in pipes.items()}
     bar = tqdm(total=len(sides) * len(plan), desc="decode", disable=not progress, dynamic_ncols=True)
@@ -202,6 +224,10 @@ def decode_all(pipes: dict[str, Any], sides: list[Side], plan: list[tuple[str, i
         order = sides[index % len(sides):] + sides[: index % len(sides)]
         for side in order:
             bar.set_postfix_str(side.label)
+            if side.chain:
+                samples[side.label].append(chain_sample(pipes[side.model], side.label, prompt, seed, max_new_tokens))
+                bar.update(1)
+                continue
             pipe = metered[side.model]
             trace = pipe.model.trace = Trace()
             # Step events only where the figures read them (`confidence`): building them costs a little per step.
