@@ -21,19 +21,25 @@ from printpress.eval.bench_sides import OWN_AR
 DRAWS = 4000
 
 
+def finite(values: list) -> np.ndarray:
+    """A side's per-sample figures without the empty samples' (judged nan or None: no text to judge)."""
+    array = np.asarray([np.nan if v is None else v for v in values], dtype=float)
+    return array[np.isfinite(array)]
+
+
 def gaps(report: dict, judge: str, match: str = "") -> list[dict]:
     """One entry per side whose label contains `match`, other than AR sampling itself."""
     rows = {row["label"]: row for row in report["rows"]}
     key = f"judge_{judge}_per_sample"
     if OWN_AR not in rows or key not in rows[OWN_AR]:
         raise SystemExit(f"the report has no '{OWN_AR}' side judged by {judge}")
-    reference = np.asarray(rows[OWN_AR][key])
-    generator = np.random.default_rng(0)
+    reference = finite(rows[OWN_AR][key])
     out = []
     for label, row in rows.items():
         if label == OWN_AR or match not in label or key not in row:
             continue
-        samples = np.asarray(row[key])
+        samples = finite(row[key])
+        generator = np.random.default_rng(0)  # per side: a side's interval does not depend on the others
         ratio = (samples[generator.integers(0, len(samples), (DRAWS, len(samples)))].mean(1)
                  / reference[generator.integers(0, len(reference), (DRAWS, len(reference)))].mean(1))
         low, high = np.percentile(ratio - 1, [5, 95])
