@@ -381,6 +381,7 @@ class Trainer:
         if model is None:
             config = self._new_model_config(tokenizer.get_vocab_size())
         settings.validate(config.canvas_length)
+        self.noise_table = self._noise_table() if settings.table_noise > 0 else None  # before any long preparation
         self.device = training_device(settings, self.env.world)
         check_memory(config.text, settings, self.env.world, self.device)  # before allocating anything large
         if model is None:
@@ -405,7 +406,6 @@ class Trainer:
                                               world_size=self.env.world))
         # Every objective setting but the canvas length is a training setting of the same name.
         self.diffusion = DiffusionSettings(block=config.canvas_length, **objective_settings(settings))
-        self.noise_table = self._noise_table() if settings.table_noise > 0 else None
         self.teacher = None
         if settings.step_distill_weight > 0:  # a frozen copy, outside the optimizer and the DDP wrapper
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
