@@ -81,6 +81,7 @@ class DiffusionSettings:
     # Table noise (for `canvas_start="table"`): the share of rows whose noised positions hold tokens drawn from the
     # draft table's sampled counts after the text before them, instead of uniform ones (`table_noise`), so the
     # denoiser learns to revise a plausible draft rather than take plausible tokens for clean ones. 0 turns it off.
+    # Measured (docs/benchmarks.md §7, L17): it learns to distrust every canvas and writes worse; no recipe uses it.
     table_noise: float = 0.0
 
 
