@@ -512,3 +512,19 @@ def test_a_table_started_side_brings_the_tables_chain_alone_as_its_control(tiny,
                             nll_per_char(pipe, sample["prompt"], sample["text"]), rel_tol=1e-9)
     assert TABLE_CHAIN not in card["headline"]["ar_twin/wall"]["frontier"]
     assert "matched_diversity" in chain
+
+
+def test_judged_gap_is_the_ratio_of_mean_judgements_with_a_repeatable_interval(report):
+    from printpress.eval.frontier import judged_gap
+
+    assert judged_gap([2.0, 2.0, float("nan")], [1.0, 1.0, None]) == (1.0, 1.0, 1.0)  # empty samples left out
+    assert judged_gap([float("nan")], [1.0]) is None
+    reference = next(r for r in report["rows"] if r["label"] == OWN_AR)
+    assert "judge_ar_twin_gap" not in reference
+    sides = [r for r in report["rows"] if r["label"] != OWN_AR]
+    for row in sides:
+        values, ar = row["judge_ar_twin_per_sample"], reference["judge_ar_twin_per_sample"]
+        gap, (low, high) = row["judge_ar_twin_gap"], row["judge_ar_twin_gap_90"]
+        assert math.isclose(gap, sum(values) / len(values) / (sum(ar) / len(ar)) - 1, rel_tol=1e-12)
+        assert low <= gap <= high and (low, high) == judged_gap(values, ar)[1:]
+    assert "gap" not in report["_stdout"].splitlines()[0].split()  # SmolLM2's column only where it judged

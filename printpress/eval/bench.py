@@ -29,12 +29,16 @@ reference count it (diffusion: decoder passes; AR: token-producing encoder passe
 model (prefill, the encoder pass that writes each committed canvas to the cache, decoder passes,
 verifications); time to the first committed canvas (diffusion) or token (AR); the likelihood of the samples
 under the judges (NLL per character; lower is better): the AR twin, and SmolLM2-135M from GGUF when
-`printpress.eval.gguf_judge` is installed (the JSON's `judges` says which model and file judged); diversity
+`printpress.eval.gguf_judge` is installed (the JSON's `judges` says which model and file judged), and per
+judge how far each side is behind AR sampling on the same weights (the ratio of mean judgements minus 1, with a
+90% interval from resampling the samples: issue 11's "within 10%" test; the terminal shows SmolLM2's); diversity
 (`printpress.eval.diversity`: unigram entropy of words in nats, distinct-2, the share of repeated word
 4-grams) and whether it is matched to AR sampling on the same weights (repeated 4-grams at most AR's + 0.05,
 unigram entropy within 5% of AR's); for diffusion, how confident the sampler was (entropy of the accepted
 tokens, tokens accepted per step, how often the adaptive stop fired); for speculative decoding at
 temperature 0, its speed against greedy AR on the same weights and how many samples are identical to it.
+A run with a `canvas_start=table` side also draws the draft table's chain alone for every prompt and seed (no
+network pass): what the denoiser added is the difference from it.
 Then the held-out losses of both models (the training loop's own validation: AR NLL per token and the
 diffusion loss), the cost of one decoder forward against one AR step on this machine, and the headline: the
 speed ratio at matched judged quality — over every diffusion side, and over the sides of matched diversity

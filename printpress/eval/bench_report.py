@@ -25,6 +25,8 @@ COLUMNS = [
     ("H word", "6.3f", "unigram entropy (nats)", "unigram_entropy_nats", "word unigram entropy (nats)"),
     ("dist2", "5.3f", "distinct-2", "distinct_2", "share of distinct word bigrams"),
     ("rep4", "5.3f", "repeated 4-grams", "repeated_4gram_share", "share of repeated word 4-grams"),
+    ("gap", "6.1%", "SmolLM2 gap to AR sampling", "judge_gguf_gap",
+     f"SmolLM2's NLL/char over '{OWN_AR}''s, minus 1 (90% interval in the JSON)"),
     ("div=", "4.1f", "matched diversity", "matched_diversity", f"diversity matched to '{OWN_AR}'"),
     ("py", "5.2f", "valid Python (so far)", "python_prefix_share", "share of samples that are Python or its start"),
     ("parse", "5.2f", "parses as Python", "python_parses_share", "share of samples that parse as a whole module"),
@@ -35,8 +37,8 @@ COLUMNS = [
     ("stops", "5.2f", "adaptive stops", "adaptive_stop_rate", "share of canvases stopped early"),
 ]
 
-# Shown only when some side has them (`printpress bench --python`).
-OPTIONAL_KEYS = {"python_prefix_share", "python_parses_share"}
+# Shown only when some side has them (`printpress bench --python`; the SmolLM2 judge).
+OPTIONAL_KEYS = {"python_prefix_share", "python_parses_share", "judge_gguf_gap"}
 
 
 def columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str, str]]:
