@@ -103,3 +103,18 @@ def test_a_table_without_sampled_counts_is_refused(corpus, tmp_path):
     run.data["draft_table"] = str(tmp_path / "greedy.safetensors")
     with pytest.raises(TrainingError, match="has one without them: make one with `printpress draft-table MODEL`"):
         Trainer(run, tmp_path / "run")
+
+
+def test_a_resumed_run_draws_from_the_same_table(corpus, tmp_path):
+    from printpress.train.loop import RunConfig
+
+    table = cycle_table(7, longest=3)
+    table.save(tmp_path / "table.safetensors")
+    run = run_config(corpus, table_noise=0.5, steps=4)
+    run.data["draft_table"] = str(tmp_path / "table.safetensors")
+    trainer = Trainer(run, tmp_path / "run")
+    trainer.train_step()
+    trainer.save_checkpoint()
+    resumed = Trainer(RunConfig(), tmp_path / "run", resume=True)
+    assert resumed.step == 1 and resumed.settings.table_noise == 0.5
+    assert resumed.noise_table.maps == table.maps and resumed.noise_table.longest == 3
