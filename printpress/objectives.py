@@ -173,7 +173,7 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
             share = torch.rand(1, generator=g)
             keep.append(share if chosen else torch.zeros(1))
             state_uniform.append(torch.rand(1, length, generator=g))
-        if table is not None and settings.table_noise > 0 and not drafted:
+        if settings.table_noise > 0 and not drafted:  # a table is there: checked above
             if float(torch.rand(1, generator=g)) < settings.table_noise:
                 row = table_noise(tokens[offset : offset + 1], row, table, settings.block, g)
         noisy.append(row)
