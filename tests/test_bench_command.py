@@ -422,6 +422,28 @@ def test_settings_parse_and_bad_ones_are_one_line_errors(capsys, tiny):
     assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--compile", "fast"]) == 2
     assert capsys.readouterr().err == ("printpress: error: --compile 'fast' is not supported; use ar, decoder, all (or "
                                        "leave it out for the exact eager passes)\n")
+    assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err.startswith("printpress: error: --dtype 'fp8' is not supported; use one of ")
+
+
+def test_bench_decodes_in_another_dtype_and_judges_in_float32(tiny, tmp_path):
+    out = tmp_path / "bf16.json"
+    assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--steps", "2", "--entropy-bounds", "8",
+                     "--max-new-tokens", "8", "--limit", "2", "--no-heldout", "--forward-reps", "1", "--gguf-judge",
+                     "off", "--no-progress", "--results", str(tmp_path / "results"), "--dtype", "bfloat16",
+                     "--out", str(out)]) == 0
+    card = json.loads(out.read_text())
+    assert card["settings"]["dtype"] == {"asked": "bfloat16", "diffusion": "bfloat16", "ar": "bfloat16"}
+    # Decoded in bf16, judged by the float32 model: every sample's score is the exact judge's.
+    judge = Pipeline.from_pretrained(str(tiny))
+    bf16 = Pipeline.from_pretrained(str(tiny), dtype="bfloat16")
+    for row in card["rows"]:
+        texts = [s for s in card["samples"] if s["side"] == row["label"]]
+        assert len(texts) == 2
+        assert row["judge_ar_twin_per_sample"] == pytest.approx(
+            [nll_per_char(judge, s["prompt"], s["text"]) for s in texts], rel=1e-6)
+        assert row["judge_ar_twin_per_sample"] != pytest.approx(
+            [nll_per_char(bf16, s["prompt"], s["text"]) for s in texts], rel=1e-6)
 
 
 @pytest.mark.slow  # compiles the AR step and the prompt blocks with inductor

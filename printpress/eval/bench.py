@@ -45,6 +45,9 @@ speed ratio at matched judged quality — over every diffusion side, and over th
 only — or, where no diffusion setting reaches the AR twin's quality, the ratio at the best diffusion
 quality, the gap, and the speed the diffusion frontier reaches at each quality level.
 
+Both models decode in float32, the exact path, unless `--dtype` (bfloat16, float16, auto: the measured choice a
+user on this machine would get) or `--compile` says otherwise; the judges always score in float32.
+
 The yardstick (`--yardstick`, issue 11) is the fixed measurement every training lever is compared with:
 24 held-out prompts x 3 seeds, 64 new tokens (two canvases of 32), steps 32, 16, 8 x entropy bounds 0.1, 1,
 4, the AR twin and the diffusion model's own AR decoding at temperature 0.8 top-k 50, plus greedy AR and
@@ -86,7 +89,7 @@ from printpress.eval.frontier import (
     load_gguf_judge,
     summarize,
 )
-from printpress.runtime_options import COMPILE, check_compile
+from printpress.runtime_options import COMPILE, DTYPE_HELP, check_compile, check_dtype
 
 if TYPE_CHECKING:
     from printpress.corpora import Document
@@ -137,6 +140,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="decode both models with these passes compiled (printpress.fast; not exact): both sides near "
                         "the machine's limit. Two prompts per side are decoded at full length first, untimed (the "
                         "compiles); the judge stays exact")
+    p.add_argument("--dtype", default="float32",
+                   help="load both models in this dtype for decoding (the judge stays float32, exact): " + DTYPE_HELP)
     p.add_argument("--yardstick", action="store_true",
                    help="issue 11's fixed yardstick: --heldout-prompts 24 --seeds 3 --max-new-tokens 64 --steps 32 16 8 "
                         "--entropy-bounds 0.1 1 4, plus --setting " + " --setting ".join(YARDSTICK_SETTINGS))
@@ -210,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError(f"--canvas-length must be a positive number of tokens, got {args.canvas_length}")
     try:
         check_compile(args.compile)
+        check_dtype(args.dtype)
     except CheckpointError as error:
         raise BenchError(f"--{error}") from None
     if args.prompts_file is not None and args.heldout_prompts is not None:
@@ -230,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
+
     from printpress.engine import Pipeline, default_model_path
 
     load_start = os.getloadavg()
@@ -242,9 +250,10 @@ def _run(args: argparse.Namespace) -> int:
     diffusion_path = args.diffusion or str(default_model_path())
     ar_path = args.ar or str(default_model_path().parent / "shakespeare-ar")
     pipes = {"diffusion": Pipeline.from_pretrained(diffusion_path, canvas_length=args.canvas_length,
-                                                   compile=args.compile),
-             "ar": Pipeline.from_pretrained(ar_path, compile=args.compile)}
-    judge = pipes["ar"] if args.compile is None else Pipeline.from_pretrained(ar_path)  # the judge stays exact
+                                                   compile=args.compile, dtype=args.dtype),
+             "ar": Pipeline.from_pretrained(ar_path, compile=args.compile, dtype=args.dtype)}
+    exact = args.compile is None and pipes["ar"].model.dtype == torch.float32
+    judge = pipes["ar"] if exact else Pipeline.from_pretrained(ar_path)  # the judge stays exact
     if args.yardstick and pipes["diffusion"].model.draft_table is None:
         table_side = describe(parse_setting(TABLE_SETTING))
         sides = [side for side in sides if side.label != table_side]
@@ -281,6 +290,8 @@ def _run(args: argparse.Namespace) -> int:
                      "steps": args.steps, "entropy_bounds": args.entropy_bounds, "extra": args.setting,
                      "threads": args.threads, "ar_sampling": AR_SAMPLING, "python_syntax": args.python,
                      "canvas_length": pipes["diffusion"].canvas_length, "compile": args.compile,
+                     "dtype": {"asked": args.dtype, **{name: str(pipe.model.dtype).removeprefix("torch.")
+                                                      for name, pipe in pipes.items()}},
                      "compiled_passes": {name: compiled_passes(pipe.model) for name, pipe in pipes.items()}},
         "model": {"diffusion": diffusion_path, "ar": ar_path,
                   "parameters": sum(p.numel() for p in pipes["diffusion"].model.parameters())},
