@@ -154,9 +154,12 @@ def _register_rows_linear_fake() -> None:
 _routed_experts = False
 
 
+ROUTED_DTYPES = (torch.float32, torch.bfloat16)  # what printpress_fast::routed_experts computes in
+
+
 def routed_experts_wanted(*tensors: torch.Tensor) -> bool:
     """Inside a graph being traced: whether `static_experts` runs a canvas's experts through the routed kernel."""
-    return _routed_experts and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return _routed_experts and all(t.dtype in ROUTED_DTYPES and t.device.type == "cpu" for t in tensors)
 
 
 class FewRowLinears(CustomGraphPass):

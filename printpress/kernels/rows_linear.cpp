@@ -6,7 +6,8 @@
 // (a canvas of 8, a batch of AR steps) 3 x 4 register tiles keep the FMA units busy.
 //
 // `expert_rows` does the same for a few rows each through its own expert's weights, read in place, and
-// `routed_experts` runs a canvas's experts each on the tokens routed to it.
+// `routed_experts` runs a canvas's experts each on the tokens routed to it (float32, or bfloat16 where a CPU has
+// native bf16 matmul: the weighted sum over experts is taken in float32 either way).
 //
 // Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it.
 #include <torch/extension.h>
@@ -209,14 +210,17 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
                   gate_up.size(1) == 2 * down.size(2),
               "printpress_fast::routed_experts expects x (T, H), weights and experts (T, k), gate_up (E, 2I, H) "
               "and down (E, H, I)");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && weights.scalar_type() == torch::kFloat &&
-                  gate_up.scalar_type() == torch::kFloat && down.scalar_type() == torch::kFloat,
-              "printpress_fast::routed_experts is float32 only");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && gate_up.scalar_type() == dtype &&
+                  down.scalar_type() == dtype &&
+                  (weights.scalar_type() == torch::kFloat || weights.scalar_type() == dtype),
+              "printpress_fast::routed_experts expects x, gate_up and down all float32 or all bfloat16 "
+              "(weights float32 or their dtype)");
   TORCH_CHECK(activation >= 0 && activation <= 2, "printpress_fast::routed_experts: activation ", activation,
               " is not 0 (GELU, tanh), 1 (GELU) or 2 (SiLU)");
   const int64_t T = x.size(0), k = experts.size(1), E = gate_up.size(0), I = down.size(2);
   const auto chosen = experts.to(torch::kLong).contiguous();
-  const auto w = weights.contiguous();
+  const auto w = weights.to(torch::kFloat).contiguous();
   const int64_t* e_of = chosen.data_ptr<int64_t>();
   const float* w_of = w.data_ptr<float>();
   std::vector<std::vector<int64_t>> tokens(E);
@@ -227,7 +231,8 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
     tokens[e_of[i]].push_back(i / k);
     scales[e_of[i]].push_back(w_of[i]);
   }
-  auto out = torch::zeros_like(x, x.options().memory_format(at::MemoryFormat::Contiguous));
+  // The weighted sum over a token's experts in float32 (as the dense path sums), then x's dtype.
+  auto out = torch::zeros(x.sizes(), x.options().dtype(torch::kFloat));
   const auto index_options = torch::TensorOptions().dtype(torch::kLong);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = static_cast<int64_t>(tokens[e].size());
@@ -237,9 +242,9 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
     const auto both = at::linear(x.index_select(0, rows), gate_up[e]);
     const auto gate = both.narrow(1, 0, I), up = both.narrow(1, I, I);
     const auto act = activation == 0 ? at::gelu(gate, "tanh") : activation == 1 ? at::gelu(gate) : at::silu(gate);
-    out.index_add_(0, rows, at::linear(act * up, down[e]) * scale);
+    out.index_add_(0, rows, at::linear(act * up, down[e]).to(torch::kFloat) * scale);
   }
-  return out;
+  return out.to(dtype);
 }
 
 TORCH_LIBRARY(printpress_fast, m) {
