@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from printpress.eval.report import cpu_name
-from printpress.fast import ROWS_LINEAR_MAX_ROWS, CompiledARStep, CompiledGraph, ar_step_graph, rows_linear_ready
+from printpress.fast import ROWS_LINEAR_MAX_ROWS, CompiledARStep, ar_step_graph, rows_linear_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_ar import own_copy  # noqa: E402
@@ -90,8 +90,10 @@ class MKLStep(CompiledARStep):
     """The compiled AR step without the kernel, compiled from its own copy of the graph function (dynamo keeps its
     graphs per code object, so the two sides would otherwise share one)."""
 
+    graph = staticmethod(own_copy(ar_step_graph))
+
     def __init__(self, model) -> None:
-        CompiledGraph.__init__(self, model, own_copy(ar_step_graph), "inductor", rows_kernel=False)
+        super().__init__(model, "inductor", rows_kernel=False)
 
 
 def interleaved(sides: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, list[float]]:

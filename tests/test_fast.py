@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import printpress
-from printpress.fast import compile_ar_step, remove_compiled_ar_step
+from printpress.fast import CompiledARStep, compile_ar_step, remove_compiled_ar_step
 
 from helpers import bench_module, make_reference
 
@@ -558,3 +558,7 @@ def test_the_benchmark_times_mkl_and_the_kernel_at_each_shape_and_row_count(mode
     for row in rows:
         assert row["max_relative_difference"] < 1e-5
         assert min(row["mkl_hot_us"], row["kernel_hot_us"], row["mkl_cold_us"], row["kernel_cold_us"]) > 0
+    # The MKL side of its AR-step comparison: the shipped step's class on a graph function of its own (compiling is
+    # lazy, so this only builds it).
+    step = bench.MKLStep(model)
+    assert step.graph is not CompiledARStep.graph and step.graph.__name__ == "ar_step_graph_copy"
