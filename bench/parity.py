@@ -9,6 +9,7 @@ self-conditioning.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -57,7 +58,8 @@ def measure(name: str, folder: Path, length: int, padded: bool) -> dict[str, flo
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options: --help only
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in TINY_CONFIGS:

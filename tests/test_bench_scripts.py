@@ -1,0 +1,44 @@
+"""Every benchmark script answers `--help` with its usage and does nothing else: no run, no file written.
+
+(bench/gguf_judge.py once ignored its arguments, so `--help` ran the whole measurement and overwrote its result.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted((ROOT / "bench").glob("*.py"))
+
+# One interpreter for all of them (torch imported once): each script runs as __main__ with `--help` and must leave
+# through argparse's exit 0 after printing its usage.
+RUNNER = """
+import contextlib, io, runpy, sys
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+    else:
+        code = "returned without exiting"
+    print(path, code, "usage:" in out.getvalue())
+"""
+
+
+def test_every_bench_script_answers_help_and_writes_nothing(tmp_path):
+    assert len(SCRIPTS) > 20
+    watched = [p for folder in (ROOT / "docs" / "results", ROOT / "results") if folder.exists()
+               for p in folder.rglob("*") if p.is_file()]
+    before = {p: p.stat().st_mtime_ns for p in watched}
+    done = subprocess.run([sys.executable, "-c", RUNNER, *map(str, SCRIPTS)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.rsplit(" ", 2) for line in lines] == [[str(p), "0", "True"] for p in SCRIPTS]
+    assert {p: p.stat().st_mtime_ns for p in watched} == before
+    assert not any(tmp_path.iterdir())  # nothing written where it ran either
