@@ -224,14 +224,16 @@ def test_every_shipped_recipe_parses_and_validates(name):
 
 @pytest.mark.parametrize("name", ["shakespeare-joint-distill", "shakespeare-joint-fewstep", "shakespeare-joint-draft",
                                   "shakespeare-joint-continue", "shakespeare-joint-long", "shakespeare-joint-long-t09",
-                                  "shakespeare-joint-long-states", "stdlib-code-joint-draft", "stdlib-code-long-states"])
+                                  "shakespeare-joint-long-states", "stdlib-code-joint-draft", "stdlib-code-long-states",
+                                  "stdlib-code-continue", "stdlib-code-round2"])
 def test_the_fine_tune_recipes_parse_and_validate_against_the_shipped_canvas(name):
     run = read_run_config(name, None, [])
     assert run.init_from.startswith("runs/") and not run.model  # a fine-tune: the model comes from init_from
     run.train.validate(32)
     teachers = [run.data[key] for key in ("distill", "distill_draft") if key in run.data]
     assert all(path.startswith("runs/distill/") for path in teachers)
-    assert bool(teachers) == (name != "shakespeare-joint-continue")  # the continuation trains on real text only
+    continuation = name in ("shakespeare-joint-continue", "stdlib-code-continue")
+    assert bool(teachers) != continuation  # a continuation trains on real text only
 
 
 # -- a run that survives kills and refuses to clobber ----------------------------------------------------
