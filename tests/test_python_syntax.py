@@ -6,7 +6,8 @@ import pytest
 
 from printpress.corpora import Document
 from printpress.eval.bench import draw_prompts
-from printpress.eval.python_syntax import parses, python_validity, top_level_starts, valid_prefix, whole_lines
+from printpress.eval.python_syntax import (code_lines, parses, python_validity, top_level_starts, valid_prefix,
+                                          whole_lines)
 
 
 def test_a_sample_is_cut_after_its_last_newline():
@@ -38,9 +39,18 @@ def test_complete_modules_and_valid_starts(source, complete, start):
 def test_shares_over_a_side():
     prompts = ["def f(x):\n"] * 4
     completions = ["    return x\n", "    if x:\n        return (x +\n", "return x\n", "    return x\n    y = ("]
-    assert python_validity(prompts, completions) == {"python_parses_share": 0.5, "python_prefix_share": 0.75}
+    assert python_validity(prompts, completions) == {"python_parses_share": 0.5, "python_prefix_share": 0.75,
+                                                     "python_code_share": 0.25}  # only the second wrote 2 lines
     with pytest.raises(ValueError, match="as many prompts as completions"):
         python_validity(prompts, completions[:3])
+
+
+def test_comments_are_valid_python_but_not_code():
+    prompts = ["def f(x):\n"] * 3
+    completions = ["    #\n#\n##\n    # x\n", "    y = x  # one\n    return y\n", "    y = x\n\n    #\n"]
+    assert python_validity(prompts, completions) == {"python_parses_share": 2 / 3, "python_prefix_share": 1.0,
+                                                     "python_code_share": 1 / 3}
+    assert code_lines("a = 1\n  # c\n\n\"\"\"doc\"\"\"\n") == 2
 
 
 def test_top_level_starts_begin_at_decorators_and_count_lines_as_the_parser_does():

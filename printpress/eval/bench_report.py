@@ -30,6 +30,8 @@ COLUMNS = [
     ("div=", "4.1f", "matched diversity", "matched_diversity", f"diversity matched to '{OWN_AR}'"),
     ("py", "5.2f", "valid Python (so far)", "python_prefix_share", "share of samples that are Python or its start"),
     ("parse", "5.2f", "parses as Python", "python_parses_share", "share of samples that parse as a whole module"),
+    ("code", "5.2f", "valid Python with code", "python_code_share",
+     "share of samples valid so far with >= 2 lines of code (not only comments)"),
     ("TTFC s", "7.3f", "first commit s", "time_to_first_commit_s", "seconds to the first commit"),
     ("st/can", "6.1f", "steps/canvas", "steps_per_canvas", "denoising steps per canvas"),
     ("H acc", "6.3f", "accepted entropy", "accepted_entropy_mean", "entropy of the accepted tokens"),
@@ -38,7 +40,7 @@ COLUMNS = [
 ]
 
 # Shown only when some side has them (`printpress bench --python`; the SmolLM2 judge).
-OPTIONAL_KEYS = {"python_prefix_share", "python_parses_share", "judge_gguf_gap"}
+OPTIONAL_KEYS = {"python_prefix_share", "python_parses_share", "python_code_share", "judge_gguf_gap"}
 
 
 def columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str, str]]:

@@ -9,6 +9,9 @@ budget cut short does not count against it. Two figures, pooled over a side's sa
   block, bracket or string may still be open (the interactive interpreter's test, `codeop.compile_command`,
   which tells "incomplete" from "invalid"). A budget of 64 tokens usually ends inside a function, so this is
   the figure that says whether the text written so far is code; the first says whether it also came to a stop.
+- `python_code_share`: valid so far *and* the completion holds at least `MIN_CODE_LINES` lines of code (lines
+  that are neither blank nor comments). A small model's diffusion samples often end in lines of bare `#`, and a
+  comment is valid Python: this is the share that counts only samples that wrote code.
 
 Prompts should start at a top-level statement (`top_level_starts`), so that a sample's indentation is its own.
 """
@@ -53,13 +56,25 @@ def valid_prefix(source: str) -> bool:
     return True
 
 
+MIN_CODE_LINES = 2
+
+
+def code_lines(text: str) -> int:
+    """Lines of `text` that are neither blank nor comments (a docstring's lines count: a simple count)."""
+    return sum(1 for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+
+
 def python_validity(prompts: Sequence[str], completions: Sequence[str]) -> dict[str, float]:
-    """The two shares over paired prompts and completions (see the module docstring)."""
+    """The three shares over paired prompts and completions (see the module docstring)."""
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(f"need as many prompts as completions, at least one; got {len(prompts)} and {len(completions)}")
     sources = [whole_lines(p, c) for p, c in zip(prompts, completions, strict=True)]
+    valid = [valid_prefix(source) for source in sources]
+    wrote_code = [ok and code_lines(source[len(prompt):]) >= MIN_CODE_LINES
+                  for ok, source, prompt in zip(valid, sources, prompts, strict=True)]
     return {"python_parses_share": sum(map(parses, sources)) / len(sources),
-            "python_prefix_share": sum(map(valid_prefix, sources)) / len(sources)}
+            "python_prefix_share": sum(valid) / len(sources),
+            "python_code_share": sum(wrote_code) / len(sources)}
 
 
 def top_level_starts(text: str) -> list[int] | None:
