@@ -1,7 +1,7 @@
 """Is generated code Python? The code yardstick's syntax figures (issue 11, step 4).
 
 A sample is its prompt followed by the generated text, cut after the last newline, so that a line the token
-budget cut short does not count against it. Two figures, pooled over a side's samples:
+budget cut short does not count against it. Three figures, pooled over a side's samples:
 
 - `python_parses_share`: the source is a whole module (it compiles: `ast.parse` plus the compiler's own checks,
   such as `return` outside a function): every block, bracket and string that the sample opened is closed again.
