@@ -20,20 +20,24 @@ from pathlib import Path
 
 from printpress.eval.python_syntax import python_validity
 
-MIN_CHARS_LEFT = 10
-
 BARE_HASHES = re.compile(r"\s*#+\s*")
+MIN_CHARS_LEFT = 10  # a sample judged with and without its filler keeps at least this much text
+
+
+def bare_hashes(line: str) -> bool:
+    """A line of nothing but `#` characters (and whitespace): filler, though valid Python."""
+    return BARE_HASHES.fullmatch(line) is not None
 
 
 def side_shares(samples: list[dict]) -> dict[str, float]:
     shares = python_validity([s["prompt"] for s in samples], [s["text"] for s in samples])
     lines = [line for s in samples for line in s["text"].splitlines() if line.strip()]
-    shares["bare_hash_line_share"] = sum(bool(BARE_HASHES.fullmatch(line)) for line in lines) / max(1, len(lines))
+    shares["bare_hash_line_share"] = sum(map(bare_hashes, lines)) / max(1, len(lines))
     return shares
 
 
 def without_bare_hashes(text: str) -> str:
-    return "\n".join(line for line in text.split("\n") if not (line.strip() and BARE_HASHES.fullmatch(line)))
+    return "\n".join(line for line in text.split("\n") if not bare_hashes(line))
 
 
 def judged_with_and_without_filler(judge, samples: list[dict]) -> tuple[int, float, float]:
