@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,53 @@ def test_distill_writes_training_prefixes_followed_by_teacher_continuations(teac
         assert row[:16].astype(train.dtype).tobytes() in text  # the prefix is real training text
     again = distill(str(model), [str(corpus)], tmp_path / "again.bin", settings, val_fraction=0.2)
     assert np.array_equal(np.asarray(open_token_file(again).tokens), np.asarray(rows.tokens))  # seeded
+
+
+def _greedy_rows_and_limit(teacher, tmp_path):
+    """Eight greedy rows of the tiny teacher and a repeat limit that some of them exceed."""
+    from printpress.eval.diversity import repeated_share
+
+    corpus, model = teacher
+    greedy = DistillSettings(rows=8, prefix_tokens=16, new_tokens=16, temperature=0.0, top_k=None, seed=2,
+                             batch_size=4)
+    plain = np.asarray(open_token_file(distill(str(model), [str(corpus)], tmp_path / "all.bin", greedy,
+                                               val_fraction=0.2)).tokens).reshape(8, 32)
+    shares = [repeated_share(row[16:].tolist()) for row in plain]
+    limit = sorted(shares)[len(shares) // 2]
+    assert any(share > limit for share in shares)  # so some rows must be replaced
+    return greedy, plain, shares, limit
+
+
+def test_max_repeat_keeps_only_continuations_that_repeat_no_more_than_it(teacher, tmp_path):
+    """A greedy teacher loops; `max_repeat` drops those rows and continues more prefixes in their place, and every
+    kept row's prefix is still real training text."""
+    from printpress.eval.diversity import repeated_share
+
+    corpus, model = teacher
+    greedy, plain, shares, limit = _greedy_rows_and_limit(teacher, tmp_path)
+    kept = np.asarray(open_token_file(distill(str(model), [str(corpus)], tmp_path / "kept.bin",
+                                              replace(greedy, max_repeat=limit), val_fraction=0.2)).tokens)
+    kept = kept.reshape(8, 32)
+    assert all(repeated_share(row[16:].tolist()) <= limit for row in kept)
+    passing = [tuple(row) for row, share in zip(plain, shares) if share <= limit]
+    assert [tuple(row) for row in kept[: len(passing)]] == passing  # the first draw's rows come first, in order
+    text = np.asarray(open_token_file(tmp_path / "kept-data" / "train.bin").tokens)
+    assert all(row[:16].astype(text.dtype).tobytes() in text.tobytes() for row in kept)
+
+
+def test_max_repeat_that_too_few_rows_pass_is_refused_with_the_counts(teacher, tmp_path, monkeypatch):
+    import printpress.train.distill as distill_module
+
+    corpus, model = teacher
+    greedy, _, shares, limit = _greedy_rows_and_limit(teacher, tmp_path)
+    monkeypatch.setattr(distill_module, "MAX_CANDIDATES_PER_ROW", 1)  # no second draw of prefixes
+    passing = sum(share <= limit for share in shares)
+    with pytest.raises(DistillError, match=rf"only {passing} of 8 continuations repeat at most {limit:g} of their "
+                                           r"4-grams, fewer than the 8 rows asked for"):
+        distill(str(model), [str(corpus)], tmp_path / "few.bin", replace(greedy, max_repeat=limit), val_fraction=0.2)
+    assert not (tmp_path / "few.bin").exists()
+    with pytest.raises(DistillError, match=r"max-repeat must be in \[0, 1\)"):
+        distill(str(model), [str(corpus)], tmp_path / "bad.bin", DistillSettings(max_repeat=1.0))
 
 
 def test_distill_refuses_a_bad_output_name_and_bad_settings(teacher, tmp_path):

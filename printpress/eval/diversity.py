@@ -56,10 +56,16 @@ def distinct_n(texts: Iterable[str], n: int = 2) -> float | None:
 
 def repeated_ngram_share(text: str, n: int = 4) -> float | None:
     """Fraction of the word n-grams of `text` already seen earlier in `text`; None when it has no n-gram."""
-    grams = ngrams(words(text), n)
+    return repeated_share(words(text), n)
+
+
+def repeated_share(tokens: Sequence, n: int = 4) -> float | None:
+    """Fraction of the n-grams of `tokens` (words, or a tokenizer's ids) already seen earlier in the same
+    sequence; None when it has no n-gram."""
+    grams = ngrams(tokens, n)
     if not grams:
         return None
-    seen: set[tuple[str, ...]] = set()
+    seen: set[tuple] = set()
     repeats = 0
     for gram in grams:
         repeats += gram in seen

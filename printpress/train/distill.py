@@ -53,43 +53,78 @@ class DistillSettings:
     top_k: int | None = 50
     seed: int = 0
     batch_size: int = 256
+    # Drop a continuation whose share of repeated token 4-grams is above this (None: keep every row), and continue
+    # more prefixes in its place. A greedy teacher loops (`self.x = 0` four times, a run of bare `#` lines), and a
+    # loop trained as a canvas target teaches the denoiser its filler.
+    max_repeat: float | None = None
 
     def validate(self) -> None:
         for name in ("rows", "prefix_tokens", "new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise DistillError(f"{name.replace('_', '-')} must be positive (got {getattr(self, name)})")
+        if self.max_repeat is not None and not 0 <= self.max_repeat < 1:
+            raise DistillError(f"max-repeat must be in [0, 1): the share of a row's repeated 4-grams above which "
+                               f"it is dropped (got {self.max_repeat})")
         if self.temperature < 0:
             raise DistillError(f"temperature must be >= 0 (got {self.temperature})")
         if self.top_k is not None and self.top_k < 1:
             raise DistillError(f"top-k must be positive (got {self.top_k})")
 
 
-def prefix_starts(num_tokens: int, settings: DistillSettings) -> np.ndarray:
-    """Random prefix offsets into the training tokens, a function of the seed only."""
+# With `max_repeat`, how many prefixes per row asked for may be continued before giving up.
+MAX_CANDIDATES_PER_ROW = 8
+REPEAT_NGRAM = 4
+
+
+def prefix_starts(num_tokens: int, settings: DistillSettings, draw: int = 0) -> np.ndarray:
+    """`settings.rows` random prefix offsets into the training tokens, a function of the seed and `draw` only
+    (draw 0 is what every distillation without `max_repeat` continues; later draws replace dropped rows)."""
     high = num_tokens - settings.prefix_tokens + 1
     if high < 1:
         raise DistillError(f"the training split holds {num_tokens} tokens, fewer than one prefix of {settings.prefix_tokens}")
-    gen = torch.Generator().manual_seed(settings.seed)
+    seed = settings.seed if draw == 0 else settings.seed * 1_000_003 + 7919 * draw
+    gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, high, (settings.rows,), generator=gen).numpy()
 
 
 def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, progress: bool = False) -> np.ndarray:
-    """(rows, prefix_tokens + new_tokens) int64: each prefix followed by the teacher's continuation."""
+    """(rows, prefix_tokens + new_tokens) int64: each prefix followed by the teacher's continuation; with
+    `settings.max_repeat`, only continuations that repeat no more than that, from as many prefixes as it takes."""
     from tqdm import tqdm
 
-    starts = prefix_starts(len(train_tokens), settings)
-    prefixes = np.stack([np.asarray(train_tokens[s : s + settings.prefix_tokens], dtype=np.int64) for s in starts])
-    out = np.empty((settings.rows, settings.prefix_tokens + settings.new_tokens), dtype=np.int64)
-    for lo in tqdm(range(0, settings.rows, settings.batch_size), disable=not progress, desc="teacher", unit="batch"):
-        chunk = prefixes[lo : lo + settings.batch_size]
-        results = pipe.generate([row.tolist() for row in chunk], mode="ar", max_new_tokens=settings.new_tokens,
-                                temperature=settings.temperature, top_k=settings.top_k, eos_token_ids=(),
-                                seed=[settings.seed * 1_000_003 + lo + i for i in range(len(chunk))])
-        for i, result in enumerate(results):
-            if len(result.token_ids) != settings.new_tokens:  # the engine stops only at the budget (no eos ids)
-                raise DistillError(f"the teacher wrote {len(result.token_ids)} tokens for row {lo + i}, not {settings.new_tokens}")
-            out[lo + i] = np.concatenate([chunk[i], np.asarray(result.token_ids, dtype=np.int64)])
-    return out
+    from printpress.eval.diversity import repeated_share
+
+    width = settings.prefix_tokens + settings.new_tokens
+    out = np.empty((settings.rows, width), dtype=np.int64)
+    kept = tried = 0
+    with tqdm(total=settings.rows, disable=not progress, desc="teacher", unit="row") as bar:
+        for draw in range(MAX_CANDIDATES_PER_ROW if settings.max_repeat is not None else 1):
+            starts = prefix_starts(len(train_tokens), settings, draw)
+            for lo in range(0, settings.rows, settings.batch_size):
+                chunk = [np.asarray(train_tokens[s : s + settings.prefix_tokens], dtype=np.int64)
+                         for s in starts[lo : lo + settings.batch_size]]
+                results = pipe.generate([row.tolist() for row in chunk], mode="ar", max_new_tokens=settings.new_tokens,
+                                        temperature=settings.temperature, top_k=settings.top_k, eos_token_ids=(),
+                                        seed=[settings.seed * 1_000_003 + tried + i for i in range(len(chunk))])
+                tried += len(chunk)
+                for prefix, result in zip(chunk, results):
+                    if len(result.token_ids) != settings.new_tokens:  # the engine stops only at the budget
+                        raise DistillError(f"the teacher wrote {len(result.token_ids)} tokens for a row, "
+                                           f"not {settings.new_tokens}")
+                    if settings.max_repeat is not None and \
+                            (repeated_share(result.token_ids, REPEAT_NGRAM) or 0.0) > settings.max_repeat:
+                        continue
+                    out[kept] = np.concatenate([prefix, np.asarray(result.token_ids, dtype=np.int64)])
+                    kept += 1
+                    bar.update()
+                    if kept == settings.rows:
+                        if tried > settings.rows:
+                            logger.info("kept %d of %d continuations (max-repeat %g)", kept, tried,
+                                        settings.max_repeat)
+                        return out
+    raise DistillError(f"only {kept} of {tried} continuations repeat at most {settings.max_repeat:g} of their "
+                       f"{REPEAT_NGRAM}-grams, fewer than the {settings.rows} rows asked for: raise --max-repeat or "
+                       "ask for fewer --rows")
 
 
 def write_rows(rows: np.ndarray, path: Path, tokenizer, teacher: str, settings: DistillSettings):
@@ -138,6 +173,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="teacher top-k")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="rows the teacher continues at once")
+    p.add_argument("--max-repeat", type=float, default=None,
+                   help="drop continuations with more than this share of repeated token 4-grams (a greedy teacher's "
+                        "loops), continuing more prefixes in their place (default: keep every row)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -145,7 +183,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = DistillSettings(rows=args.rows, prefix_tokens=args.prefix_tokens, new_tokens=args.new_tokens,
                                temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                               batch_size=args.batch_size)
+                               batch_size=args.batch_size, max_repeat=args.max_repeat)
     teacher = args.teacher
     if teacher is None:
         from printpress.engine import default_model_path
