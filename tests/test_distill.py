@@ -140,9 +140,14 @@ def test_max_repeat_keeps_only_continuations_that_repeat_no_more_than_it(teacher
 
     corpus, model = teacher
     greedy, plain, shares, limit = _greedy_rows_and_limit(teacher, tmp_path)
-    kept = np.asarray(open_token_file(distill(str(model), [str(corpus)], tmp_path / "kept.bin",
-                                              replace(greedy, max_repeat=limit), val_fraction=0.2)).tokens)
-    kept = kept.reshape(8, 32)
+    counts: dict = {}
+    kept_file = open_token_file(distill(str(model), [str(corpus)], tmp_path / "kept.bin",
+                                        replace(greedy, max_repeat=limit), val_fraction=0.2, counts=counts))
+    kept = np.asarray(kept_file.tokens).reshape(8, 32)
+    dropped = sum(share > limit for share in shares)
+    # the first draw's 8 prefixes, then further ones in batches of 4 until 8 rows pass; the file says how many
+    assert counts["continued"] >= 8 + dropped and counts["continued"] % 4 == 0
+    assert json.loads(kept_file.meta.corpus.removeprefix("distill "))["continued"] == counts["continued"]
     assert all(repeated_share(row[16:].tolist()) <= limit for row in kept)
     passing = [tuple(row) for row, share in zip(plain, shares) if share <= limit]
     assert [tuple(row) for row in kept[: len(passing)]] == passing  # the first draw's rows come first, in order

@@ -87,9 +87,11 @@ def prefix_starts(num_tokens: int, settings: DistillSettings, draw: int = 0) -> 
     return torch.randint(0, high, (settings.rows,), generator=gen).numpy()
 
 
-def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, progress: bool = False) -> np.ndarray:
+def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, progress: bool = False,
+                 counts: dict | None = None) -> np.ndarray:
     """(rows, prefix_tokens + new_tokens) int64: each prefix followed by the teacher's continuation; with
-    `settings.max_repeat`, only continuations that repeat no more than that, from as many prefixes as it takes."""
+    `settings.max_repeat`, only continuations that repeat no more than that, from as many prefixes as it takes
+    (how many: `counts["continued"]`, when a dict is given)."""
     from tqdm import tqdm
 
     from printpress.eval.diversity import repeated_share
@@ -118,21 +120,24 @@ def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, prog
                     kept += 1
                     bar.update()
                     if kept == settings.rows:
-                        if tried > settings.rows:
-                            logger.info("kept %d of %d continuations (max-repeat %g)", kept, tried,
-                                        settings.max_repeat)
+                        if counts is not None:
+                            counts["continued"] = tried
                         return out
     raise DistillError(f"only {kept} of {tried} continuations repeat at most {settings.max_repeat:g} of their "
                        f"{REPEAT_NGRAM}-grams, fewer than the {settings.rows} rows asked for: raise --max-repeat or "
                        "ask for fewer --rows")
 
 
-def write_rows(rows: np.ndarray, path: Path, tokenizer, teacher: str, settings: DistillSettings):
+def write_rows(rows: np.ndarray, path: Path, tokenizer, teacher: str, settings: DistillSettings,
+               continued: int | None = None):
     """Write the rows as a printpress token file, one "document" per row (so the trainer can check lengths), with
-    the teacher and its settings recorded as the corpus."""
+    the teacher and its settings recorded as the corpus (and with `max_repeat`, how many prefixes it continued)."""
     from printpress.data import write_token_documents
 
-    described = json.dumps({"teacher": teacher, **asdict(settings)}, sort_keys=True)
+    made = {"teacher": teacher, **asdict(settings)}
+    if settings.max_repeat is not None:
+        made["continued"] = continued
+    described = json.dumps(made, sort_keys=True)
     return write_token_documents(((f"row {i}", row) for i, row in enumerate(rows)), tokenizer, path,
                                  corpus=f"distill {described}",
                                  corpus_digest=hashlib.sha256(described.encode()).hexdigest(),
@@ -140,8 +145,10 @@ def write_rows(rows: np.ndarray, path: Path, tokenizer, teacher: str, settings: 
 
 
 def distill(teacher: str, sources: list[str], out: Path, settings: DistillSettings, val_fraction: float = 0.05,
-            progress: bool = False) -> Path:
-    """Make the token file `out` from `teacher`'s continuations of the training split of `sources`."""
+            progress: bool = False, counts: dict | None = None) -> Path:
+    """Make the token file `out` from `teacher`'s continuations of the training split of `sources` (with a dict
+    `counts`, how many prefixes the teacher continued goes in `counts["continued"]`: more than the rows with
+    `max_repeat`)."""
     import printpress
 
     settings.validate()
@@ -150,11 +157,12 @@ def distill(teacher: str, sources: list[str], out: Path, settings: DistillSettin
     pipe = printpress.load(teacher)
     splits = prepare_data(sources, pipe.tokenizer, out.parent / (out.stem + "-data"), val_fraction=val_fraction)
     started = time.perf_counter()
-    rows = teacher_rows(pipe, splits.train.tokens, settings, progress)
+    counts = {} if counts is None else counts
+    rows = teacher_rows(pipe, splits.train.tokens, settings, progress, counts)
     seconds = time.perf_counter() - started
-    write_rows(rows, out, pipe.tokenizer, teacher, settings)
+    write_rows(rows, out, pipe.tokenizer, teacher, settings, counts.get("continued"))
     logger.info("wrote %s: %d rows in %.0f s (%.0f teacher tokens/s)", out, len(rows), seconds,
-                settings.rows * settings.new_tokens / seconds)
+                counts["continued"] * settings.new_tokens / seconds)
     return out
 
 
@@ -189,8 +197,13 @@ def run(args: argparse.Namespace) -> int:
         from printpress.engine import default_model_path
 
         teacher = str(default_model_path())
-    out = distill(teacher, args.data, Path(args.out), settings, args.val_fraction, progress=not args.no_progress)
-    print(f"wrote {settings.rows} rows of {settings.prefix_tokens}+{settings.new_tokens} tokens to {out}")
+    counts: dict = {}
+    out = distill(teacher, args.data, Path(args.out), settings, args.val_fraction, progress=not args.no_progress,
+                  counts=counts)
+    continued = counts["continued"]
+    dropped = "" if settings.max_repeat is None else \
+        f" ({continued - settings.rows} of {continued} continuations dropped for --max-repeat {settings.max_repeat:g})"
+    print(f"wrote {settings.rows} rows of {settings.prefix_tokens}+{settings.new_tokens} tokens to {out}{dropped}")
     return 0
 
 
