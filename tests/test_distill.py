@@ -155,6 +155,25 @@ def test_max_repeat_keeps_only_continuations_that_repeat_no_more_than_it(teacher
     assert all(row[:16].astype(text.dtype).tobytes() in text.tobytes() for row in kept)
 
 
+def test_the_distill_command_says_how_many_continuations_max_repeat_dropped(teacher, tmp_path, capsys):
+    from printpress.cli import main
+
+    corpus, model = teacher
+    _, _, _, limit = _greedy_rows_and_limit(teacher, tmp_path)
+    counts: dict = {}
+    distill(str(model), [str(corpus)], tmp_path / "api.bin", DistillSettings(
+        rows=8, prefix_tokens=16, new_tokens=16, temperature=0.0, top_k=None, seed=2, batch_size=4, max_repeat=limit),
+        val_fraction=0.2, counts=counts)
+    capsys.readouterr()
+    assert main(["distill", "--teacher", str(model), "--data", str(corpus), "--val-fraction", "0.2", "--out",
+                 str(tmp_path / "cli.bin"), "--rows", "8", "--prefix-tokens", "16", "--new-tokens", "16",
+                 "--temperature", "0", "--seed", "2", "--batch-size", "4", "--max-repeat", repr(limit),
+                 "--no-progress"]) == 0
+    continued = counts["continued"]
+    assert capsys.readouterr().out.strip().endswith(
+        f"({continued - 8} of {continued} continuations dropped for --max-repeat {limit:g})")
+
+
 def test_max_repeat_that_too_few_rows_pass_is_refused_with_the_counts(teacher, tmp_path, monkeypatch):
     import printpress.train.distill as distill_module
 
