@@ -1,12 +1,18 @@
-"""How far each side of a `printpress bench` report is judged behind AR sampling on the same weights, with an interval.
+"""How far each side of a `printpress bench` report is judged behind AR sampling on the same weights, with an interval;
+or, with --against, how each side of one run is judged against the same side of another run.
 
     python bench/judged_gap.py docs/results/levers/shipped-s19200.json [--judge gguf] [--match canvas_start]
+    python bench/judged_gap.py docs/results/code/round4-light.json --against docs/results/code/round3b-light.json
 
 Issue 11's quality target is relative: a diffusion side's judged NLL per character within 10% of AR sampling's on
 the same weights. One run's 72 samples leave that ratio uncertain by a few percent, which matters once a side sits
-near the line. Per side: the gap and its 90% interval (`printpress.eval.frontier.judged_gap`, which the bench now
-also writes into each row as `judge_<judge>_gap` and `judge_<judge>_gap_90`); recomputed here from the per-sample
-figures, so reports written before the bench recorded the gap read the same.
+near the line. Per side: the gap and its 90% interval (`printpress.eval.frontier.judged_gap`: prompts resampled,
+both sides paired by prompt; the bench also writes it into each row as `judge_<judge>_gap` and `judge_<judge>_gap_90`),
+recomputed here from the per-sample figures, so reports written before the bench paired the sides read the same way.
+
+With --against, the pairing is across runs: two runs of the light bench draw the same prompts and seeds, so a model
+and its successor are compared sample for sample (a negative figure: the first run's side is judged better). That
+is the test for "did this round improve the side", which two runs' standard errors alone leave open.
 """
 
 from __future__ import annotations
@@ -18,33 +24,59 @@ from printpress.eval.bench_sides import OWN_AR
 from printpress.eval.frontier import judged_gap
 
 
-def gaps(report: dict, judge: str, match: str = "") -> list[tuple[str, float, float, float, float]]:
-    """(side, judged NLL/char, gap, low, high) per side whose label contains `match`, AR sampling itself left out."""
+def side_samples(report: dict, label: str) -> list[tuple[str, int]]:
+    """(prompt, seed) of each of a side's samples, in the order of its per-sample figures."""
+    return [(s["prompt"], s["seed"]) for s in report["samples"] if s["side"] == label]
+
+
+def gaps(report: dict, judge: str, match: str = "",
+         against: dict | None = None) -> list[tuple[str, float, float, float, float]]:
+    """(side, judged NLL/char, gap, low, high) per side whose label contains `match`: against AR sampling in the same
+    report (that side itself left out), or against the same side of `against`."""
     rows = {row["label"]: row for row in report["rows"]}
     key = f"judge_{judge}_per_sample"
-    if OWN_AR not in rows or key not in rows[OWN_AR]:
-        raise SystemExit(f"the report has no '{OWN_AR}' side judged by {judge}")
+    if against is None:
+        if OWN_AR not in rows or key not in rows[OWN_AR]:
+            raise SystemExit(f"the report has no '{OWN_AR}' side judged by {judge}")
+        references = {label: (report, rows[OWN_AR]) for label in rows if label != OWN_AR}
+    else:
+        other = {row["label"]: row for row in against["rows"]}
+        references = {label: (against, other[label]) for label in rows if label in other}
     out = []
     for label, row in rows.items():
-        if label != OWN_AR and match in label and key in row:
-            found = judged_gap(row[key], rows[OWN_AR][key])
-            if found is not None:
-                out.append((label, row[f"judge_{judge}_nll_per_char"], *found))
+        if label not in references or match not in label or key not in row:
+            continue
+        source, reference = references[label]
+        if key not in reference:
+            continue
+        mine, theirs = side_samples(report, label), side_samples(source, reference["label"])
+        if mine != theirs:
+            raise SystemExit(f"'{label}': the two sides were not drawn on the same prompts and seeds")
+        found = judged_gap(row[key], reference[key], [prompt for prompt, _ in mine])
+        if found is not None:
+            out.append((label, row[f"judge_{judge}_nll_per_char"], *found))
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", help="`printpress bench --out` JSON files")
     parser.add_argument("--judge", default="gguf", help="gguf (SmolLM2, the issue's judge) or ar_twin")
     parser.add_argument("--match", default="", help="only sides whose label contains this")
-    args = parser.parse_args()
+    parser.add_argument("--against", default=None,
+                        help="a second run on the same prompts and seeds: each side judged against its namesake there")
+    args = parser.parse_args(argv)
+    against = None
+    if args.against:
+        with open(args.against) as handle:
+            against = json.load(handle)
     for path in args.reports:
         with open(path) as handle:
             report = json.load(handle)
-        print(path)
-        for label, nll, gap, low, high in gaps(report, args.judge, args.match):
-            print(f"  {label}: {nll:.3f}, {100 * gap:.1f}% behind (90%: {100 * low:.1f} to {100 * high:.1f})")
+        print(path if against is None else f"{path} against {args.against}")
+        for label, nll, gap, low, high in gaps(report, args.judge, args.match, against):
+            where = "behind" if against is None else "against the other run"
+            print(f"  {label}: {nll:.3f}, {100 * gap:+.1f}% {where} (90%: {100 * low:+.1f} to {100 * high:+.1f})")
 
 
 if __name__ == "__main__":

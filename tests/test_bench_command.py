@@ -536,6 +536,27 @@ def test_a_table_started_side_brings_the_tables_chain_alone_as_its_control(tiny,
     assert "matched_diversity" in chain
 
 
+def test_judged_gap_pairs_the_sides_by_prompt():
+    from printpress.eval.frontier import judged_gap
+
+    # Prompts of very different difficulty, the side 10% behind AR on every one: pairing leaves no doubt.
+    ar = [0.5, 0.6, 1.5, 1.4, 3.0, 3.2]
+    side = [1.1 * x for x in ar]
+    prompts = ["easy", "easy", "mid", "mid", "hard", "hard"]
+    gap, low, high = judged_gap(side, ar, prompts)
+    assert math.isclose(gap, 0.1) and math.isclose(low, 0.1) and math.isclose(high, 0.1)
+    # A side that is better on the easy prompt and worse on the hard one is uncertain either way.
+    _, low, high = judged_gap([0.4, 0.5, 1.5, 1.4, 3.6, 3.8], ar, prompts)
+    assert low < 0 < high
+    # An empty sample is left out of its own side's mean only.
+    assert judged_gap([float("nan"), 1.1, 2.2, 2.2], [1.0, 1.0, 2.0, 2.0], ["a", "a", "b", "b"])[0] == \
+        pytest.approx((1.1 + 4.4) / 3 / 1.5 - 1)
+    with pytest.raises(ValueError, match="as many samples on both sides, not 2 and 3"):
+        judged_gap([1.0, 1.0], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="1 prompts for 2 samples"):
+        judged_gap([1.0, 1.0], [1.0, 1.0], ["a"])
+
+
 def test_judged_gap_is_the_ratio_of_mean_judgements_with_a_repeatable_interval(report):
     from printpress.eval.frontier import judged_gap
 
@@ -544,9 +565,11 @@ def test_judged_gap_is_the_ratio_of_mean_judgements_with_a_repeatable_interval(r
     reference = next(r for r in report["rows"] if r["label"] == OWN_AR)
     assert "judge_ar_twin_gap" not in reference
     sides = [r for r in report["rows"] if r["label"] != OWN_AR]
+    prompts = [s["prompt"] for s in report["samples"] if s["side"] == OWN_AR]
+    assert len(set(prompts)) < len(prompts)  # several seeds per prompt: the interval resamples prompts
     for row in sides:
         values, ar = row["judge_ar_twin_per_sample"], reference["judge_ar_twin_per_sample"]
         gap, (low, high) = row["judge_ar_twin_gap"], row["judge_ar_twin_gap_90"]
         assert math.isclose(gap, sum(values) / len(values) / (sum(ar) / len(ar)) - 1, rel_tol=1e-12)
-        assert low <= gap <= high and (low, high) == judged_gap(values, ar)[1:]
+        assert low <= gap <= high and (low, high) == judged_gap(values, ar, prompts)[1:]
     assert "gap" not in report["_stdout"].splitlines()[0].split()  # SmolLM2's column only where it judged

@@ -166,7 +166,7 @@ def compare_with_ar(rows: list[dict[str, Any]], samples: dict[str, list[Sample]]
         for judge in ("ar_twin", "gguf"):
             key = f"judge_{judge}_per_sample"
             if row is not reference and key in row and key in reference:
-                found = judged_gap(row[key], reference[key])
+                found = judged_gap(row[key], reference[key], paired_prompts(samples, row, reference))
                 if found is not None:
                     row[f"judge_{judge}_gap"], row[f"judge_{judge}_gap_90"] = found[0], list(found[1:])
     greedy = next((r for r in rows if r["kind"] == "ar" and r["model"] == "diffusion"
@@ -183,25 +183,55 @@ def compare_with_ar(rows: list[dict[str, Any]], samples: dict[str, list[Sample]]
 GAP_DRAWS = 4000  # resamples behind a judged gap's 90% interval
 
 
-def judged_gap(values: Sequence[float | None], reference: Sequence[float | None]) -> tuple[float, float, float] | None:
+def paired_prompts(samples: dict[str, list[Sample]], row: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """The prompt of each sample two sides share, checked: every side of one run draws the same prompts and
+    seeds in the same order, which is what lets `judged_gap` pair them."""
+    pairs = [((a.prompt, a.seed), (b.prompt, b.seed)) for a, b in
+             zip(samples[row["label"]], samples[reference["label"]], strict=True)]
+    if any(a != b for a, b in pairs):
+        raise BenchError(f"'{row['label']}' and '{reference['label']}' were not drawn on the same prompts and seeds")
+    return [prompt for (prompt, _), _ in pairs]
+
+
+def judged_gap(values: Sequence[float | None], reference: Sequence[float | None],
+               prompts: Sequence[str] | None = None) -> tuple[float, float, float] | None:
     """How far a side's judged NLL/char (`values`, per sample) is behind AR sampling on the same weights
-    (`reference`): the ratio of their means minus 1, issue 11's quality test (within 10%), and its 90% interval
-    from resampling both sides' samples (`GAP_DRAWS` times, a fixed seed, so a report's figures repeat exactly).
-    Empty samples (judged nan) are left out; None where a side has none."""
+    (`reference`, the same prompts and seeds in the same order): the ratio of their means minus 1, issue 11's
+    quality test (within 10%), and its 90% interval.
+
+    The interval resamples prompts, not samples (`GAP_DRAWS` times, a fixed seed, so a report's figures repeat
+    exactly), and both sides together: the seeds of one prompt are not independent of each other, and a prompt
+    that is hard for one side is hard for the other, so the pairing is what the comparison rests on. Without
+    `prompts` every sample is its own prompt. Empty samples (judged nan or None) are left out of their side's
+    mean; None where a side has none."""
     import numpy as np
 
     def finite(xs: Sequence[float | None]) -> np.ndarray:
-        array = np.asarray([math.nan if x is None else x for x in xs], dtype=float)
-        return array[np.isfinite(array)]
+        return np.asarray([math.nan if x is None else x for x in xs], dtype=float)
 
     side, ar = finite(values), finite(reference)
-    if not len(side) or not len(ar):
+    if len(side) != len(ar):
+        raise ValueError(f"a paired gap needs as many samples on both sides, not {len(side)} and {len(ar)}")
+    keys = list(range(len(side))) if prompts is None else list(prompts)
+    if len(keys) != len(side):
+        raise ValueError(f"{len(keys)} prompts for {len(side)} samples")
+    if not np.isfinite(side).any() or not np.isfinite(ar).any():
         return None
-    draws = np.random.default_rng(0)
-    ratio = (side[draws.integers(0, len(side), (GAP_DRAWS, len(side)))].mean(1)
-             / ar[draws.integers(0, len(ar), (GAP_DRAWS, len(ar)))].mean(1))
-    low, high = np.percentile(ratio - 1, [5, 95])
-    return float(side.mean() / ar.mean() - 1), float(low), float(high)
+    groups = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    index = np.asarray([groups[key] for key in keys])
+
+    def per_prompt(xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ok = np.isfinite(xs)
+        sums = np.bincount(index, weights=np.where(ok, xs, 0.0), minlength=len(groups))
+        return sums, np.bincount(index, weights=ok.astype(float), minlength=len(groups))
+
+    (side_sum, side_n), (ar_sum, ar_n) = per_prompt(side), per_prompt(ar)
+    picks = np.random.default_rng(0).integers(0, len(groups), (GAP_DRAWS, len(groups)))
+    weight = np.apply_along_axis(np.bincount, 1, picks, minlength=len(groups)).astype(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = (weight @ side_sum / (weight @ side_n)) / (weight @ ar_sum / (weight @ ar_n))
+    low, high = np.nanpercentile(ratio - 1, [5, 95])
+    return float(side_sum.sum() / side_n.sum() / (ar_sum.sum() / ar_n.sum()) - 1), float(low), float(high)
 
 
 def matched_diversity(row: dict[str, Any], reference: dict[str, Any]) -> bool | None:

@@ -1,0 +1,50 @@
+"""bench/judged_gap.py: a side judged against AR sampling in its run, or against the same side of another run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from helpers import bench_module
+
+judged_gap_script = bench_module("judged_gap")
+
+PLAN = [("p", 0), ("q", 1), ("p", 2), ("q", 3)]  # two prompts, two seeds each
+
+
+def run(ar: list[float], fast: list[float], plan=PLAN) -> dict:
+    def row(label, values):
+        return {"label": label, "judge_gguf_nll_per_char": sum(values) / len(values),
+                "judge_gguf_per_sample": values}
+
+    rows = [row("diffusion model, AR decoding", ar), row("diffusion, 8 steps", fast)]
+    samples = [{"side": r["label"], "prompt": p, "seed": s, "text": "x"} for r in rows for p, s in plan]
+    return {"rows": rows, "samples": samples}
+
+
+def test_a_side_against_ar_sampling_and_against_its_namesake_in_another_run(tmp_path, capsys):
+    before = run([1.0, 2.0, 1.0, 2.0], [1.2, 2.4, 1.2, 2.4])
+    after = run([1.0, 2.0, 1.0, 2.0], [1.1, 2.2, 1.1, 2.2])
+    (label, nll, gap, low, high), = judged_gap_script.gaps(after, "gguf")
+    assert label == "diffusion, 8 steps" and math.isclose(nll, 1.65) and math.isclose(gap, 0.1)
+    assert math.isclose(low, 0.1) and math.isclose(high, 0.1)  # 10% behind on both prompts: no doubt
+    found = {g[0]: g[2:] for g in judged_gap_script.gaps(after, "gguf", against=before)}
+    assert math.isclose(found["diffusion, 8 steps"][0], 3.3 / 3.6 - 1)
+    assert found["diffusion model, AR decoding"] == (0.0, 0.0, 0.0)
+    paths = []
+    for name, report in (("before", before), ("after", after)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report))
+    judged_gap_script.main([str(paths[1]), "--against", str(paths[0]), "--match", "steps"])
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"{paths[1]} against {paths[0]}",
+                   "  diffusion, 8 steps: 1.650, -8.3% against the other run (90%: -8.3 to -8.3)"]
+
+
+def test_runs_on_other_prompts_or_seeds_are_refused():
+    before = run([1.0] * 4, [1.0] * 4)
+    after = run([1.0] * 4, [1.0] * 4, plan=[("p", 0), ("q", 1), ("p", 2), ("q", 4)])
+    with pytest.raises(SystemExit, match="'diffusion, 8 steps': the two sides were not drawn on the same prompts and"):
+        judged_gap_script.gaps(after, "gguf", match="steps", against=before)
