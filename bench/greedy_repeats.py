@@ -12,29 +12,19 @@ non-blank lines that are bare `#` runs, and how many stopped before the limit (e
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import printpress
 from printpress.eval.bench import heldout_prompts
 from printpress.eval.diversity import repeated_share
-
-sys.path.insert(0, str(Path(__file__).parent))  # bench/ is a folder of scripts, not a package
-from python_shares import bare_hashes  # noqa: E402
+from printpress.eval.python_syntax import bare_hash_line_share
 
 
 def greedy_repeats(pipe, prompts: list[str], tokens: int) -> dict[str, float]:
-    shares, lines, stopped = [], [], 0
-    for prompt in prompts:
-        result = pipe.generate(prompt, mode="ar", temperature=0.0, max_new_tokens=tokens)
-        ids = result.token_ids
-        stopped += len(ids) < tokens
-        share = repeated_share(ids, 4)
-        shares.append(0.0 if share is None else share)  # fewer than 4 tokens repeat nothing
-        lines += [line for line in result.text.splitlines() if line.strip()]
+    results = [pipe.generate(prompt, mode="ar", temperature=0.0, max_new_tokens=tokens) for prompt in prompts]
+    shares = [repeated_share(r.token_ids, 4) or 0.0 for r in results]  # fewer than 4 tokens repeat nothing
     return {"repeated_4gram_share": sum(shares) / len(shares),
-            "bare_hash_line_share": sum(map(bare_hashes, lines)) / max(1, len(lines)),
-            "stopped_early": stopped / len(prompts)}
+            "bare_hash_line_share": bare_hash_line_share([r.text for r in results]),
+            "stopped_early": sum(len(r.token_ids) < tokens for r in results) / len(prompts)}
 
 
 def main(argv: list[str] | None = None) -> None:

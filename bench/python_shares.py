@@ -15,24 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
-from printpress.eval.python_syntax import python_validity
+from printpress.eval.python_syntax import bare_hash_line_share, bare_hashes, python_validity
 
-BARE_HASHES = re.compile(r"\s*#+\s*")
 MIN_CHARS_LEFT = 10  # a sample judged with and without its filler keeps at least this much text
-
-
-def bare_hashes(line: str) -> bool:
-    """A line of nothing but `#` characters (and whitespace): filler, though valid Python."""
-    return BARE_HASHES.fullmatch(line) is not None
 
 
 def side_shares(samples: list[dict]) -> dict[str, float]:
     shares = python_validity([s["prompt"] for s in samples], [s["text"] for s in samples])
-    lines = [line for s in samples for line in s["text"].splitlines() if line.strip()]
-    shares["bare_hash_line_share"] = sum(map(bare_hashes, lines)) / max(1, len(lines))
+    shares["bare_hash_line_share"] = bare_hash_line_share([s["text"] for s in samples])
     return shares
 
 

@@ -66,3 +66,11 @@ def test_prompts_from_python_documents_start_at_top_level_statements():
                                      for i in range(6))
     # The same text under a name that is not a Python file: any line may start a window.
     assert any(p.startswith(("def not_a_start", "    ")) for p in draw_prompts([Document("mod.txt", body)], 12, chars=79))
+
+
+def test_bare_hash_lines_are_counted_among_non_blank_lines():
+    from printpress.eval.python_syntax import bare_hash_line_share, bare_hashes
+
+    assert bare_hashes("  ## ") and bare_hashes("#") and not bare_hashes("# a comment") and not bare_hashes("")
+    assert bare_hash_line_share(["x = 1\n#\n\n###\n", "# note\n"]) == 2 / 4
+    assert bare_hash_line_share(["\n\n"]) == 0.0

@@ -64,6 +64,20 @@ def code_lines(text: str) -> int:
     return sum(1 for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
 
 
+BARE_HASHES = re.compile(r"\s*#+\s*")
+
+
+def bare_hashes(line: str) -> bool:
+    """A line of nothing but `#` characters (and whitespace): filler, though valid Python."""
+    return BARE_HASHES.fullmatch(line) is not None
+
+
+def bare_hash_line_share(texts: Sequence[str]) -> float:
+    """The share of the non-blank lines of `texts` that are bare `#` runs (0 where there are none)."""
+    lines = [line for text in texts for line in text.splitlines() if line.strip()]
+    return sum(map(bare_hashes, lines)) / max(1, len(lines))
+
+
 def python_validity(prompts: Sequence[str], completions: Sequence[str]) -> dict[str, float]:
     """The three shares over paired prompts and completions (see the module docstring)."""
     if len(prompts) != len(completions) or not prompts:

@@ -87,11 +87,11 @@ def prefix_starts(num_tokens: int, settings: DistillSettings, draw: int = 0) -> 
     return torch.randint(0, high, (settings.rows,), generator=gen).numpy()
 
 
-def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, progress: bool = False,
-                 counts: dict | None = None) -> np.ndarray:
+def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings,
+                 progress: bool = False) -> tuple[np.ndarray, int]:
     """(rows, prefix_tokens + new_tokens) int64: each prefix followed by the teacher's continuation; with
-    `settings.max_repeat`, only continuations that repeat no more than that, from as many prefixes as it takes
-    (how many: `counts["continued"]`, when a dict is given)."""
+    `settings.max_repeat`, only continuations that repeat no more than that, from as many prefixes as it takes.
+    Returns the rows and how many prefixes the teacher continued."""
     from tqdm import tqdm
 
     from printpress.eval.diversity import repeated_share
@@ -120,9 +120,7 @@ def teacher_rows(pipe, train_tokens: np.ndarray, settings: DistillSettings, prog
                     kept += 1
                     bar.update()
                     if kept == settings.rows:
-                        if counts is not None:
-                            counts["continued"] = tried
-                        return out
+                        return out, tried
     raise DistillError(f"only {kept} of {tried} continuations repeat at most {settings.max_repeat:g} of their "
                        f"{REPEAT_NGRAM}-grams, fewer than the {settings.rows} rows asked for: raise --max-repeat or "
                        "ask for fewer --rows")
@@ -157,12 +155,13 @@ def distill(teacher: str, sources: list[str], out: Path, settings: DistillSettin
     pipe = printpress.load(teacher)
     splits = prepare_data(sources, pipe.tokenizer, out.parent / (out.stem + "-data"), val_fraction=val_fraction)
     started = time.perf_counter()
-    counts = {} if counts is None else counts
-    rows = teacher_rows(pipe, splits.train.tokens, settings, progress, counts)
+    rows, continued = teacher_rows(pipe, splits.train.tokens, settings, progress)
     seconds = time.perf_counter() - started
-    write_rows(rows, out, pipe.tokenizer, teacher, settings, counts.get("continued"))
+    write_rows(rows, out, pipe.tokenizer, teacher, settings, continued)
+    if counts is not None:
+        counts["continued"] = continued
     logger.info("wrote %s: %d rows in %.0f s (%.0f teacher tokens/s)", out, len(rows), seconds,
-                counts["continued"] * settings.new_tokens / seconds)
+                continued * settings.new_tokens / seconds)
     return out
 
 
@@ -246,8 +245,8 @@ def make_draft_table(model: str, sources: list[str], settings: DistillSettings, 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="draft-table-") as scratch:
         train = prepare_data(sources, pipe.tokenizer, Path(scratch), val_fraction=val_fraction).train.tokens
-        rows = teacher_rows(pipe, train, settings, progress)
-        sampled_rows = None if sampled is None else teacher_rows(pipe, train, sampled, progress)
+        rows, _ = teacher_rows(pipe, train, settings, progress)
+        sampled_rows = None if sampled is None else teacher_rows(pipe, train, sampled, progress)[0]
     seconds = time.perf_counter() - started
     made_by = {"model": str(model), "data": sources, "val_fraction": val_fraction, **asdict(settings),
                "sampled": None if sampled is None else asdict(sampled)}
