@@ -776,6 +776,7 @@ def print_summary(report: dict[str, Any]) -> None:
 
 
 def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, Any]:
+    """A random checkpoint of size `name`, built by transformers and loaded by both sides."""
     size = SIZES[name]
     canvas = args.canvas_length or size.canvas_length
     s = Settings(
@@ -785,24 +786,55 @@ def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, 
         forward_reps=args.forward_reps or size.forward_reps, sweep_prompt=size.sweep_prompt, peak=args.peak,
         device=args.device, dtype=args.dtype,
     )
-    json_path, png_path, profile_path = output_paths(args.out, name, several)
-    load_at_start = os.getloadavg()
     text = TextConfig(**size.text)
-    params = text.num_parameters()
-    caches = cpu_caches()
-    width = element_bytes(s.dtype)
-    where = regime(width * params, caches) if s.device == "cpu" else f"on {s.device}"
-    print(f"[{name}] {params / 1e6:.2f}M parameters ({width * params / 2**20:.1f} MiB {s.dtype}); {where}", flush=True)
-
     with tempfile.TemporaryDirectory(prefix="printpress-engine-speed-") as folder:
         start = time.perf_counter()
         ref = build_reference(size, s)
         ref.save_pretrained(folder)
         pipe = printpress.load(folder, device=s.device, dtype=s.dtype)
         print(f"[{name}] checkpoint built and loaded in {time.perf_counter() - start:.1f} s", flush=True)
-    loaded = sum(p.numel() for p in pipe.model.parameters())
     prompts = make_prompts(s.prompt_lengths, text.vocab_size, s.seed)
+    return bench_pair(name, ref, pipe, prompts, s, text, dict(size.text), args.out, several)
 
+
+def bench_model(folder: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A trained checkpoint (a shipped model's folder, say) with its own generation config, on held-out prompts:
+    the sampler settings (entropy bound, t_min/t_max, the adaptive stop) are the checkpoint's on both sides."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from printpress.eval.bench import heldout_prompts
+
+    if args.device != "cpu" or args.dtype != "float32":
+        sys.exit("--model runs on the CPU in float32 (where printpress promises the reference's tokens)")
+    pipe = printpress.load(folder, dtype="float32")
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=torch.float32).eval()
+    name = Path(folder).name
+    texts = heldout_prompts(args.heldout_prompts, [args.heldout_data], 0.05)
+    prompts = [pipe.encode_text(text) for text in texts]
+    config = pipe.generation_config
+    eos = tuple(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])
+    s = Settings(
+        size=name, canvas_length=pipe.canvas_length, max_new_tokens=args.max_new_tokens or 2 * pipe.canvas_length,
+        steps=args.steps or config.max_denoising_steps, seed=args.seed, repeats=args.repeats or 5,
+        prompt_lengths=tuple(len(p) for p in prompts), canvas_sweep=tuple(args.canvas_sweep or (1, 8, 32, 64)),
+        forward_reps=args.forward_reps or 20, sweep_prompt=64, peak=1.0, eos_token_ids=eos,
+        pad_token_id=config.pad_token_id,
+    )
+    return bench_pair(name, ref, pipe, prompts, s, pipe.config.text, pipe.config.text.to_dict(), args.out,
+                      several=False)
+
+
+def bench_pair(name: str, ref, pipe, prompts: list[list[int]], s: Settings, text: TextConfig,
+               text_config: dict[str, Any], out: str, several: bool) -> dict[str, Any]:
+    """The three measurements of the module docstring on one checkpoint loaded by both sides; writes the report."""
+    json_path, png_path, profile_path = output_paths(out, name, several)
+    load_at_start = os.getloadavg()
+    params = text.num_parameters()
+    caches = cpu_caches()
+    width = element_bytes(s.dtype)
+    where = regime(width * params, caches) if s.device == "cpu" else f"on {s.device}"
+    loaded = sum(p.numel() for p in pipe.model.parameters())
+    print(f"[{name}] {params / 1e6:.2f}M parameters ({width * params / 2**20:.1f} MiB {s.dtype}); {where}", flush=True)
     print(f"[{name}] generate: reference vs printpress", flush=True)
     generate = compare_generate(ref, pipe, prompts, s)
     del ref
@@ -816,7 +848,7 @@ def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, 
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "machine": machine(s),
         "model": {
-            "text_config": size.text,
+            "text_config": text_config,
             "parameters": params,
             "parameters_loaded_by_printpress": loaded,
             "parameter_bytes": width * params,
@@ -847,11 +879,15 @@ def bench_size(name: str, args: argparse.Namespace, several: bool) -> dict[str, 
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", nargs="+", choices=sorted(SIZES), default=["small"],
                         help="model size(s); tiny is a smoke test")
+    parser.add_argument("--model", help="a trained checkpoint's folder instead of --size (e.g. models/shakespeare-joint): "
+                        "its own generation config, held-out prompts")
+    parser.add_argument("--heldout-data", default="shakespeare", help="with --model: the corpus of the held-out prompts")
+    parser.add_argument("--heldout-prompts", type=int, default=6, help="with --model: how many held-out prompts")
     parser.add_argument("--out", default="bench/results/", help="folder (or a .json path for one size)")
     parser.add_argument("--canvas-length", type=int, help="canvas length (default 64; tiny 16)")
     parser.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default 2 canvases)")
@@ -867,12 +903,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: both sides run there")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="both sides' weights and activations (token parity is demanded only for cpu float32)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if args.model:
+        bench_model(args.model, args)
+        return
     for name in args.size:
         bench_size(name, args, several=len(args.size) > 1)
 

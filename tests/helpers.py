@@ -299,10 +299,13 @@ def open_page(browser, server):
 def script_module(relative: str):
     """A script of the repository (`bench/x.py`, `scripts/y.py`: neither folder is a package) imported as a module."""
     import importlib.util
+    import sys
 
     path = Path(__file__).resolve().parents[1] / relative
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    name = f"script_{path.parent.name}_{path.stem}"  # a fresh module each call, as before
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
