@@ -25,6 +25,12 @@ Results: `<out>/engine_speed_<size>.json` and `<out>/engine_speed_<size>.png`, a
     .venv/bin/python bench/engine_speed.py --size large --out docs/results/
     .venv/bin/python bench/engine_speed.py --size small large --out docs/results/
     python bench/engine_speed.py --size 1b --device cuda --dtype bfloat16 --out results/   # GPU: scripts/gpu_check.sh
+    OMP_NUM_THREADS=1 .venv/bin/python bench/engine_speed.py --model models/shakespeare-joint --threads 1 \
+        --out docs/results/engine_speed_shakespeare-joint.json   # a trained checkpoint, its own sampler settings
+
+`--model FOLDER` instead of `--size`: a trained checkpoint (both sides load the folder), decoded with its own
+generation config (entropy bound, t_min/t_max, the adaptive stop) on `--heldout-prompts` held-out prompts of
+`--heldout-data`; random weights never let the adaptive stop fire, a trained model does.
 
 Sizes: `tiny` (0.19M parameters, smoke test only), `small` (10.9M parameters, 41.5 MiB fp32: a bit
 over a 32 MiB L3, but an AR step touches ~26 MiB), `large` (99.7M parameters, 380 MiB fp32: bandwidth-
