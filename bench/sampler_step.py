@@ -8,6 +8,13 @@ the bare draw over (canvas, vocabulary) probabilities and the whole exact sample
 seeded alike, so the tokens of every call are compared too.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sampler_step.py --out docs/results/sampler_step.json
+
+`--batch 1 2 6 16`: instead, the exact sampler step over a batch of canvas-32 rows (the engine's continuous batch),
+as printpress runs it against its earlier form, which took the softmax, the entropy and the argmax over the whole
+batch at once (`whole_batch` below); every output of every call (argmax, next canvas, entropy, probabilities) is
+compared bit for bit.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sampler_step.py --batch 1 2 6 16 --out docs/results/sampler_batch.json
 """
 
 from __future__ import annotations
@@ -37,14 +44,68 @@ def torch_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+def whole_batch():
+    """The sampler's batch-wide pieces as they were before they went row by row (the same numbers, slower)."""
+
+    def whole(processed: torch.Tensor, free: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.softmax(processed, dim=-1, dtype=torch.float32), sampling.token_entropy(processed[:, :free])
+
+    return (lambda x: torch.argmax(x, dim=-1)), whole
+
+
+def batch_steps(model, batches: list[int], reps: int) -> dict:
+    """The exact sampler step over b rows of canvas 32, printpress's against `whole_batch`, interleaved."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    sides = {"whole batch (before)": whole_batch(),
+             "row by row (printpress)": (sampling.row_argmax, canvas_step.probabilities_and_entropy)}
+    current = sides["row by row (printpress)"]
+    out = {}
+    for b in batches:
+        cache = model.new_cache(b, 128)
+        model.encode(torch.randint(3, vocab, (b, 64), generator=gen), cache, logits="none")
+        logits = model.denoise(torch.randint(3, vocab, (b, 32), generator=gen), cache)
+        times = {name: [] for name in sides}
+        outputs = {name: [] for name in sides}
+        generators = {name: [torch.Generator().manual_seed(j) for j in range(b)] for name in sides}
+        for rep in range(reps + 1):
+            for name in (list(sides) if rep % 2 == 0 else list(reversed(sides))):
+                canvas_step.row_argmax, canvas_step.probabilities_and_entropy = sides[name]
+                rows = [Row(j, generators[name][j], None, 1 + rep % 16, SamplerSettings(max_denoising_steps=16))
+                        for j in range(b)]
+                try:
+                    start = time.perf_counter()
+                    outcome = canvas_step.denoise_step(logits, rows, vocab)
+                    times[name].append(time.perf_counter() - start)
+                finally:
+                    canvas_step.row_argmax, canvas_step.probabilities_and_entropy = current
+                outputs[name].append((outcome.argmax, outcome.next_canvas, outcome.entropy, outcome.probs))
+        before, after = (1e3 * statistics.median(t[1:]) for t in times.values())
+        identical = sum(all(torch.equal(x, y) for x, y in zip(a, c)) for a, c in zip(*outputs.values()))
+        out[str(b)] = {"before_ms": before, "after_ms": after, "speedup": before / after,
+                       "identical_calls": f"{identical} of {reps + 1}"}
+        print(f"rows {b:3d}: exact sampler step, whole batch {before:6.2f} ms, row by row {after:6.2f} ms, "
+              f"{before / after:4.2f}x, identical {identical} of {reps + 1}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--canvases", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--batch", type=int, nargs="+", help="rows: time the batched exact step instead (see above)")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = printpress.load(ROOT / "models" / "shakespeare-joint").model
+    if args.batch:
+        with torch.no_grad():
+            report = {"model": "models/shakespeare-joint", "threads": 1, "reps": args.reps, "canvas": 32,
+                      "load_average_start": os.getloadavg()[0], "rows": batch_steps(model, args.batch, args.reps),
+                      "load_average_end": os.getloadavg()[0]}
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     cache = model.new_cache(1, 64 + max(args.canvases))

@@ -16,7 +16,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from printpress.canvas import denoise_step
+from printpress.canvas import denoise_step, probabilities_and_entropy
 from printpress.errors import GenerationError
 from printpress.sampling import (
     SamplerSettings,
@@ -26,6 +26,7 @@ from printpress.sampling import (
     exponential_like_torch,
     multinomial_one,
     pad_after_eos,
+    row_argmax,
     sample_canvas,
     sample_next_token,
     step_temperature,
@@ -180,6 +181,26 @@ def test_pad_after_eos_without_eos_ids_or_pad():
 
 def test_max_new_tokens_rounds_up_to_whole_canvases():
     assert [canvases_for(n, 8) for n in (1, 7, 8, 9, 16, 17)] == [1, 1, 1, 2, 2, 3]
+
+
+def test_row_argmax_is_torch_argmax_on_ties_nans_slices_and_many_rows():
+    nan = float("nan")
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [1.0, nan, 3.0, nan], [0.0, 0.0, 0.0, 5.0]])
+    assert row_argmax(ties).tolist() == torch.argmax(ties, dim=-1).tolist() == [1, 0, 1, 3]
+    g = torch.Generator().manual_seed(0)
+    coarse = torch.randint(0, 4, (6, 40, 4096), generator=g).float()  # many equal maxima per row
+    for x in (coarse, coarse[:, :7], coarse.transpose(0, 1), torch.randn(3, 32, 4096, generator=g).bfloat16()):
+        assert torch.equal(row_argmax(x), torch.argmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_probabilities_and_entropy_row_by_row_equal_the_whole_batchs_bit_for_bit(rows):
+    processed = random_logits(7, batch=rows) / 0.7
+    for free in (CANVAS, 5):
+        probs, entropy = probabilities_and_entropy(processed, free)
+        assert torch.equal(probs, torch.softmax(processed, dim=-1, dtype=torch.float32))
+        assert torch.equal(entropy, token_entropy(processed[:, :free]))
+        assert entropy.shape == (rows, free)
 
 
 def test_greedy_ar_sampling_is_argmax_and_sampled_is_reproducible():
