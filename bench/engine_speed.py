@@ -67,6 +67,7 @@ import torch
 import printpress
 from printpress import sampling
 from printpress.config import SLIDING, TextConfig
+from printpress.errors import PrintpressError
 
 # --------------------------------------------------------------------------------------------
 # Sizes
@@ -812,7 +813,10 @@ def bench_model(folder: str, args: argparse.Namespace) -> dict[str, Any]:
 
     if args.device != "cpu" or args.dtype != "float32":
         sys.exit("--model runs on the CPU in float32 (where printpress promises the reference's tokens)")
-    pipe = printpress.load(folder, dtype="float32")
+    try:
+        pipe = printpress.load(folder, dtype="float32")
+    except PrintpressError as error:
+        sys.exit(f"engine_speed: {error}")
     ref = DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=torch.float32).eval()
     name = Path(folder).name
     texts = heldout_prompts(args.heldout_prompts, [args.heldout_data], 0.05)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from helpers import bench_module, make_reference, save_checkpoint, word_tokenizer
@@ -30,3 +31,8 @@ def test_a_checkpoint_folder_is_benched_with_its_own_settings_and_the_references
     assert generate["reference"]["new_tokens"] == generate["printpress"]["new_tokens"] > 0
     assert json.loads(out.read_text())["size"] == "trained"
     assert [p["canvas"] for p in report["forward_cost"]["points"]] == [1, 8]
+
+
+def test_a_folder_that_is_not_a_model_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^engine_speed: .*nowhere: no such model folder"):
+        engine_speed.main(["--model", str(tmp_path / "nowhere")])
