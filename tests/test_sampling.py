@@ -194,7 +194,7 @@ def test_row_argmax_is_torch_argmax_on_ties_nans_slices_and_many_rows():
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_probabilities_and_entropy_row_by_row_equal_the_whole_batchs_bit_for_bit(rows):
+def test_probabilities_and_entropy_row_by_row_equal_the_whole_batch_bit_for_bit(rows):
     processed = random_logits(7, batch=rows) / 0.7
     for free in (CANVAS, 5):
         probs, entropy = probabilities_and_entropy(processed, free)
