@@ -822,12 +822,12 @@ def bench_model(folder: str, args: argparse.Namespace) -> dict[str, Any]:
     texts = heldout_prompts(args.heldout_prompts, [args.heldout_data], 0.05)
     prompts = [pipe.encode_text(text) for text in texts]
     config = pipe.generation_config
-    eos = tuple(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])
     s = Settings(
         size=name, canvas_length=pipe.canvas_length, max_new_tokens=args.max_new_tokens or 2 * pipe.canvas_length,
         steps=args.steps or config.max_denoising_steps, seed=args.seed, repeats=args.repeats or 5,
         prompt_lengths=tuple(len(p) for p in prompts), canvas_sweep=tuple(args.canvas_sweep or (1, 8, 32, 64)),
-        forward_reps=args.forward_reps or 20, sweep_prompt=64, peak=1.0, eos_token_ids=eos,
+        forward_reps=args.forward_reps or 20, sweep_prompt=64, peak=1.0,
+        eos_token_ids=tuple(config.eos_token_id or ()),
         pad_token_id=config.pad_token_id,
     )
     return bench_pair(name, ref, pipe, prompts, s, pipe.config.text, pipe.config.text.to_dict(), args.out,
