@@ -2,8 +2,9 @@
 
 Greedy (`--greedy`): the model's greedy continuation of each held-out prompt is computed once (`mode="ar"`, what
 greedy speculative decoding outputs); each speculative round is then replayed from it: a draft of up to `--drafts`
-tokens from the context lookup, or from the draft table (the lookup where the table has none, as
-`draft_source="table"` drafts), keeps its prefix that equals the continuation, plus the AR token. The result is
+tokens from the context lookup, or from the draft table (each token from the longer context, the table's or the
+text's, as `draft_source="table"` drafts; "before the text's turns": the table's chain, the lookup only where the
+table has nothing), keeps its prefix that equals the continuation, plus the AR token. The result is
 the engine's tokens per verification exactly (no noise is involved), for the table as it is and for tables made
 with shorter contexts or from other rows.
 
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 import printpress
-from printpress.draft_table import DraftTable
+from printpress.draft_table import DraftTable, longest_entry
 from printpress.eval.bench import heldout_prompts
 from printpress.sampling import next_token_probs
 from printpress.speculative import ContextLookup
@@ -59,15 +60,15 @@ def greedy(pipe, prompts: list[list[int]], args) -> dict:
     table = pipe.model.draft_table
     continuations = [pipe.generate(p, mode="ar", temperature=0, max_new_tokens=args.tokens).token_ids for p in prompts]
     sources = {"lookup": lambda text, lookup, m: lookup.draft(m),
-               "table": lambda text, lookup, m: table.draft(text, m) or lookup.draft(m)}
+               "table": lambda text, lookup, m: table.draft(text, m, lookup),
+               "table before the text's turns": lambda text, lookup, m: table.draft(text, m) or lookup.draft(m)}
     if args.rows:  # tables made from the same rows with shorter contexts
         rows = np.fromfile(args.rows, dtype=np.uint16).reshape(-1, args.row_length).astype(np.int64)
         for longest in (1, 2, 3, 4, 5):
             other = DraftTable.from_rows(rows, first=args.row_length // 2, longest=longest)
-            sources[f"table, contexts <= {longest}"] = (
-                lambda text, lookup, m, t=other: t.draft(text, m) or lookup.draft(m))
+            sources[f"table, contexts <= {longest}"] = lambda text, lookup, m, t=other: t.draft(text, m, lookup)
         half = DraftTable.from_rows(rows[: len(rows) // 2], first=args.row_length // 2, longest=5)
-        sources["table of half the rows"] = lambda text, lookup, m: half.draft(text, m) or lookup.draft(m)
+        sources["table of half the rows"] = lambda text, lookup, m: half.draft(text, m, lookup)
     out = {}
     for name, draft in sources.items():
         for m in args.drafts:
@@ -79,11 +80,14 @@ def greedy(pipe, prompts: list[list[int]], args) -> dict:
 
 def sampled(pipe, prompts: list[list[int]], args) -> dict:
     model, table = pipe.model, pipe.model.draft_table
-    rows = np.fromfile(args.sampled, dtype=np.uint16).reshape(-1, args.row_length)
-    # Counts of these rows as `printpress draft-table` keeps them (only its `distribution` is read here).
-    counted = DraftTable.from_rows(rows, args.row_length // 2, table.longest, sampled_rows=rows)
+    if args.sampled == "table":  # the counts the model's own table holds
+        counted = table
+    else:  # counts of these rows as `printpress draft-table` keeps them (only its distributions are read here)
+        rows = np.fromfile(args.sampled, dtype=np.uint16).reshape(-1, args.row_length)
+        counted = DraftTable.from_rows(rows, args.row_length // 2, table.longest, sampled_rows=rows)
     settings = pipe.settings(mode="ar", temperature=args.temperature, top_k=args.top_k)
-    kept: dict[str, list[float]] = {"one-hot (the table)": [], "counts of sampled rows": []}
+    kept: dict[str, list[float]] = {"one-hot (the table)": [], "counts of sampled rows": [],
+                                    "counts, the text's token where its context is as long": []}
     for prompt in prompts:
         for seed in range(args.seeds):
             new = pipe.generate(prompt, mode="ar", temperature=args.temperature, top_k=args.top_k,
@@ -92,12 +96,17 @@ def sampled(pipe, prompts: list[list[int]], args) -> dict:
             with torch.no_grad():
                 logits = model.encode(torch.tensor([ids]), model.new_cache(1, len(ids)), logits="all")[0]
             p = next_token_probs(logits, settings)  # p[j]: the distribution of token j + 1
+            lookup = ContextLookup(ids[: len(prompt)])
             for j in range(len(prompt), len(ids)):
                 guess = table.draft(ids[:j], 1)
                 kept["one-hot (the table)"].append(float(p[j - 1, guess[0]]) if guess else 0.0)
-                q = counted.distribution(ids[:j])
+                n, q = longest_entry(counted.distributions, ids[max(0, j - counted.longest) : j])
                 overlap = 0.0 if q is None else torch.minimum(p[j - 1, q[0]], torch.from_numpy(q[1]).float()).sum()
                 kept["counts of sampled rows"].append(float(overlap))
+                found, token = lookup.match(ids[:j])
+                kept["counts, the text's token where its context is as long"].append(
+                    float(p[j - 1, token]) if found and found >= n else float(overlap))
+                lookup.extend(ids[j : j + 1])
     out = {}
     for name, values in kept.items():
         a = float(np.mean(values))
@@ -118,7 +127,8 @@ def main() -> None:
     parser.add_argument("--greedy", action="store_true", help="replay greedy rounds")
     parser.add_argument("--rows", default=None, help="with --greedy: the greedy rows (a distill .bin) to remake "
                                                      "tables from with other context lengths and half the rows")
-    parser.add_argument("--sampled", default=None, metavar="ROWS.bin", help="sampled rows (a distill .bin)")
+    parser.add_argument("--sampled", default=None, metavar="ROWS.bin",
+                        help="sampled rows (a distill .bin), or `table`: the counts in the model's own draft table")
     parser.add_argument("--row-length", type=int, default=128, help="prefix + continuation tokens per row")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=50)

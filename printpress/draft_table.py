@@ -31,7 +31,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,6 +43,14 @@ DEFAULT_LONGEST = 5  # contexts of 1..5 tokens: 3 drafted 3.47, 4 3.78, 5 3.91 t
 MIN_COUNT = 3  # a sampled context's counts make a draft distribution once it was seen this often
 
 Distribution = tuple[np.ndarray, np.ndarray]  # the next tokens of a context, and their probabilities
+
+
+class TextMatch(Protocol):
+    """What `DraftTable.draft` asks of the text's own continuations (`printpress.speculative.ContextLookup`)."""
+
+    longest: int
+
+    def match(self, text: Sequence[int]) -> tuple[int, int | None]: ...
 
 
 class DraftTable:
@@ -99,11 +107,24 @@ class DraftTable:
         where they know none (or the table has no sampled counts)."""
         return None if self.distributions is None else _longest(self.distributions, list(tokens[-self.longest:]))
 
-    def draft(self, tokens: Sequence[int], m: int) -> list[int]:
-        """Up to `m` tokens that the table says follow `tokens`; stops where no context has an entry."""
-        text = list(tokens[-self.longest:])
+    def draft(self, tokens: Sequence[int], m: int, context: TextMatch | None = None) -> list[int]:
+        """Up to `m` tokens that the table says follow `tokens`; stops where no context has an entry.
+
+        With `context` (the text's own continuations: `ContextLookup.match`), each token comes from whichever of
+        the two knows the longer context ending the text so far, a tie going to the text: the table holds what the
+        model writes anywhere, the text what it wrote here (an identifier, a line pattern of this file), and the
+        longer context is the better guess. 2.59 -> 3.58 tokens per verification on the code model, 4.03 -> 4.10 on
+        Shakespeare (docs/benchmarks.md, "Drafts from the longer context")."""
+        text = list(tokens[-max(self.longest, context.longest if context else 0):])
         out: list[int] = []
-        while len(out) < m and (token := _longest(self.maps, text)) is not None:
+        while len(out) < m:
+            n, token = longest_entry(self.maps, text)
+            if context is not None:
+                found, from_text = context.match(text)
+                if found and found >= n:
+                    n, token = found, from_text
+            if not n:
+                break
             out.append(token)
             text.append(token)
         return out
@@ -203,11 +224,16 @@ def draw(distribution: Distribution, generator) -> int:
 
 def _longest(levels: list[dict[tuple[int, ...], Any]], text: list[int]) -> Any:
     """The entry of the longest context that ends `text` and that `levels` (by context length) know; None if none."""
+    return longest_entry(levels, text)[1]
+
+
+def longest_entry(levels: list[dict[tuple[int, ...], Any]], text: list[int]) -> tuple[int, Any]:
+    """`_longest`'s entry and the length of its context; (0, None) if none."""
     for n in range(min(len(levels), len(text)), 0, -1):
         found = levels[n - 1].get(tuple(text[-n:]))
         if found is not None:
-            return found
-    return None
+            return n, found
+    return 0, None
 
 
 def _checked_rows(rows: np.ndarray, first: int) -> np.ndarray:

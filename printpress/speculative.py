@@ -33,7 +33,7 @@ output is still AR's: the canvases' noise is drawn before the pass and no block 
 the drafts depend only on committed tokens and fresh noise, which is all the acceptance rule needs.
 
 Drafts from the context (`settings.draft_source`, "lookup": prompt-lookup decoding, as vLLM's n-gram proposer and
-llama.cpp's lookup decoding do it): where the text's last n tokens (n = 3, 2, 1, the longest that matches) occurred
+llama.cpp's lookup decoding do it): where the text's last n tokens (n = 6, .., 1, the longest that matches) occurred
 earlier in the prompt or the output, the tokens that followed their latest such occurrence are the draft, at most
 `LOOKUP_DRAFTS` of them unless `draft_length` says otherwise. No decoder pass: a round that finds nothing is a
 verification of `[t]` alone, which is an AR step. "both" drafts by diffusion in the rounds where lookup finds
@@ -41,9 +41,10 @@ nothing. The acceptance rule is the same; when sampling, a lookup draft is a dra
 token is kept with probability p(d) and a rejection draws from p without d: AR's distribution still.
 "table" drafts the same way from the model's draft table (`model.draft_table`, read from `draft_table.safetensors`
 beside the weights; printpress/draft_table.py): what the model itself most often wrote after the text's last
-1..5 tokens in its greedy continuations of training text; the context lookup where the table has no entry. When
-sampling, a table with distributions (next-token counts of sampled continuations) draws each draft token from the
-distribution of the longest known context and passes it as q, so the rule keeps it with probability min(1, p/q).
+1..5 tokens in its greedy continuations of training text, token by token, except where the text's own continuation
+(the lookup's) follows a context at least as long: the table knows the model's habits, the text what it wrote here.
+When sampling, a table with distributions (next-token counts of sampled continuations) draws each draft token from
+the distribution of the longest known context and passes it as q, so the rule keeps it with probability min(1, p/q).
 "auto", the default, is "table" where the model has a table and the rounds are not fused, else "diffusion"
 (`draft_source`; `SpeculativeStats.draft_source` says which ran).
 
@@ -81,7 +82,7 @@ LOOKUP_DRAFTS = 7
 # sum(min(p, q)) (about 0.5 on the shipped model), so long drafts rarely survive and their q rows cost: 3 drafts ran
 # at 1.32x AR sampling, 7 at 1.15x, 11 at 1.14x (docs/benchmarks-speculative.md, "Drafts from a draft table").
 SAMPLED_TABLE_DRAFTS = 3
-LOOKUP_LONGEST = 3  # the longest suffix of the text that lookup matches
+LOOKUP_LONGEST = 6  # the longest suffix of the text that lookup matches (3 drafted as well alone; 6 helps a table)
 
 
 class ContextLookup:
@@ -111,6 +112,15 @@ class ContextLookup:
             if start is not None:
                 return self.tokens[start : start + m]
         return []
+
+    def match(self, text: Sequence[int]) -> tuple[int, int | None]:
+        """The token that followed the latest occurrence in this text of the longest suffix of `text` (this text
+        with drafted tokens after it) that occurred here, and that suffix's length; (0, None) if none did."""
+        for n in range(min(self.longest, len(text)), 0, -1):
+            start = self.follow.get(tuple(text[-n:]))
+            if start is not None:
+                return n, self.tokens[start]
+        return 0, None
 
 
 @dataclass
@@ -294,9 +304,7 @@ def _guess(model: torch.nn.Module, source: str, lookup: ContextLookup, caps: lis
                 for row, (next_tokens, probs) in enumerate(used):
                     q[row, torch.from_numpy(next_tokens)] = torch.from_numpy(probs).float()
                 return torch.tensor(tokens, dtype=torch.long, device=device), q
-        tokens = table.draft(lookup.tokens, m)
-        if tokens:
-            return _token_draft(tokens, state.settings, vocab, device)
+        return _token_draft(table.draft(lookup.tokens, m, lookup), state.settings, vocab, device)
     return _token_draft(lookup.draft(m), state.settings, vocab, device)
 
 

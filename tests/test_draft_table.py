@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 
 from printpress.draft_table import FILE, MIN_COUNT, DraftTable, best_next, load_beside, next_counts
 from printpress.errors import CheckpointError
+from printpress.speculative import ContextLookup
 
 
 def tally(rows: np.ndarray, first: int, n: int) -> dict[tuple[int, ...], collections.Counter]:
@@ -54,6 +55,30 @@ def test_drafts_follow_the_longest_context_and_stop_where_none_is_known():
     assert table.draft([8, 9], 3) == [] and table.draft([], 3) == []  # 9 only in a prefix: what follows it is not
     # counted
     assert table.draft([5], 0) == [] and table.draft([5], 1) == [6]
+
+
+def test_drafts_with_the_text_take_each_token_from_the_longer_context():
+    # The table (contexts of 1..2) says 5 -> 6 -> 3 -> 0 and (4, 5) -> 7; the text is what the lookup has seen.
+    rows = np.array([[1, 2, 5, 6, 3, 0],
+                     [9, 4, 5, 7, 3, 0],
+                     [2, 2, 5, 6, 3, 8]])
+    table = DraftTable.from_rows(rows, first=2, longest=2)
+    # The text had (1, 5) followed by 8: its 2-token context beats the table's (5,) -> 6, and the text goes on
+    # from its longer contexts, which the table does not know.
+    text = ContextLookup([1, 5, 8, 3, 3, 1, 5])
+    assert table.draft(text.tokens, 4, text) == [8, 3, 3, 1] and table.draft(text.tokens, 4) == [6, 3, 0]
+    # A tie goes to the text: both know (6, 3), the table with 0 after it, the text with 9.
+    text = ContextLookup([6, 3, 9, 1, 6, 3])
+    assert table.draft(text.tokens, 4, text) == [9, 1, 6, 3]
+    # Where the text's context is shorter, the table's answers: (4, 5) -> 7 beats the text's (5,) -> 8, and at
+    # (7, 3) the text knows nothing, the table's (3,) -> 0.
+    text = ContextLookup([5, 8, 2, 4, 5])
+    assert table.draft(text.tokens, 3, text) == [7, 3, 0] == table.draft(text.tokens, 3)
+    # Neither knows anything: no draft; a text alone drafts on where the table knows nothing.
+    assert table.draft([42], 3, ContextLookup([42])) == []
+    assert table.draft([42, 43, 42], 3, ContextLookup([42, 43, 42])) == [43, 42, 43]
+    assert ContextLookup([1, 5, 8, 3, 1, 5]).match([1, 5]) == (2, 8)
+    assert ContextLookup([1, 5, 8]).match([9]) == (0, None)
 
 
 def test_round_trip_and_refusals(tmp_path):
