@@ -6,9 +6,9 @@ right where the text repeats itself. A model also repeats *itself* across texts:
 continuations fall into the same turns of phrase whatever the prompt. A draft table records them: the model
 continues prefixes of its training split greedily (`printpress draft-table`, the rows `printpress distill
 --temperature 0` makes), and for every context of 1..`longest` tokens inside those continuations the table keeps
-the token the model wrote next most often (ties: the smaller id). `draft_source="table"` then drafts by following
-the table from the end of the text, each time from the longest context that has an entry, and falls back to the
-context lookup where the table has none. This is retrieval-based drafting (REST, He et al. 2024) with the model's
+the token the model wrote next most often (ties: the smaller id). `draft_source="table"` then drafts from the end of
+the text, each token from the longest context the table has an entry for, or from the text itself (the context
+lookup) where the text's own context is at least as long. This is retrieval-based drafting (REST, He et al. 2024) with the model's
 own output as the datastore instead of a corpus; the output stays AR's whatever the table holds, so a stale table
 (a model fine-tuned after it was made) costs speed, never correctness.
 
