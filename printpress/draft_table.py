@@ -8,9 +8,9 @@ continues prefixes of its training split greedily (`printpress draft-table`, the
 --temperature 0` makes), and for every context of 1..`longest` tokens inside those continuations the table keeps
 the token the model wrote next most often (ties: the smaller id). `draft_source="table"` then drafts from the end of
 the text, each token from the longest context the table has an entry for, or from the text itself (the context
-lookup) where the text's own context is at least as long. This is retrieval-based drafting (REST, He et al. 2024) with the model's
-own output as the datastore instead of a corpus; the output stays AR's whatever the table holds, so a stale table
-(a model fine-tuned after it was made) costs speed, never correctness.
+lookup) where the text's own context is at least as long. This is retrieval-based drafting (REST, He et al. 2024)
+with the model's own output as the datastore instead of a corpus; the output stays AR's whatever the table holds,
+so a stale table (a model fine-tuned after it was made) costs speed, never correctness.
 
 When sampling, a one-hot draft is kept only with AR's probability of its token, so the table may also hold the
 model's *sampled* habits (`distributions`): for contexts seen at least `MIN_COUNT` times in continuations sampled at
@@ -113,8 +113,8 @@ class DraftTable:
         With `context` (the text's own continuations: `ContextLookup.match`), each token comes from whichever of
         the two knows the longer context ending the text so far, a tie going to the text: the table holds what the
         model writes anywhere, the text what it wrote here (an identifier, a line pattern of this file), and the
-        longer context is the better guess. 2.59 -> 3.58 tokens per verification on the code model, 4.03 -> 4.10 on
-        Shakespeare (docs/benchmarks.md, "Drafts from the longer context")."""
+        longer context is the better guess: 2.95 -> 4.01 tokens per verification on the code model's held-out
+        prompts, 3.82 -> 3.95 on Shakespeare's (docs/benchmarks-speculative.md, "Drafts from the longer context")."""
         text = list(tokens[-max(self.longest, context.longest if context else 0):])
         out: list[int] = []
         while len(out) < m:
