@@ -38,7 +38,7 @@ import torch
 
 import printpress
 from printpress.corpora import cache_dir
-from printpress.eval.bench import heldout_losses
+from printpress.eval.bench import heldout_cache, heldout_losses
 from printpress.eval.report import cpu_name
 from printpress.fast import compile_ar_step
 from printpress.precision import forward_workloads, native_bf16_flags, read_cpuinfo
@@ -166,7 +166,7 @@ def logit_agreement(models: dict[str, torch.nn.Module], windows: torch.Tensor, c
 def quality(args: argparse.Namespace) -> dict[str, Any]:
     from printpress.train.data import eval_batches, prepare_data
 
-    folder = cache_dir() / "bench-heldout" / SHIPPED.name
+    folder = cache_dir() / "bench-heldout"
     losses = {}
     for name in VARIANTS:
         print(f"held-out losses: {name}", flush=True)
@@ -175,7 +175,8 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  val_ar {losses[name]['val_ar']:.4f} nats/token, val_diffusion {losses[name]['val_diffusion']:.4f}",
               flush=True)
     pipe = printpress.load(SHIPPED)
-    splits = prepare_data(["shakespeare"], pipe.tokenizer, folder / "data", val_fraction=0.05)
+    splits = prepare_data(["shakespeare"], pipe.tokenizer, heldout_cache(folder, ["shakespeare"], pipe.tokenizer),
+                          val_fraction=0.05)
     windows = next(iter(eval_batches(splits.val.tokens, 128, args.logit_windows, max_batches=1)))
     agreement = logit_agreement(variants(pipe.model), windows, pipe.canvas_length)
     for name, kinds in agreement.items():

@@ -41,6 +41,7 @@ from tokenizers import Tokenizer
 
 from printpress.corpora import DataError, Document, corpus_sha256, load_corpus, split_documents
 from printpress.errors import ConfigError
+from printpress.files import replaced_atomically
 from printpress.tokenizer import encode_batch, tokenizer_sha256
 
 logger = logging.getLogger(__name__)
@@ -102,9 +103,8 @@ class TokenFileMeta:
             raise DataError(f"token file metadata {path} is malformed ({err}): delete it to rebuild") from None
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        with replaced_atomically(path) as tmp:
+            tmp.write_text(json.dumps(asdict(self)) + "\n", encoding="utf-8")
 
 
 @dataclass
@@ -163,16 +163,14 @@ def write_token_documents(
     dtype = token_dtype(tok.get_vocab_size(with_added_tokens=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     meta_path(path).unlink(missing_ok=True)  # old metadata must never describe new bytes
-    tmp = path.with_name(path.name + ".tmp")
     digest, index, n = hashlib.sha256(), [], 0
-    with open(tmp, "wb") as fh:
+    with replaced_atomically(path) as tmp, open(tmp, "wb") as fh:
         for name, ids in documents:
             data = np.asarray(ids, dtype=dtype).tobytes()
             fh.write(data)
             digest.update(data)
             index.append([name, n, len(ids)])
             n += len(ids)
-    os.replace(tmp, path)
     meta = TokenFileMeta(
         dtype=dtype.name,
         num_tokens=n,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from printpress.errors import CheckpointError
+from printpress.files import replaced_atomically
 
 FILE = "draft_table.safetensors"
 FORMAT = "printpress draft table 1"
@@ -148,17 +148,8 @@ class DraftTable:
                 np.int32)
         metadata = {"format": FORMAT, "longest": str(self.longest), "sampled": str(self.counts is not None),
                     "made_by": json.dumps(self.made_by, sort_keys=True)}
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would have made it, not mkstemp's owner-only mode
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with replaced_atomically(path) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
         return path
 
     @classmethod

@@ -9,6 +9,7 @@ this module (conftest does) costs nothing to tests that use none of it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import threading
@@ -313,3 +314,10 @@ def script_module(relative: str):
 def bench_module(name: str):
     """A script of bench/ imported as a module."""
     return script_module(f"bench/{name}.py")
+
+
+def file_mode() -> int:
+    """The permission bits a plain `open()` gives a new file under this process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask

@@ -22,6 +22,7 @@ from printpress.eval.bench import (
     apply_preset,
     choose_prompts,
     draw_prompts,
+    heldout_cache,
     heldout_prompts,
     register,
 )
@@ -310,6 +311,18 @@ def test_heldout_losses_come_from_the_training_loop(report):
     assert held["diffusion"]["val_ar"] == pytest.approx(held["ar"]["val_ar"], rel=1e-6)
     assert held["ar"]["val_ar_nats_per_char"] == pytest.approx(held["ar"]["val_ar"] / held["ar"]["chars_per_token"])
     assert math.isfinite(held["diffusion"]["val_diffusion"]) and held["diffusion"]["windows"] == 2
+
+
+def test_heldout_token_files_are_cached_per_corpus_and_tokenizer(tmp_path):
+    """Two run folders are both called `model`: the cache is named by what its tokens depend on instead, so two
+    benchmarks at once of models with other tokenizers never write one file (and models that share one share it)."""
+    from helpers import word_tokenizer
+
+    small, large = word_tokenizer(40), word_tokenizer(41)
+    assert heldout_cache(tmp_path, ["stdlib"], small) == heldout_cache(tmp_path, ["stdlib"], word_tokenizer(40))
+    assert heldout_cache(tmp_path, ["stdlib"], small) != heldout_cache(tmp_path, ["stdlib"], large)
+    assert heldout_cache(tmp_path, ["stdlib"], small) != heldout_cache(tmp_path, ["shakespeare"], small)
+    assert heldout_cache(tmp_path, ["stdlib"], small).is_relative_to(tmp_path)
 
 
 def test_heldout_losses_equal_the_training_loops_validation(report, tiny, tmp_path):

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import file_mode
+
 from printpress import corpora
 from printpress.corpora import (
     DataError,
@@ -23,6 +25,7 @@ from printpress.corpora import (
     stdlib_documents,
 )
 from printpress.errors import ConfigError, PrintpressError
+from printpress.files import replaced_atomically
 from printpress.tokenizer import BOS_ID, EOS_ID, decode, train_tokenizer
 from printpress import data
 from printpress.train.data import (
@@ -287,6 +290,31 @@ def test_token_file_holds_each_document_as_bos_text_eos(tok, tmp_path):
         assert EOS_ID not in ids[1:-1]  # the literal "<eos>" text stays text
         assert decode(tok, ids) == doc.text
     assert sum(c for _, _, c in tf.meta.documents) == len(tf)
+
+
+def test_two_writers_of_one_token_file_at_once_both_finish_whole(tok, tmp_path):
+    """Two benchmarks that cache the same held-out tokens may write one file at the same moment; each renames a
+    temporary file of its own onto it (a shared temporary name made the second rename fail)."""
+    path = tmp_path / "t.bin"
+    with replaced_atomically(path) as first, replaced_atomically(path) as second:
+        assert first != second and first.parent == second.parent == tmp_path
+        first.write_bytes(b"one")
+        second.write_bytes(b"two")
+    assert path.read_bytes() == b"one"  # the outer block ended last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin"]  # no temporary file left
+    written = write_token_file(DOCS, tok, path, corpus="fixture")
+    assert open_token_file(path, tokenizer=tok).meta == written.meta
+    assert oct(path.stat().st_mode & 0o777) == oct(file_mode())
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_nothing_behind(tmp_path):
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with replaced_atomically(path) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("disk full")
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["t.bin"]
 
 
 def test_token_dtype_widens_for_large_vocabularies():

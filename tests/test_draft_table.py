@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
+from helpers import file_mode
+
 from printpress.draft_table import FILE, MIN_COUNT, DraftTable, best_next, load_beside, next_counts
 from printpress.errors import CheckpointError
 from printpress.speculative import ContextLookup
@@ -86,7 +88,7 @@ def test_round_trip_and_refusals(tmp_path):
     table = DraftTable.from_rows(rows, first=3, longest=4, made_by={"model": "m", "rows": 5})
     assert table.maps == [counted(rows, 3, n) for n in range(1, 5)]
     path = table.save(tmp_path / FILE)
-    assert oct(os.stat(path).st_mode & 0o777) == oct(0o666 & ~_umask())
+    assert oct(os.stat(path).st_mode & 0o777) == oct(file_mode())
     back = load_beside(tmp_path)
     assert back.maps == table.maps and (back.longest, back.made_by) == (4, table.made_by)
     assert back.draft([1, 2], 5) == table.draft([1, 2], 5) != []
@@ -111,12 +113,6 @@ def test_round_trip_and_refusals(tmp_path):
         DraftTable.from_rows(rows, first=0, longest=0)
     with pytest.raises(CheckpointError, match="2-D integer array"):
         DraftTable.from_rows(rows.astype(float), first=0)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def test_sampled_rows_give_distributions_drawn_from_the_longest_context():

@@ -513,8 +513,17 @@ def heldout_figures(args: argparse.Namespace, diffusion_path: str, ar_path: str,
         if progress:
             print(f"held-out losses: {name} ({path})", file=sys.stderr, flush=True)
         out[name] = heldout_losses(path, objective, args.heldout_data, args.heldout_seq_len, args.heldout_batch_size,
-                                   args.heldout_batches, args.heldout_val_fraction, folder / Path(path).name)
+                                   args.heldout_batches, args.heldout_val_fraction, folder)
     return out
+
+
+def heldout_cache(cache: Path, sources: Sequence[str], tokenizer) -> Path:
+    """The folder under `cache` for the token files of `sources` cut with `tokenizer`: named by both (the tokenizer
+    by its digest), so models that share a tokenizer share them, and two models' runs at once never write one file
+    with different tokens."""
+    from printpress.tokenizer import tokenizer_sha256
+
+    return cache / f"{'+'.join(sources)}-{tokenizer_sha256(tokenizer)[:16]}" / "data"
 
 
 def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len: int, batch_size: int,
@@ -528,7 +537,7 @@ def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len:
     x0 cross-entropy over every canvas position, noise t ~ U(0, 1), uniform weighting — the training
     objective, not a tight likelihood bound); "ar" gives `val_ar` only. Also nats per character of the
     AR NLL, from the characters the validation windows decode to, to set beside the judge's figures.
-    Token files are cached under `cache`. `quantize` loads the model quantized (bench/quantize.py's quality cost).
+    Token files are cached under `cache` (`heldout_cache`). `quantize` loads the model quantized (bench/quantize.py's quality cost).
     """
     from printpress.checkpoint import load_model
     from printpress.objectives import DiffusionSettings, TrainStep, evaluate_losses
@@ -540,7 +549,7 @@ def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len:
     if seq_len % config.canvas_length:
         raise BenchError(f"--heldout-seq-len ({seq_len}) must be a multiple of the canvas length "
                          f"({config.canvas_length})")
-    splits = prepare_data(list(sources), tokenizer, cache / "data", val_fraction=val_fraction)
+    splits = prepare_data(list(sources), tokenizer, heldout_cache(cache, sources, tokenizer), val_fraction=val_fraction)
     windows = list(eval_batches(splits.val.tokens, seq_len, batch_size, max_batches=batches))
     settings = DiffusionSettings(block=config.canvas_length)
     step = TrainStep(model.eval(), objective, settings)
