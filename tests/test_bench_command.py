@@ -323,6 +323,8 @@ def test_heldout_token_files_are_cached_per_corpus_and_tokenizer(tmp_path):
     assert heldout_cache(tmp_path, ["stdlib"], small) != heldout_cache(tmp_path, ["stdlib"], large)
     assert heldout_cache(tmp_path, ["stdlib"], small) != heldout_cache(tmp_path, ["shakespeare"], small)
     assert heldout_cache(tmp_path, ["stdlib"], small).is_relative_to(tmp_path)
+    folder = heldout_cache(tmp_path, ["/srv/corpora/my code"], small)  # a corpus folder's path: one folder level
+    assert folder.parent.parent == tmp_path and folder.parent.name.startswith("my code-")
 
 
 def test_heldout_losses_equal_the_training_loops_validation(report, tiny, tmp_path):

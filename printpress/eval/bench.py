@@ -58,6 +58,8 @@ over the preset's (`--setting` adds sides to it; `--prompts-file` replaces the h
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import random
@@ -523,7 +525,9 @@ def heldout_cache(cache: Path, sources: Sequence[str], tokenizer) -> Path:
     with different tokens."""
     from printpress.tokenizer import tokenizer_sha256
 
-    return cache / f"{'+'.join(sources)}-{tokenizer_sha256(tokenizer)[:16]}" / "data"
+    label = "+".join(Path(str(source)).name for source in sources)  # a corpus may be a folder's path
+    digest = hashlib.sha256(json.dumps([list(map(str, sources)), tokenizer_sha256(tokenizer)]).encode()).hexdigest()
+    return cache / f"{label}-{digest[:16]}" / "data"
 
 
 def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len: int, batch_size: int,
@@ -537,7 +541,8 @@ def heldout_losses(model_path: str, objective: str, sources: list[str], seq_len:
     x0 cross-entropy over every canvas position, noise t ~ U(0, 1), uniform weighting — the training
     objective, not a tight likelihood bound); "ar" gives `val_ar` only. Also nats per character of the
     AR NLL, from the characters the validation windows decode to, to set beside the judge's figures.
-    Token files are cached under `cache` (`heldout_cache`). `quantize` loads the model quantized (bench/quantize.py's quality cost).
+    Token files are cached under `cache` (`heldout_cache`). `quantize` loads the model quantized (bench/quantize.py's
+    quality cost).
     """
     from printpress.checkpoint import load_model
     from printpress.objectives import DiffusionSettings, TrainStep, evaluate_losses
