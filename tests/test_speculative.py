@@ -346,6 +346,28 @@ def test_greedy_speculative_with_a_draft_table_equals_ar_and_keeps_its_drafts(na
         list(speculative(model, [Request([3], settings(draft_source="table"), 0)], canvas_length=8))
 
 
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_the_draft_replay_counts_the_engines_verifications_exactly(name):
+    """bench/draft_table_acceptance.py replays greedy rounds on AR's continuation instead of running them: for the
+    engine's own draft rule (table and text, each token from the longer context) its count of verifications and
+    committed tokens is the engine's, so a rule screened there is what the engine will do."""
+    replay = bench_module("draft_table_acceptance").replay
+    model = tiny_model(name)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    prefixes = [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(12)]
+    rows = np.array([p + ar_tokens(model, p, max_new_tokens=16) for p in prefixes])
+    table = model.draft_table = DraftTable.from_rows(rows, first=4, longest=3)
+    for seed in range(4):
+        prompt = torch.randint(3, vocab, (5,), generator=g).tolist()
+        (result,) = collect(speculative(model, [Request(prompt, settings(max_new_tokens=24, draft_source="table"),
+                                                        seed)], canvas_length=8))[1]
+        drafts = min(7, model.new_cache(1, 32).window - 1)  # the engine's cap: a small sliding window caps drafts
+        tokens, rounds = replay(prompt, result.token_ids, lambda text, lookup, m: table.draft(text, m, lookup), drafts)
+        assert (tokens, rounds) == (len(result.token_ids) - 1, result.stats.verifications)
+    del model.draft_table
+
+
 def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_drawn_from(monkeypatch):
     """When sampling, a table draft is drawn from its counts and the acceptance rule gets exactly that q (row i: the
     distribution token i was drawn from, zero elsewhere); where no context has counts the greedy chain drafts."""
