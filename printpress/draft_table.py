@@ -105,7 +105,7 @@ class DraftTable:
     def distribution(self, tokens: Sequence[int]) -> Distribution | None:
         """What the sampled counts say follows `tokens`: the distribution of the longest context they know; None
         where they know none (or the table has no sampled counts)."""
-        return None if self.distributions is None else _longest(self.distributions, list(tokens[-self.longest:]))
+        return None if self.distributions is None else longest_entry(self.distributions, list(tokens[-self.longest:]))[1]
 
     def draft(self, tokens: Sequence[int], m: int, context: TextMatch | None = None) -> list[int]:
         """Up to `m` tokens that the table says follow `tokens`; stops where no context has an entry.
@@ -213,13 +213,9 @@ def draw(distribution: Distribution, generator) -> int:
     return int(next_tokens[int(torch.multinomial(torch.from_numpy(probs), 1, generator=generator))])
 
 
-def _longest(levels: list[dict[tuple[int, ...], Any]], text: list[int]) -> Any:
-    """The entry of the longest context that ends `text` and that `levels` (by context length) know; None if none."""
-    return longest_entry(levels, text)[1]
-
-
 def longest_entry(levels: list[dict[tuple[int, ...], Any]], text: list[int]) -> tuple[int, Any]:
-    """`_longest`'s entry and the length of its context; (0, None) if none."""
+    """The length of the longest context that ends `text` and that `levels` (by context length) know, and its
+    entry; (0, None) if none."""
     for n in range(min(len(levels), len(text)), 0, -1):
         found = levels[n - 1].get(tuple(text[-n:]))
         if found is not None:

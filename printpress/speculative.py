@@ -107,20 +107,23 @@ class ContextLookup:
 
     def draft(self, m: int) -> list[int]:
         """Up to `m` tokens after the latest earlier occurrence of the longest suffix that has one; [] if none."""
-        for n in range(min(self.longest, len(self.tokens)), 0, -1):
-            start = self.follow.get(tuple(self.tokens[-n:]))
-            if start is not None:
-                return self.tokens[start : start + m]
-        return []
+        n, start = self._follower(self.tokens)
+        return self.tokens[start : start + m] if n else []
 
     def match(self, text: Sequence[int]) -> tuple[int, int | None]:
         """The token that followed the latest occurrence in this text of the longest suffix of `text` (this text
         with drafted tokens after it) that occurred here, and that suffix's length; (0, None) if none did."""
+        n, start = self._follower(text)
+        return (n, self.tokens[start]) if n else (0, None)
+
+    def _follower(self, text: Sequence[int]) -> tuple[int, int]:
+        """The length of the longest suffix of `text` that occurred in this text with a token after it, and that
+        token's position (of its latest occurrence); (0, -1) if none did."""
         for n in range(min(self.longest, len(text)), 0, -1):
             start = self.follow.get(tuple(text[-n:]))
             if start is not None:
-                return n, self.tokens[start]
-        return 0, None
+                return n, start
+        return 0, -1
 
 
 @dataclass
