@@ -30,6 +30,7 @@ from printpress.config import (
     read_json,
 )
 from printpress.errors import CheckpointError
+from printpress.files import give_default_modes
 from printpress.draft_table import load_beside
 from printpress.model import DiffusionGemma
 from printpress.runtime_options import AUTO, CHECKPOINT, check_canvas_length, check_dtype, check_quantize
@@ -470,6 +471,7 @@ def save_model(
             save_tokenizer(tokenizer, tmp)
         if extra_files is not None:
             extra_files(tmp)
+        give_default_modes(tmp)
         _replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

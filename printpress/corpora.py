@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from printpress.errors import ConfigError, PrintpressError
+from printpress.files import give_default_modes
 from printpress.tasks import sudoku
 
 logger = logging.getLogger(__name__)
@@ -334,6 +335,7 @@ def _extract_texts(tarball: Path, texts: Path) -> None:
                     shutil.copyfileobj(src, dst)
         if texts.exists():
             shutil.rmtree(texts)
+        give_default_modes(tmp)
         os.replace(tmp, texts)
     except (tarfile.TarError, OSError) as err:
         raise DataError(f"cannot unpack {tarball}: {err}; delete it and fetch again") from None

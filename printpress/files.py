@@ -23,10 +23,19 @@ def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        give_default_modes(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def give_default_modes(path: Path) -> None:
+    """Give `path`, and everything under it if it is a folder, the permissions `open()` and `mkdir()` would have
+    given them under this process's umask: `tempfile` makes its files and folders private (0600, 0700), and a model
+    folder written through one must stay readable by whoever may read its parent (a server's user, a container)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not item.is_symlink():
+            os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~umask)

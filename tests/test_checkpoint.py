@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -113,6 +114,19 @@ def test_save_replaces_an_existing_folder_without_leftovers(reference_checkpoint
     assert not (tmp_path / "out" / "stale.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
+
+
+def test_a_saved_folder_has_the_permissions_mkdir_and_open_give(reference_checkpoints, tmp_path):
+    # the save is written in a private temporary folder; what lands must be readable as the umask allows
+    model, config, _, _ = load_model(reference_checkpoints["gqa"])
+    umask = os.umask(0o027)
+    try:
+        folder = save_model(model, config, tmp_path / "out", max_shard_size="20KB")
+    finally:
+        os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [folder, *folder.iterdir()]}
+    assert len(modes) > 4 and modes.pop("out") == oct(0o750)
+    assert set(modes.values()) == {oct(0o640)}, modes
 
 # -- bad input -----------------------------------------------------------------------------------------
 
