@@ -64,11 +64,12 @@ def greedy(pipe, prompts: list[list[int]], args) -> dict:
                "table before the text's turns": lambda text, lookup, m: table.draft(text, m) or lookup.draft(m)}
     if args.rows:  # tables made from the same rows with shorter contexts
         rows = np.fromfile(args.rows, dtype=np.uint16).reshape(-1, args.row_length).astype(np.int64)
-        for longest in (1, 2, 3, 4, 5):
+        for longest in (1, 2, 3, 4, 5, 6, 8):
             other = DraftTable.from_rows(rows, first=args.row_length // 2, longest=longest)
             sources[f"table, contexts <= {longest}"] = lambda text, lookup, m, t=other: t.draft(text, m, lookup)
-        half = DraftTable.from_rows(rows[: len(rows) // 2], first=args.row_length // 2, longest=5)
-        sources["table of half the rows"] = lambda text, lookup, m: half.draft(text, m, lookup)
+        for share in (2, 4):
+            part = DraftTable.from_rows(rows[: len(rows) // share], first=args.row_length // 2, longest=5)
+            sources[f"table of 1/{share} of the rows"] = lambda text, lookup, m, t=part: t.draft(text, m, lookup)
     out = {}
     for name, draft in sources.items():
         for m in args.drafts:
@@ -126,7 +127,8 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 11])
     parser.add_argument("--greedy", action="store_true", help="replay greedy rounds")
     parser.add_argument("--rows", default=None, help="with --greedy: the greedy rows (a distill .bin) to remake "
-                                                     "tables from with other context lengths and half the rows")
+                                                     "tables from with other context lengths (1-8), and from a half "
+                                                     "and a quarter of the rows")
     parser.add_argument("--sampled", default=None, metavar="ROWS.bin",
                         help="sampled rows (a distill .bin), or `table`: the counts in the model's own draft table")
     parser.add_argument("--row-length", type=int, default=128, help="prefix + continuation tokens per row")

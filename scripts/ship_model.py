@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -144,6 +145,9 @@ def main() -> None:
                         help="a command that must run before the training command (e.g. `printpress distill ...`)")
     parser.add_argument("--base-card", help="card.json (or its folder) of the model a fine-tune started from, read "
                                             "before --name is overwritten (default: the run's init_from folder)")
+    parser.add_argument("--table-rows", type=int, default=TABLE_GREEDY.rows, metavar="N",
+                        help=f"greedy rows of the draft table ({TABLE_GREEDY.rows}; more keep more drafts where the "
+                             "model's greedy text varies more, as the code model's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a generation default to ship, e.g. entropy_bound=1.0 (as measured by the yardstick)")
     args = parser.parse_args()
@@ -162,7 +166,7 @@ def main() -> None:
     base = base_card(args.base_card or run_config.get("init_from"))
     save_model(model, config, folder, generation, tokenizer, dtype=torch.float16)
     if run_config["train"]["objective"] != "ar":  # speculative mode's default drafts (a joint model's)
-        make_draft_table(str(folder), sources, TABLE_GREEDY, DEFAULT_LONGEST, None,
+        make_draft_table(str(folder), sources, replace(TABLE_GREEDY, rows=args.table_rows), DEFAULT_LONGEST, None,
                          run_config.get("data", {}).get("val_fraction", 0.05), sampled=TABLE_SAMPLED)
     train = run_config["train"]
     tokens_per_step = train["batch_size"] * train["seq_len"]
@@ -211,7 +215,8 @@ objective **{objective}**. Weights are fp16 in the Hugging Face `diffusion_gemma
 """
     if (folder / DRAFT_TABLE_FILE).exists():
         card += (f"| draft table (speculative mode's drafts) | `printpress draft-table models/{args.name}"
-                 f"{'' if sources == ['shakespeare'] else ' --data ' + ' '.join(sources)}` |\n")
+                 f"{'' if sources == ['shakespeare'] else ' --data ' + ' '.join(sources)}"
+                 f"{'' if args.table_rows == TABLE_GREEDY.rows else f' --rows {args.table_rows}'}` |\n")
     if base:
         card += (f"| fine-tuned from | `{run_config.get('init_from')}`: {base['steps']} steps "
                  f"({base['tokens_seen'] / 1e6:.2f}M tokens, {base['train_wall_seconds'] / 60:.0f} min) of "
