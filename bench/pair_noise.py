@@ -1,15 +1,19 @@
 """Why the diffusion side writes worse text: the decoder's held-out loss by noise level and canvas position.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/pair_noise.py --out docs/results/pair_noise.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/pair_noise.py --model models/stdlib-code --data stdlib \
+        --out docs/results/code/pair_noise-round6.json
 
-On the validation windows a training run evaluates (`printpress.data.eval_batches` over the 5% of the works held
-out, cut as `Trainer` cuts them), the joint model's decoder predicts every canvas position from the clean context
+On the validation windows a training run evaluates (`printpress.data.eval_batches` over the 5% of the `--data`
+corpus held out, cut as `Trainer` cuts them), the joint model's decoder predicts every canvas position from the clean context
 before the canvas and a canvas corrupted with uniform noise at a fixed level t (no self-conditioning: the first
 denoising step). Per t it reports the cross-entropy at corrupted and at kept positions, the argmax accuracy at
 corrupted positions, and at t = 1 (the first step of generation: a canvas of pure noise) the loss at each of the 32
 canvas positions, next to the encoder's AR NLL per token and a unigram model's cross-entropy on the same windows.
 The forward is the training objective's own (`forward_block_diffusion`); the noise is `add_uniform_noise` with t
-given. Writes the JSON and a PNG beside it.
+given. Then the left-to-right row (`left_to_right_ce`): each canvas clean before position k and noise from k on, the
+state of a sampler that commits from the left, scored at k against the encoder on the same token, plain and
+self-conditioned. Writes the JSON and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ def main() -> None:
     from printpress.checkpoint import load_model
     from printpress.corpora import cache_dir
     from printpress.data import eval_batches, prepare_data
+    from printpress.eval.bench import heldout_cache
     from printpress.objectives import add_uniform_noise, forward_block_diffusion
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "shakespeare-joint"))
+    parser.add_argument("--data", default="shakespeare", help="the corpus whose held-out windows are scored")
     parser.add_argument("--batches", type=int, default=4, help="validation batches of 16 x 128 tokens")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "pair_noise.json"))
     args = parser.parse_args()
@@ -46,7 +52,7 @@ def main() -> None:
     # The windows a training run on shakespeare (val_fraction 0.05, seq_len 128, batch size 16) evaluates; the token
     # files are cached where `printpress bench` keeps its held-out data for this model.
     model, config, _, tokenizer = load_model(args.model)
-    splits = prepare_data(["shakespeare"], tokenizer, cache_dir() / "bench-heldout" / Path(args.model).name / "data",
+    splits = prepare_data([args.data], tokenizer, heldout_cache(cache_dir() / "bench-heldout", [args.data], tokenizer),
                           val_fraction=0.05)
     windows = list(eval_batches(splits.val.tokens, 128, 16, max_batches=args.batches))
     model, block, vocab = model.eval(), config.canvas_length, config.text.vocab_size
@@ -83,6 +89,10 @@ def main() -> None:
               f" kept CE {kept}", flush=True)
         if t == 1.0:
             per_position = row["ce_by_position"]
+    left_to_right = left_to_right_ce(model, windows, block, vocab, gen)
+    print(f"left to right: decoder CE at the first noised position {left_to_right['decoder']:.3f} "
+          f"(self-conditioned {left_to_right['decoder_self_conditioned']:.3f}), encoder AR NLL there "
+          f"{left_to_right['encoder']:.3f}", flush=True)
     # Reference level: a unigram model (train-split token counts, add-one) on the same windows.
     counts = torch.bincount(torch.as_tensor(splits.train.tokens[:].astype("int64")), minlength=vocab) + 1.0
     log_unigram = torch.log(counts / counts.sum())
@@ -97,6 +107,7 @@ def main() -> None:
         "unigram_ce_per_token": unigram,
         "levels": levels,
         "ce_by_position_at_t1": per_position,
+        "left_to_right": left_to_right,
         "load_average_start": load,
         "seconds": time.perf_counter() - started,
     }
@@ -104,6 +115,32 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out.with_suffix(".png"))
     print(f"AR NLL per token {result['ar_nll_per_token']:.3f}, unigram {unigram:.3f}; wrote {out}")
+
+
+def left_to_right_ce(model, windows: list, block: int, vocab: int, gen: torch.Generator) -> dict:
+    """The decoder as a left-to-right writer: every canvas clean before position k and uniform noise from k on (the
+    state a sampler that commits one token per step from the left is in), scored at position k only, against the
+    encoder's AR NLL of the same token. Plain (a first step) and self-conditioned on a first pass over the same
+    canvas (a later step's input). Per k and averaged over k."""
+    from printpress.objectives import forward_block_diffusion
+
+    sums = {name: torch.zeros(block) for name in ("decoder", "decoder_self_conditioned", "encoder")}
+    for tokens in windows:
+        batch, length = tokens.shape
+        at = torch.arange(length) % block  # each token's position in its canvas
+        noise = torch.randint(0, vocab, tokens.shape, generator=gen)
+        for k in range(block):
+            noisy = torch.where(at >= k, noise, tokens)
+            ar_logits, first = forward_block_diffusion(model, tokens, noisy, block)
+            _, second = forward_block_diffusion(model, tokens, noisy, block, self_conditioning_logits=first)
+            scored = (at == k).nonzero().squeeze(1)
+            scored = scored[scored > 0]  # a window's first token has nothing before it to be predicted from
+            target = tokens[:, scored]
+            for name, logits in (("decoder", first), ("decoder_self_conditioned", second), ("encoder", ar_logits)):
+                shift = 1 if name == "encoder" else 0  # the encoder's logits at i predict token i + 1
+                sums[name][k] += F.cross_entropy(logits[:, scored - shift].transpose(1, 2), target).item() / len(windows)
+    return {**{name: value.mean().item() for name, value in sums.items()},
+            "by_position": {name: value.tolist() for name, value in sums.items()}}
 
 
 def plot(result: dict, png: Path) -> None:

@@ -83,6 +83,11 @@ class DiffusionSettings:
     # denoiser learns to revise a plausible draft rather than take plausible tokens for clean ones. 0 turns it off.
     # Measured (docs/benchmarks.md §7, L17): it learns to distrust every canvas and writes worse; no recipe uses it.
     table_noise: float = 0.0
+    # Left-to-right rows: the share of rows (not draft rows) whose canvases are each clean before a position drawn
+    # uniformly in [0, block) and uniform noise from it on (`left_to_right_noise`): the states a sampler that commits
+    # from the left (`window_lead`) is in, where the decoder predicts what the AR side predicts from the same text.
+    # Such a row is not a sampler-state row. 0 turns it off.
+    left_to_right: float = 0.0
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -148,6 +153,8 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
 
     With `table` (and `settings.table_noise` > 0), that share of the rows that are not draft rows has its noise
     redrawn from the table (`table_noise`), chosen and drawn after everything else, so the other draws stay the same.
+    With `settings.left_to_right` > 0, that share of the rows that are not draft rows is noised left to right
+    instead (`left_to_right_noise`; t becomes each canvas's noised share), chosen and drawn after all of that.
     """
     if settings.table_noise > 0 and table is None:
         raise ValueError("table_noise draws noise from a draft table, and none was given")
@@ -176,6 +183,10 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
         if settings.table_noise > 0 and not drafted:  # a table is there: checked above
             if float(torch.rand(1, generator=g)) < settings.table_noise:
                 row = table_noise(tokens[offset : offset + 1], row, table, settings.block, g)
+        if settings.left_to_right > 0 and not drafted and float(torch.rand(1, generator=g)) < settings.left_to_right:
+            row, t = left_to_right_noise(tokens[offset : offset + 1], settings.block, vocab_size, g)
+            if keep:
+                keep[-1] = torch.zeros(1)
         noisy.append(row)
         levels.append(t)
         use.append(flag)
@@ -205,6 +216,18 @@ def table_noise(clean: torch.Tensor, noisy: torch.Tensor, table: DraftTable, blo
         if found is not None:
             ids[position] = draw(found, generator)
     return torch.tensor([ids], dtype=noisy.dtype, device=noisy.device)
+
+
+def left_to_right_noise(tokens: torch.Tensor, block: int, vocab_size: int,
+                        generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every canvas of `tokens` (B, L) clean before a position k drawn uniformly in [0, block) (one per canvas) and
+    uniform noise from k on; returns (noisy, t), t (B, L // block) the noised share of each canvas."""
+    batch, length = tokens.shape
+    first_noised = torch.randint(0, block, (batch, length // block), generator=generator, device=tokens.device)
+    noise = torch.randint(0, vocab_size, tokens.shape, generator=generator, device=tokens.device)
+    at = torch.arange(length, device=tokens.device) % block
+    noised = at >= first_noised.repeat_interleave(block, dim=1)
+    return torch.where(noised, noise, tokens), (block - first_noised).float() / block
 
 
 def draft_noise(tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None,
@@ -508,7 +531,8 @@ def evaluate_losses(step: Callable[..., dict[str, torch.Tensor]], windows: Seque
     in the global batch (batch i's rows from i * 10_000): the same draws at every evaluation of a run and on any
     number of ranks, so two evaluations differ only by the weights.
     """
-    settings = dataclasses.replace(settings, draft_fraction=0.0, table_noise=0.0)  # comparable across runs
+    settings = dataclasses.replace(settings, draft_fraction=0.0, table_noise=0.0,  # comparable across runs
+                                   left_to_right=0.0)
     sums: dict[str, float] = {}
     for index, tokens in enumerate(windows):
         noise = None
