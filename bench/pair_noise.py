@@ -5,8 +5,8 @@
         --out docs/results/code/pair_noise-round6.json
 
 On the validation windows a training run evaluates (`printpress.data.eval_batches` over the 5% of the `--data`
-corpus held out, cut as `Trainer` cuts them), the joint model's decoder predicts every canvas position from the clean context
-before the canvas and a canvas corrupted with uniform noise at a fixed level t (no self-conditioning: the first
+corpus held out, cut as `Trainer` cuts them), the joint model's decoder predicts every canvas position from the clean
+context before the canvas and a canvas corrupted with uniform noise at a fixed level t (no self-conditioning: the first
 denoising step). Per t it reports the cross-entropy at corrupted and at kept positions, the argmax accuracy at
 corrupted positions, and at t = 1 (the first step of generation: a canvas of pure noise) the loss at each of the 32
 canvas positions, next to the encoder's AR NLL per token and a unigram model's cross-entropy on the same windows.
@@ -49,8 +49,8 @@ def main() -> None:
     torch.set_num_threads(1)
     started, load = time.perf_counter(), os.getloadavg()
 
-    # The windows a training run on shakespeare (val_fraction 0.05, seq_len 128, batch size 16) evaluates; the token
-    # files are cached where `printpress bench` keeps its held-out data for this model.
+    # The windows a training run on --data (val_fraction 0.05, seq_len 128, batch size 16) evaluates; the token
+    # files are cached where `printpress bench` keeps its held-out data for this corpus and tokenizer.
     model, config, _, tokenizer = load_model(args.model)
     splits = prepare_data([args.data], tokenizer, heldout_cache(cache_dir() / "bench-heldout", [args.data], tokenizer),
                           val_fraction=0.05)
@@ -126,8 +126,7 @@ def left_to_right_ce(model, windows: list, block: int, vocab: int, gen: torch.Ge
 
     sums = {name: torch.zeros(block) for name in ("decoder", "decoder_self_conditioned", "encoder")}
     for tokens in windows:
-        batch, length = tokens.shape
-        at = torch.arange(length) % block  # each token's position in its canvas
+        at = torch.arange(tokens.shape[1]) % block  # each token's position in its canvas
         noise = torch.randint(0, vocab, tokens.shape, generator=gen)
         for k in range(block):
             noisy = torch.where(at >= k, noise, tokens)
@@ -138,7 +137,8 @@ def left_to_right_ce(model, windows: list, block: int, vocab: int, gen: torch.Ge
             target = tokens[:, scored]
             for name, logits in (("decoder", first), ("decoder_self_conditioned", second), ("encoder", ar_logits)):
                 shift = 1 if name == "encoder" else 0  # the encoder's logits at i predict token i + 1
-                sums[name][k] += F.cross_entropy(logits[:, scored - shift].transpose(1, 2), target).item() / len(windows)
+                score = F.cross_entropy(logits[:, scored - shift].transpose(1, 2), target)
+                sums[name][k] += score.item() / len(windows)
     return {**{name: value.mean().item() for name, value in sums.items()},
             "by_position": {name: value.tolist() for name, value in sums.items()}}
 

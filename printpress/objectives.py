@@ -86,7 +86,8 @@ class DiffusionSettings:
     # Left-to-right rows: the share of rows (not draft rows) whose canvases are each clean before a position drawn
     # uniformly in [0, block) and uniform noise from it on (`left_to_right_noise`): the states a sampler that commits
     # from the left (`window_lead`) is in, where the decoder predicts what the AR side predicts from the same text.
-    # Such a row is not a sampler-state row. 0 turns it off.
+    # Such a row is not a sampler-state row. 0 turns it off. Measured (docs/benchmarks.md §8, the code model's
+    # seventh round): at 0.5 it narrows the text and closes little of the decoder's gap there; no recipe uses it.
     left_to_right: float = 0.0
 
 
