@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from printpress.objectives import DiffusionSettings, draft_noise, evaluate_losses, row_noise
+from printpress.objectives import DiffusionSettings, draft_noise, row_noise
 from printpress.train.loop import Trainer, TrainingError
 
 from helpers import run_config
@@ -43,20 +43,6 @@ def test_draft_rows_replace_a_share_of_rows_and_leave_the_others_noise_unchanged
     first = torch.arange(32) % BLOCK == 0
     assert torch.equal(d_noisy[is_draft][:, first], tokens[is_draft][:, first])
     assert (d_t[is_draft] == 1).all() and not d_use[is_draft].any()
-
-
-def test_held_out_losses_ignore_draft_rows(tokens):
-    seen = []
-
-    def step(window, noise):  # records the noise evaluation hands to the training step
-        seen.append(noise[0])
-        return {"diffusion": torch.tensor(0.0)}
-
-    windows = [tokens[:4], tokens[4:8]]
-    plain = DiffusionSettings(block=BLOCK)
-    evaluate_losses(step, windows, "diffusion", plain, VOCAB)
-    evaluate_losses(step, windows, "diffusion", dataclasses.replace(plain, draft_fraction=1.0), VOCAB)
-    assert torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[3])
 
 
 @pytest.mark.parametrize("change, message", [

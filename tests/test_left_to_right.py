@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from printpress.objectives import DiffusionSettings, evaluate_losses, left_to_right_noise, row_noise
+from printpress.objectives import DiffusionSettings, left_to_right_noise, row_noise
 from printpress.train.loop import Trainer, TrainingError
 
 from helpers import run_config
@@ -51,20 +51,6 @@ def test_left_to_right_rows_replace_a_share_of_rows_and_leave_the_others_noise_u
     starts = noised_suffix_starts(tokens[changed], noisy[changed])
     assert torch.equal(t[changed], (BLOCK - starts).float() / BLOCK)
     assert (keep[changed] == 0).all() and torch.equal(use, base[2])  # not sampler states; self-conditioning as drawn
-
-
-def test_held_out_losses_ignore_left_to_right_rows(tokens):
-    seen = []
-
-    def step(window, noise):  # records the noise evaluation hands to the training step
-        seen.append(noise[0])
-        return {"diffusion": torch.tensor(0.0)}
-
-    windows = [tokens[:4], tokens[4:8]]
-    plain = DiffusionSettings(block=BLOCK)
-    evaluate_losses(step, windows, "diffusion", plain, VOCAB)
-    evaluate_losses(step, windows, "diffusion", dataclasses.replace(plain, left_to_right=1.0), VOCAB)
-    assert torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[3])
 
 
 @pytest.mark.parametrize("change, message", [

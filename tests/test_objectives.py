@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from printpress.train.objectives import (
     TrainStep,
     add_uniform_noise,
     denoising_loss,
+    evaluate_losses,
     forward_ar,
     forward_block_diffusion,
 )
@@ -121,3 +123,20 @@ def test_ar_objective_is_next_token_cross_entropy():
     logits = forward_ar(model, tokens)
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), tokens[:, 1:].reshape(-1))
     assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("shaped", [dict(draft_fraction=1.0), dict(left_to_right=1.0)])
+def test_held_out_losses_ignore_rows_shaped_for_training_only(shaped):
+    # draft rows and left-to-right rows shape training's noise; held-out losses stay comparable across runs
+    tokens = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def step(window, noise):  # records the noise evaluation hands to the training step
+        seen.append(noise[0])
+        return {"diffusion": torch.tensor(0.0)}
+
+    windows = [tokens[:4], tokens[4:8]]
+    plain = DiffusionSettings(block=8)
+    evaluate_losses(step, windows, "diffusion", plain, 1000)
+    evaluate_losses(step, windows, "diffusion", dataclasses.replace(plain, **shaped), 1000)
+    assert torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[3])
