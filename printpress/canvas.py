@@ -122,12 +122,17 @@ def denoise_step(
     next_canvas = torch.empty_like(argmax)
     for j, row in enumerate(rows):
         # The bound is compared row by row as a Python float, exactly as the reference compares it. With a window
-        # (`window_lead`, opt-in) only its leading positions may be kept; the rest are re-noised.
-        opened = window_open(free, row.settings.window_lead, row.step, row.settings.max_denoising_steps)
+        # (`window_lead`, opt-in) only its leading positions may be kept; the rest are re-noised. A sliding canvas
+        # (`sliding`, opt-in) has no window: it keeps its first position once that has waited its last step.
+        settings = row.settings
+        opened = free if settings.sliding else window_open(free, settings.window_lead, row.step,
+                                                            settings.max_denoising_steps)
         if opened < free:
             accepted[j, opened:] = False
-        accepted[j, :opened] = entropy_bound_accept(entropy[j : j + 1, :opened], row.settings.entropy_bound)[0]
-        next_canvas[j] = renoise(probs[j, :free], accepted[j], row.settings, row.generator, vocab_size)
+        accepted[j, :opened] = entropy_bound_accept(entropy[j : j + 1, :opened], settings.entropy_bound)[0]
+        if settings.sliding and row.step == 1:
+            accepted[j, 0] = True
+        next_canvas[j] = renoise(probs[j, :free], accepted[j], settings, row.generator, vocab_size)
     return StepOutcome(processed, probs, argmax, entropy, entropy.mean(dim=-1), accepted, next_canvas)
 
 

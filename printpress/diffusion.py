@@ -18,7 +18,7 @@ from printpress.canvas import StepOutcome, advance, denoise, denoise_step, step_
 from printpress.errors import GenerationError
 from printpress.events import CommitEvent, Decode, Event
 from printpress.request import Request, RequestState, check_prompts, model_device
-from printpress.sampling import canvases_for, pad_after_eos
+from printpress.sampling import canvases_for, pad_after_eos, uniform_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,13 @@ class DiffusionBatch:
             raise GenerationError("canvas_start 'table' draws from the model's draft table's sampled counts, and this "
                                   "model has " + ("no draft table" if table is None else "a table without them")
                                   + ": make one with `printpress draft-table MODEL`")
-        budget = canvases_for(request.settings.max_new_tokens, self.canvas_length) * self.canvas_length
+        settings = request.settings
+        # A sliding canvas commits up to max_new_tokens and reads its canvas after them; others commit whole canvases.
+        budget = settings.max_new_tokens if settings.sliding else (
+            canvases_for(settings.max_new_tokens, self.canvas_length) * self.canvas_length)
         row = RequestState.start(handle, request, self.device, budget, step_events=step_events)
         prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-        row.cache = self.model.new_cache(1, prompt.shape[1] + budget)
+        row.cache = self.model.new_cache(1, prompt.shape[1] + budget + (self.canvas_length if settings.sliding else 0))
         self.model.encode(prompt, row.cache, logits="none")
         self._start_canvas(row)
         self.rows.append(row)
@@ -148,6 +151,8 @@ class DiffusionBatch:
                  finished: list[RequestState]) -> list[Event]:
         """Row j's share of the step: its step event, and its next canvas or (stopped) a place in `finished`."""
         row.count_decoder_pass()
+        if row.settings.sliding:
+            return self._slide(row, outcome, fed_back, j, finished)
         stopped = advance(row, outcome, j)
         events = [step_event(row, row.canvases, outcome, j, stopped)] if row.step_events else []
         if stopped or row.step == 0:
@@ -158,12 +163,35 @@ class DiffusionBatch:
             row.self_conditioning = fed_back[j : j + 1]
         return events
 
+    def _slide(self, row: RequestState, outcome: StepOutcome, fed_back: torch.Tensor, j: int,
+               finished: list[RequestState]) -> list[Event]:
+        """A sliding canvas's share of the step (`sliding`): the leading run of positions the step kept (the first
+        one at the latest when it has waited `steps` steps) goes to `finished` to be committed, the rest of the
+        canvas moves to the front with its self-conditioning, and fresh noise fills the end (no signal there)."""
+        kept = outcome.accepted[j].long().cumprod(0).sum().item()
+        kept = min(kept, row.budget - len(row.tokens))
+        row.step -= 1
+        events = [step_event(row, row.canvases, outcome, j, kept > 0)] if row.step_events else []
+        canvas, signal = outcome.next_canvas[j : j + 1], fed_back[j : j + 1]
+        if kept:
+            row.committed_canvas = canvas[0, :kept].clone()
+            noise = uniform_tokens(kept, self.model.config.vocab_size, row.generator, self.device)
+            canvas = torch.cat([canvas[:, kept:], noise], dim=1)
+            signal = torch.cat([signal[:, kept:], signal.new_zeros(1, kept, signal.shape[2])], dim=1)
+            row.step = row.settings.max_denoising_steps
+            finished.append(row)
+        row.canvas, row.self_conditioning = canvas, signal
+        return events
+
     def _commit(self, row: RequestState) -> list[Event]:
         """Commit the row's canvas; then start its next canvas, or it is done and leaves."""
         events = list(_commit_canvas(row, row.canvases, self.decode))
         if not row.finished:
             # The next canvas sees the committed one through the cache, as the reference re-encodes it.
             self.model.encode(row.committed_canvas[None], row.cache, logits="none")
+            if row.settings.sliding:  # its canvas has moved on already (`_slide`); this pass counts as a forward
+                row.forward_passes += 1
+                return events
             self._start_canvas(row)
         else:
             events.append(row.done("diffusion", self.decode))

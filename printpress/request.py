@@ -53,9 +53,12 @@ def check_logprobs(request: Request) -> None:
 
 
 def new_token_budget(settings: SamplerSettings, canvas_length: int) -> int:
-    """Positions a request may add to its sequence: whole canvases in diffusion mode."""
+    """Positions a request may add to its sequence: whole canvases in diffusion mode; with a sliding canvas its
+    tokens and the canvas after the last commit's front."""
     if settings.mode in ("ar", "speculative"):
         return settings.max_new_tokens
+    if settings.sliding:
+        return settings.max_new_tokens + canvas_length - 1
     return canvases_for(settings.max_new_tokens, canvas_length) * canvas_length
 
 

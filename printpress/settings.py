@@ -226,6 +226,15 @@ SETTINGS: tuple[Setting, ...] = (
             check=_optional_positive_integer, http=dict(ge=1), default_passes=False),
     Setting("eos_token_ids", tuple, "end-of-sequence ids, comma separated ('' for none)", default=(),
             checkpoint="eos_token_id", wire="eos"),
+    # Opt-in, not the reference's sampler: the canvas slides along the text instead of being committed whole. Each
+    # step commits its leading run of accepted positions (the first one at the latest after `steps` steps waiting),
+    # writes them to the cache and opens as many noise positions at the canvas's end (printpress/diffusion.py), so
+    # the decoder reads the text before the canvas from the cache, which it trusts, and never from clean canvas
+    # tokens it cannot tell from noise (docs/benchmarks.md §8, "A sliding canvas").
+    Setting("sliding", bool, "mode diffusion: slide the canvas along the text: each step commits its leading run of "
+            "accepted positions to the cache (the first position after at most `steps` steps) and appends as much "
+            "noise; not the reference's sampler (opt-in)", default=False, modes=("diffusion",), check=_flag,
+            http={}),
     # Opt-in, not token-exact to the reference: draw samples only at the positions the entropy bound accepts. The
     # tokens follow the same distribution (a sample at a re-noised position is thrown away anyway), but the random
     # stream differs, and the multinomial over canvas x vocabulary shrinks.
@@ -379,7 +388,7 @@ class SamplerSettings:
 
     One field per stored entry of `SETTINGS` (mode, max_new_tokens, max_denoising_steps, entropy_bound, t_min,
     t_max, stability_threshold, confidence_threshold, window_lead, canvas_top_k, canvas_start, temperature, top_k,
-    eos_token_ids, sample_accepted_only, fused_draft, draft_source),
+    eos_token_ids, sliding, sample_accepted_only, fused_draft, draft_source),
     with that entry's default, plus the checkpoint's pad id. Names follow the checkpoint's generation_config.json.
     `temperature` and `top_k` are the AR model's sampling (`mode="ar"` and `"speculative"`); the diffusion
     sampler uses the linear schedule `t_max -> t_min` instead, which a `temperature` given in diffusion mode
@@ -424,6 +433,10 @@ class SamplerSettings:
                 check_setting(s.name, getattr(self, s.name))
         if self.mode in BY_NAME["t_max"].modes:
             _require(self.t_min <= self.t_max, f"t_min ({self.t_min}) must not exceed t_max ({self.t_max})")
+        if self.mode == "diffusion" and self.sliding:
+            _require(self.canvas_start == "noise",
+                     f"sliding appends noise where the canvas moves on; it starts from noise, not canvas_start="
+                     f"{self.canvas_start!r}: leave canvas_start out or sliding off")
         if self.mode == "speculative" and self.fused_draft:
             _require(self.max_denoising_steps == 1,
                      f"fused_draft needs draft_steps (max_denoising_steps) = 1, got {self.max_denoising_steps}: a "
