@@ -3,6 +3,7 @@ or, with --against, how each side of one run is judged against the same side of 
 
     python bench/judged_gap.py docs/results/levers/shipped-s19200.json [--judge gguf] [--match canvas_start]
     python bench/judged_gap.py docs/results/code/round4-light.json --against docs/results/code/round3b-light.json
+    python bench/judged_gap.py docs/results/code/sliding.json --versus "diffusion, 8 steps, bound 4"
 
 Issue 11's quality target is relative: a diffusion side's judged NLL per character within 10% of AR sampling's on
 the same weights. One run's 72 samples leave that ratio uncertain by a few percent, which matters once a side sits
@@ -12,7 +13,8 @@ recomputed here from the per-sample figures, so reports written before the bench
 
 With --against, the pairing is across runs: two runs of the light bench draw the same prompts and seeds, so a model
 and its successor are compared sample for sample (a negative figure: the first run's side is judged better). That
-is the test for "did this round improve the side", which two runs' standard errors alone leave open.
+is the test for "did this round improve the side", which two runs' standard errors alone leave open. --versus pairs
+every side with one named side instead (a sampler against the default, in one run or across two).
 """
 
 from __future__ import annotations
@@ -29,13 +31,20 @@ def side_samples(report: dict, label: str) -> list[tuple[str, int]]:
     return [(s["prompt"], s["seed"]) for s in report["samples"] if s["side"] == label]
 
 
-def gaps(report: dict, judge: str, match: str = "",
-         against: dict | None = None) -> list[tuple[str, float, float, float, float]]:
+def gaps(report: dict, judge: str, match: str = "", against: dict | None = None,
+         versus: str | None = None) -> list[tuple[str, float, float, float, float]]:
     """(side, judged NLL/char, gap, low, high) per side whose label contains `match`: against AR sampling in the same
-    report (that side itself left out), or against the same side of `against`."""
+    report (that side itself left out), or against the same side of `against`; with `versus`, against the side of
+    that label (in `against` if given, else in the same report)."""
     rows = {row["label"]: row for row in report["rows"]}
     key = f"judge_{judge}_per_sample"
-    if against is None:
+    if versus is not None:
+        source = report if against is None else against
+        found = [row for row in source["rows"] if row["label"] == versus]
+        if not found:
+            raise SystemExit(f"no side labelled {versus!r} to judge against")
+        references = {label: (source, found[0]) for label in rows if source is not report or label != versus}
+    elif against is None:
         if OWN_AR not in rows or key not in rows[OWN_AR]:
             raise SystemExit(f"the report has no '{OWN_AR}' side judged by {judge}")
         references = {label: (report, rows[OWN_AR]) for label in rows if label != OWN_AR}
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--match", default="", help="only sides whose label contains this")
     parser.add_argument("--against", default=None,
                         help="a second run on the same prompts and seeds: each side judged against its namesake there")
+    parser.add_argument("--versus", default=None, metavar="LABEL",
+                        help="judge each side against the side of this label instead (in the --against run if given)")
     args = parser.parse_args(argv)
     against = None
     if args.against:
@@ -74,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         with open(path) as handle:
             report = json.load(handle)
         print(path if against is None else f"{path} against {args.against}")
-        for label, nll, gap, low, high in gaps(report, args.judge, args.match, against):
-            where = "behind" if against is None else "against the other run"
+        for label, nll, gap, low, high in gaps(report, args.judge, args.match, against, args.versus):
+            where = f"against {args.versus!r}" if args.versus else "behind" if against is None else \
+                "against the other run"
             print(f"  {label}: {nll:.3f}, {100 * gap:+.1f}% {where} (90%: {100 * low:+.1f} to {100 * high:+.1f})")
 
 

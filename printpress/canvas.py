@@ -65,21 +65,24 @@ class StepOutcome:
     next_canvas: torch.Tensor  # (b, F) the free positions fed to the next step
 
     def feedback(self, dtype: torch.dtype) -> torch.Tensor:
-        """The next step's self-conditioning input: the *scaled* logits, as the reference feeds back.
+        """The next step's self-conditioning input, as probabilities (`denoise` passes them as such): the float32
+        softmax of the *scaled* logits, as the reference feeds them back.
 
-        In float32 the reference's softmax of them equals `probs` bit for bit, so `probs` is passed (saving a
-        softmax per step); in half precision the reference casts the logits first, so those are passed.
+        In float32 that is `probs` bit for bit (saving a softmax per step); in half precision the reference casts
+        the logits to the weights' dtype first, so this is the softmax the decoder would take of those. As
+        probabilities, a position can also be given no signal at all (zeros), which a sliding canvas's fresh
+        positions get.
         """
-        return self.probs if dtype == torch.float32 else self.processed.to(dtype)
+        if dtype == torch.float32:
+            return self.probs
+        return torch.softmax(self.processed.to(dtype), dim=-1, dtype=torch.float32)
 
 
 def denoise(model: torch.nn.Module, canvas: torch.Tensor, cache, feedback: torch.Tensor | None,
             mask: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder pass over `canvas` (b, C), self-conditioned on the previous step's `StepOutcome.feedback`
     (None at a canvas's first step; `mask` (b,) marks the rows that have one)."""
-    if model.dtype == torch.float32:
-        return model.denoise(canvas, cache, self_conditioning_probs=feedback, self_conditioning_mask=mask)
-    return model.denoise(canvas, cache, feedback, self_conditioning_mask=mask)
+    return model.denoise(canvas, cache, self_conditioning_probs=feedback, self_conditioning_mask=mask)
 
 
 def probabilities_and_entropy(processed: torch.Tensor, free: int) -> tuple[torch.Tensor, torch.Tensor]:

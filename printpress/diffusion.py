@@ -165,10 +165,13 @@ class DiffusionBatch:
 
     def _slide(self, row: RequestState, outcome: StepOutcome, fed_back: torch.Tensor, j: int,
                finished: list[RequestState]) -> list[Event]:
-        """A sliding canvas's share of the step (`sliding`): the leading run of positions the step kept (the first
-        one at the latest when it has waited `steps` steps) goes to `finished` to be committed, the rest of the
-        canvas moves to the front with its self-conditioning, and fresh noise fills the end (no signal there)."""
-        kept = outcome.accepted[j].long().cumprod(0).sum().item()
+        """A sliding canvas's share of the step (`sliding`): the canvas's leading run of fixed points (positions the
+        step kept whose sample is the token this pass read there, so each was predicted from the others' final
+        values) goes to `finished` to be committed, or its first position alone once it has waited `steps` steps;
+        the rest of the canvas moves to the front with its self-conditioning, and fresh noise fills the end (no
+        signal there)."""
+        fixed = outcome.accepted[j] & (outcome.next_canvas[j] == row.canvas[0])
+        kept = fixed.long().cumprod(0).sum().item() or int(row.step == 1)
         kept = min(kept, row.budget - len(row.tokens))
         row.step -= 1
         events = [step_event(row, row.canvases, outcome, j, kept > 0)] if row.step_events else []

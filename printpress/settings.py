@@ -227,14 +227,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("eos_token_ids", tuple, "end-of-sequence ids, comma separated ('' for none)", default=(),
             checkpoint="eos_token_id", wire="eos"),
     # Opt-in, not the reference's sampler: the canvas slides along the text instead of being committed whole. Each
-    # step commits its leading run of accepted positions (the first one at the latest after `steps` steps waiting),
-    # writes them to the cache and opens as many noise positions at the canvas's end (printpress/diffusion.py), so
-    # the decoder reads the text before the canvas from the cache, which it trusts, and never from clean canvas
-    # tokens it cannot tell from noise (docs/benchmarks.md §8, "A sliding canvas").
-    Setting("sliding", bool, "mode diffusion: slide the canvas along the text: each step commits its leading run of "
-            "accepted positions to the cache (the first position after at most `steps` steps) and appends as much "
-            "noise; not the reference's sampler (opt-in)", default=False, modes=("diffusion",), check=_flag,
-            http={}),
+    # step commits the canvas's leading run of fixed points (kept positions whose sample is the token the pass read
+    # there; the first position alone once it has waited `steps` steps), writes them to the cache and opens as many
+    # noise positions at the canvas's end (printpress/diffusion.py), so the decoder reads the text before the canvas
+    # from the cache, which it trusts, and never from clean canvas tokens it cannot tell from noise
+    # (docs/benchmarks.md §8, "The sliding sampler").
+    Setting("sliding", bool, "mode diffusion: slide the canvas along the text: each step commits its leading "
+            "positions whose sample repeats the token the step read there (the first position after at most `steps` "
+            "steps) to the cache and appends as much noise; not the reference's sampler (opt-in)", default=False,
+            modes=("diffusion",), check=_flag, http={}),
     # Opt-in, not token-exact to the reference: draw samples only at the positions the entropy bound accepts. The
     # tokens follow the same distribution (a sample at a re-noised position is thrown away anyway), but the random
     # stream differs, and the multinomial over canvas x vocabulary shrinks.

@@ -48,3 +48,17 @@ def test_runs_on_other_prompts_or_seeds_are_refused():
     after = run([1.0] * 4, [1.0] * 4, plan=[("p", 0), ("q", 1), ("p", 2), ("q", 4)])
     with pytest.raises(SystemExit, match="'diffusion, 8 steps': the two sides were not drawn on the same prompts and"):
         judged_gap_script.gaps(after, "gguf", match="steps", against=before)
+
+
+def test_each_side_against_a_named_side_in_the_same_run_or_another(tmp_path, capsys):
+    before = run([1.0, 2.0, 1.0, 2.0], [1.2, 2.4, 1.2, 2.4])
+    after = run([1.0, 2.0, 1.0, 2.0], [1.1, 2.2, 1.1, 2.2])
+    found = judged_gap_script.gaps(after, "gguf", versus="diffusion, 8 steps")
+    assert [(g[0], round(g[2], 6)) for g in found] == [("diffusion model, AR decoding", round(3 / 3.3 - 1, 6))]
+    across = {g[0]: g[2] for g in judged_gap_script.gaps(after, "gguf", against=before, versus="diffusion, 8 steps")}
+    assert math.isclose(across["diffusion, 8 steps"], 3.3 / 3.6 - 1)
+    assert math.isclose(across["diffusion model, AR decoding"], 3.0 / 3.6 - 1)
+    path = tmp_path / "after.json"
+    path.write_text(json.dumps(after))
+    with pytest.raises(SystemExit, match="no side labelled 'greedy' to judge against"):
+        judged_gap_script.main([str(path), "--versus", "greedy"])

@@ -6,61 +6,68 @@ from __future__ import annotations
 import pytest
 import torch
 
+from printpress.canvas import StepOutcome
+from printpress.checkpoint import load_model
 from printpress.engine import CommitEvent, DiffusionBatch, DoneEvent, Request, StepEvent
 from printpress.errors import GenerationError
+
+from helpers import make_reference, save_checkpoint
 
 PROMPTS = [[2, 7, 9, 11, 13, 17], [2, 40], [2, 99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 89, 88, 87]]
 
 
-def leading_run(accepted: list[bool]) -> int:
+def leading_run(flags: list[bool]) -> int:
     run = 0
-    while run < len(accepted) and accepted[run]:
+    while run < len(flags) and flags[run]:
         run += 1
     return run
 
 
-def test_a_sliding_canvas_that_keeps_every_position_is_whole_canvases_drawn_cold(models_):
-    """Keeping everything, a sliding canvas commits all of it each step and refills it with noise: one step per
-    canvas, the same draws in the same order as whole canvases of one step, and (all but greedy) its samples
-    are the argmaxes those commit."""
-    _, pipe = models_["gqa"]
-    settings = dict(max_new_tokens=3 * pipe.canvas_length, max_denoising_steps=1, entropy_bound=1e6, t_min=1e-4,
-                    t_max=1e-4)
-    for prompt in PROMPTS:
-        whole = pipe.generate(prompt, seed=3, **settings)
-        slid = pipe.generate(prompt, seed=3, sliding=True, **settings)
-        assert slid.token_ids == whole.token_ids
-        assert slid.stats.canvases == whole.stats.canvases == 3
-        # Three decoder passes and the encoder passes of the first two commits (the last one ends the request).
-        assert slid.stats.denoising_steps == 3 and slid.stats.forward_passes == 5
+def stepped(pipe, prompt: list[int], seed: int, **settings) -> tuple[list[tuple[list[int], list]], list]:
+    """Run one sliding request step by step: (the canvas each step read, that step's events) per step, and the
+    events in order."""
+    batch = DiffusionBatch(pipe.model, pipe.canvas_length)
+    batch.add(0, Request(prompt, pipe.settings(sliding=True, **settings), seed=seed))
+    steps, events = [], []
+    while batch:
+        read = batch.rows[0].canvas[0].tolist()
+        new = batch.step()
+        steps.append((read, new))
+        events.extend(new)
+    return steps, events
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_each_step_commits_its_leading_kept_run_and_the_front_waits_at_most_steps(models_, steps):
+@pytest.mark.parametrize("waits", [1, 3])
+def test_each_step_commits_its_leading_fixed_points_and_the_front_waits_at_most_steps(models_, waits):
     _, pipe = models_["peaked"]
-    settings = dict(max_new_tokens=13, max_denoising_steps=steps, t_min=0.05, t_max=0.5, entropy_bound=1.0)
+    settings = dict(max_new_tokens=13, max_denoising_steps=waits, t_min=0.05, t_max=0.5, entropy_bound=1.0)
+    forced = 0
     for prompt in PROMPTS:
-        events = list(pipe.stream(prompt, seed=5, sliding=True, **settings))
+        steps, events = stepped(pipe, prompt, 5, **settings)
         result = events[-1].result
-        step_events = [e for e in events if isinstance(e, StepEvent)]
         commits = [e for e in events if isinstance(e, CommitEvent)]
         assert len(result.token_ids) == 13  # exactly the budget, not whole canvases
         assert sum((c.token_ids for c in commits), []) == result.token_ids
-        waited, committed = 0, iter(commits)
-        for event in step_events:
-            run = leading_run(event.accepted)
+        waited = 0
+        for read, new in steps:
+            step = next(e for e in new if isinstance(e, StepEvent))
+            commit = next((e for e in new if isinstance(e, CommitEvent)), None)
+            fixed = leading_run([a and t == r for a, t, r in zip(step.accepted, step.tokens, read)])
             waited += 1
-            assert event.stopped == (run > 0)
-            assert waited <= steps and (run > 0 or waited < steps)  # the front is kept at the latest at `steps`
-            if run:
-                commit = next(committed)
-                assert commit.token_ids == event.tokens[: len(commit.token_ids)]
-                assert len(commit.token_ids) == run or commit.finished  # cut only by the budget
-                waited = 0
-        assert next(committed, None) is None
-        assert result.stats.denoising_steps == len(step_events)
-        assert result.stats.forward_passes == len(step_events) + len(commits) - 1
+            assert step.stopped == (commit is not None)
+            if fixed:  # the run of kept positions that repeat what the step read, cut only by the budget
+                assert commit.token_ids == step.tokens[: len(commit.token_ids)]
+                assert len(commit.token_ids) == fixed or commit.finished
+            elif waited == waits:  # the front has waited its steps: kept and committed alone
+                assert step.accepted[0] and commit.token_ids == step.tokens[:1]
+                forced += 1
+            else:
+                assert commit is None
+            waited = 0 if commit else waited
+        assert result.stats.denoising_steps == len(steps)
+        assert result.stats.forward_passes == len(steps) + len(commits) - 1  # an encoder pass per commit but the last
         assert result.stats.canvases == len(commits)
+    assert forced  # the rule that guarantees progress was exercised
 
 
 @torch.no_grad()
@@ -78,7 +85,8 @@ def test_the_cache_holds_the_committed_text_and_the_canvas_moves_with_its_self_c
         if any(isinstance(e, DoneEvent) for e in events):
             break
         step = next(e for e in events if isinstance(e, StepEvent))
-        kept = leading_run(step.accepted)
+        commit = next((e for e in events if isinstance(e, CommitEvent)), None)
+        kept = 0 if commit is None else len(commit.token_ids)
         if not kept:
             assert row.canvas[0].tolist() == step.tokens
             continue
@@ -91,7 +99,7 @@ def test_the_cache_holds_the_committed_text_and_the_canvas_moves_with_its_self_c
         fresh = model.new_cache(1, row.cache.length + length)
         model.encode(torch.tensor([PROMPTS[0] + row.tokens]), fresh, logits="none")
         canvas = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
-        torch.testing.assert_close(model.denoise(canvas, row.cache), model.denoise(canvas, fresh))
+        torch.testing.assert_close(model.denoise(canvas, row.cache), model.denoise(canvas, fresh), rtol=1e-5, atol=1e-4)
     assert slides >= 2
 
 
@@ -118,3 +126,21 @@ def test_sliding_settings_that_cannot_work_are_refused(models_, settings, messag
     _, pipe = models_["gqa"]
     with pytest.raises(GenerationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         pipe.generate(PROMPTS[0], seed=1, max_new_tokens=8, **settings)
+
+
+@torch.no_grad()
+def test_in_half_precision_the_fed_back_probabilities_are_what_the_decoder_makes_of_the_scaled_logits(tmp_path):
+    """The sampler feeds self-conditioning back as probabilities in every dtype (so a sliding canvas's fresh
+    positions can get none); in bfloat16 they are the decoder's own softmax of the logits cast to bfloat16, so the
+    exact sampler's passes do not change by a bit."""
+    model, config, _, _ = load_model(save_checkpoint(make_reference("gqa"), tmp_path / "gqa"), dtype="bfloat16")
+    vocab, length = config.text.vocab_size, config.canvas_length
+    cache = model.new_cache(1, 32)
+    model.encode(torch.tensor([PROMPTS[0]]), cache, logits="none")
+    canvas = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(2))
+    processed = model.denoise(canvas, cache) / 0.7
+    outcome = StepOutcome(processed, torch.softmax(processed, -1), *([None] * 5))
+    fed_back = outcome.feedback(model.dtype)
+    assert fed_back.dtype == torch.float32
+    assert torch.equal(model.denoise(canvas, cache, self_conditioning_probs=fed_back),
+                       model.denoise(canvas, cache, processed.to(torch.bfloat16)))
