@@ -106,7 +106,9 @@ class DiffusionBatch:
         request that fails fails alone, so one caller's bad request cannot end another's (the server's
         scheduler): when the shared pass raises, each request's generator is put back and the requests are
         stepped one by one, as each would be stepped alone; a request whose own step raises is removed and
-        handed to `on_error(handle, exception)`, and the others get exactly the events they get alone.
+        handed to `on_error(handle, exception)`, and the others get exactly the events they get alone (but for a
+        sliding row whose last commit the failed step had already encoded: it reads that from its cache then, the
+        same step up to rounding).
         """
         if on_error is None or len(self.rows) == 1:
             return self._step(list(self.rows), on_error)
@@ -123,7 +125,8 @@ class DiffusionBatch:
         return events
 
     def _step(self, rows: list[RequestState], on_error: OnError | None) -> list[Event]:
-        """Step `rows` together. The shared pass moves nothing but the rows' generators before it can raise, and
+        """Step `rows` together. The shared pass moves nothing but the rows' generators (and sliding rows' caches,
+        `_shared_pass`) before it can raise, and
         raises unless it served one row and `on_error` is given; after it, each row's own work fails alone."""
         if len(rows) == 1:
             outcome = self._guarded(rows[0], on_error, self._shared_pass, rows)
@@ -141,10 +144,24 @@ class DiffusionBatch:
         return events
 
     def _shared_pass(self, rows: list[RequestState]) -> StepOutcome:
-        """The decoder pass over the rows' canvases and the canvas step; moves nothing but the generators."""
-        canvas = torch.cat([row.canvas for row in rows])
-        feedback, mask = self._self_conditioning(rows)
-        logits = denoise(self.model, canvas, self._cache(rows), feedback, mask)
+        """The decoder pass over the rows' canvases and the canvas step; moves nothing but the generators, and the
+        caches of sliding rows whose last commit it encodes.
+
+        A sliding row after a commit takes its own pass, which encodes the commit beside its moved canvas
+        (`encode_and_denoise`: one pass where a commit's encoder pass and the next step would be two), alone or
+        batched alike, so its tokens do not depend on its neighbours; the other rows share one pass."""
+        found: dict[int, torch.Tensor] = {}
+        for row in rows:
+            if row.pending is not None:
+                found[id(row)] = self.model.encode_and_denoise(row.pending[None], row.canvas, row.cache,
+                                                               row.self_conditioning)
+                row.pending = None
+        shared = [row for row in rows if id(row) not in found]
+        if shared:
+            feedback, mask = self._self_conditioning(shared)
+            logits = denoise(self.model, torch.cat([row.canvas for row in shared]), self._cache(shared), feedback, mask)
+            found.update((id(row), logits[i : i + 1]) for i, row in enumerate(shared))
+        logits = found[id(rows[0])] if len(rows) == 1 else torch.cat([found[id(row)] for row in rows])
         return denoise_step(logits, rows, self.model.config.vocab_size)
 
     def _advance(self, row: RequestState, outcome: StepOutcome, fed_back: torch.Tensor, j: int,
@@ -190,11 +207,11 @@ class DiffusionBatch:
         """Commit the row's canvas; then start its next canvas, or it is done and leaves."""
         events = list(_commit_canvas(row, row.canvases, self.decode))
         if not row.finished:
+            if row.settings.sliding:  # its canvas has moved on already (`_slide`); its next pass encodes the commit
+                row.pending = row.committed_canvas
+                return events
             # The next canvas sees the committed one through the cache, as the reference re-encodes it.
             self.model.encode(row.committed_canvas[None], row.cache, logits="none")
-            if row.settings.sliding:  # its canvas has moved on already (`_slide`); this pass counts as a forward
-                row.forward_passes += 1
-                return events
             self._start_canvas(row)
         else:
             events.append(row.done("diffusion", self.decode))

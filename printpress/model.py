@@ -642,16 +642,37 @@ class DiffusionGemma(nn.Module):
         (n, L, H): the caller turns only the realised outcome's positions into logits (`self.logits`), since the
         head over every canvas row would cost as much as a good part of the pass.
         """
-        if block.shape[0] != 1 or not cache.all_valid():
-            raise ValueError("verify_and_draft takes one unpadded sequence (batch 1)")
         m1, (n, length) = block.shape[1], canvases.shape
         if not 0 <= n <= m1:
             raise ValueError(f"{n} canvases for a block of {m1} tokens: at most one per outcome")
+        outcome = torch.arange(n, device=block.device).repeat_interleave(length)  # the outcome j of each canvas row
+        logits, hidden = self._encode_beside(block, canvases.reshape(1, n * length), outcome, cache, None)
+        return logits, hidden.view(n, length, -1)
+
+    def encode_and_denoise(self, block: torch.Tensor, canvas: torch.Tensor, cache: KVCache,
+                           self_conditioning_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """`encode(block)` and then `denoise(canvas)` after it, in one forward pass (a sliding canvas's step after a
+        commit): `block` (1, m) is written to the cache exactly as `encode` writes it, and the canvas (1, L) sits right
+        after it in decoder mode, self-conditioned on `self_conditioning_probs` (1, L, V) when given. The canvas's
+        float32 logits (1, L, V) are `denoise`'s up to rounding (more rows per GEMM, another key order). Batch 1."""
+        outcome = torch.full((canvas.shape[1],), block.shape[1] - 1, device=block.device)
+        _, hidden = self._encode_beside(block, canvas, outcome, cache, self_conditioning_probs, block_logits=False)
+        return self.logits(hidden)
+
+    def _encode_beside(self, block: torch.Tensor, canvas_rows: torch.Tensor, outcome: torch.Tensor, cache: KVCache,
+                       probs: torch.Tensor | None, block_logits: bool = True):
+        """The fused pass: `block` encoded after the cache, and canvas rows (1, R) in decoder mode, row r after the
+        block's first outcome[r] + 1 tokens (`_fused_mask`). Returns the block's logits (None unless
+        `block_logits`) and the canvas rows' final hidden states (1, R, H)."""
+        if block.shape[0] != 1 or not cache.all_valid():
+            raise ValueError("a fused encoder and decoder pass takes one unpadded sequence (batch 1)")
+        m1 = block.shape[1]
         cache.check_room(m1)
         start, device = cache.length, block.device
         block_positions = torch.arange(start, start + m1, device=device)
-        outcome = torch.arange(n, device=device).repeat_interleave(length)  # the outcome j of each canvas row
-        canvas_positions = start + 1 + outcome + torch.arange(length, device=device).repeat(n)
+        _, counts = torch.unique_consecutive(outcome, return_counts=True)  # a canvas per outcome, rows in order
+        within = torch.arange(outcome.numel(), device=device) - (counts.cumsum(0) - counts).repeat_interleave(counts)
+        canvas_positions = start + 1 + outcome + within
         positions = torch.cat([block_positions, canvas_positions])
         masks = Masks(
             sliding=self._fused_mask(cache, block_positions, outcome, sliding=True) if self._has(True) else None,
@@ -669,11 +690,11 @@ class DiffusionGemma(nn.Module):
             past_k, past_v = cache.full_with_block(index, block_k, block_v)  # the block written, as `encode` does
             return torch.cat([past_k, canvas_k], dim=2), torch.cat([past_v, canvas_v], dim=2)
 
-        x = torch.cat([self.embed(block), self.embed_canvas(canvases.reshape(1, n * length), None)], dim=1)
-        is_encoder = torch.arange(m1 + n * length, device=device) < m1
+        x = torch.cat([self.embed(block), self.embed_canvas(canvas_rows, None, probs=probs)], dim=1)
+        is_encoder = torch.arange(x.shape[1], device=device) < m1
         hidden = self.run_layers(x, cache.row_positions(positions), masks, kv_fn, encoder=is_encoder)
         cache.advance(m1, None)
-        return self.logits(hidden[0, :m1]), hidden[0, m1:].view(n, length, -1)
+        return (self.logits(hidden[0, :m1]) if block_logits else None), hidden[:, m1:]
 
     def _fused_mask(self, cache: KVCache, block_positions: torch.Tensor, outcome: torch.Tensor,
                     sliding: bool) -> torch.Tensor:

@@ -121,6 +121,7 @@ class RequestState:
     tracker: StabilityTracker | None = None
     step: int = 0  # steps left in this canvas: N at its start, 0 when it runs out
     committed_canvas: torch.Tensor | None = None
+    pending: torch.Tensor | None = None  # a sliding canvas's last commit, which its next pass encodes (diffusion.py)
 
     @classmethod
     def start(cls, index: int, request: Request, device: torch.device, budget: int,

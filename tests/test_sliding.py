@@ -65,13 +65,13 @@ def test_each_step_commits_its_leading_fixed_points_and_the_front_waits_at_most_
                 assert commit is None
             waited = 0 if commit else waited
         assert result.stats.denoising_steps == len(steps)
-        assert result.stats.forward_passes == len(steps) + len(commits) - 1  # an encoder pass per commit but the last
+        assert result.stats.forward_passes == len(steps)  # each commit is encoded within the next step's pass
         assert result.stats.canvases == len(commits)
     assert forced  # the rule that guarantees progress was exercised
 
 
 @torch.no_grad()
-def test_the_cache_holds_the_committed_text_and_the_canvas_moves_with_its_self_conditioning(models_):
+def test_the_cache_holds_the_text_before_the_last_commit_and_the_canvas_moves_with_its_self_conditioning(models_):
     _, pipe = models_["peaked"]
     model, length = pipe.model, pipe.canvas_length
     settings = pipe.settings(max_new_tokens=20, max_denoising_steps=2, t_min=0.05, t_max=0.5, entropy_bound=1.0,
@@ -94,13 +94,38 @@ def test_the_cache_holds_the_committed_text_and_the_canvas_moves_with_its_self_c
         assert row.canvas[0, : length - kept].tolist() == step.tokens[kept:]
         assert not row.self_conditioning[0, length - kept :].any()  # fresh noise: no signal
         assert row.self_conditioning[0, : length - kept].sum(-1).allclose(torch.ones(length - kept))
-        # The decoder reads the committed text from the cache exactly as a fresh encoding of it gives it.
-        assert row.cache.length == len(PROMPTS[0]) + len(row.tokens)
+        # The commit waits for the next step's pass; the text before it is in the cache as a fresh encoding gives it.
+        assert row.pending.tolist() == commit.token_ids
+        assert row.cache.length == len(PROMPTS[0]) + len(row.tokens) - kept
         fresh = model.new_cache(1, row.cache.length + length)
-        model.encode(torch.tensor([PROMPTS[0] + row.tokens]), fresh, logits="none")
+        model.encode(torch.tensor([PROMPTS[0] + row.tokens[: len(row.tokens) - kept]]), fresh, logits="none")
         canvas = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
         torch.testing.assert_close(model.denoise(canvas, row.cache), model.denoise(canvas, fresh), rtol=1e-5, atol=1e-4)
     assert slides >= 2
+
+
+@torch.no_grad()
+def test_a_commit_encoded_beside_the_next_canvas_is_encode_then_denoise(models_):
+    """The sliding step after a commit is one pass (`encode_and_denoise`): the cache as `encode` writes it, and the
+    canvas's logits as `denoise` gives them after it, self-conditioned or not, up to rounding."""
+    _, pipe = models_["gqa"]
+    model, length, vocab = pipe.model, pipe.canvas_length, pipe.config.text.vocab_size
+    gen = torch.Generator().manual_seed(4)
+    for prompt, block in ((PROMPTS[0], 3), (PROMPTS[2], 1), (PROMPTS[1], 20)):  # the last crosses the sliding window
+        tokens = torch.randint(0, vocab, (1, block), generator=gen)
+        canvas = torch.randint(0, vocab, (1, length), generator=gen)
+        probs = torch.softmax(torch.randn(1, length, vocab, generator=gen), -1)
+        for signal in (None, probs):
+            fused, apart = model.new_cache(1, 64), model.new_cache(1, 64)
+            for cache in (fused, apart):
+                model.encode(torch.tensor([prompt]), cache, logits="none")
+            logits = model.encode_and_denoise(tokens, canvas, fused, signal)
+            model.encode(tokens, apart, logits="none")
+            torch.testing.assert_close(logits, model.denoise(canvas, apart, self_conditioning_probs=signal),
+                                       rtol=1e-4, atol=1e-4)
+            assert fused.length == apart.length == len(prompt) + block
+            after = torch.randint(0, vocab, (1, length), generator=gen)  # what each cache now gives a decoder pass
+            torch.testing.assert_close(model.denoise(after, fused), model.denoise(after, apart), rtol=1e-4, atol=1e-4)
 
 
 def test_sliding_rows_batched_get_what_each_gets_alone(models_):
@@ -144,3 +169,20 @@ def test_in_half_precision_the_fed_back_probabilities_are_what_the_decoder_makes
     assert fed_back.dtype == torch.float32
     assert torch.equal(model.denoise(canvas, cache, self_conditioning_probs=fed_back),
                        model.denoise(canvas, cache, processed.to(torch.bfloat16)))
+
+
+def test_the_bench_counts_a_sliding_steps_fused_pass_as_one_pass(models_):
+    """`printpress bench` counts passes at the model (`MeteredModel`): the prompt's encoder pass, then one pass per
+    step, the steps after a commit included (they encode it beside the canvas)."""
+    from printpress.eval.bench_sides import MeteredModel
+    from printpress.pipeline import Pipeline
+
+    _, pipe = models_["peaked"]
+    metered = MeteredModel(pipe.model)
+    on_meter = Pipeline(metered, pipe.config, pipe.generation_config, pipe.tokenizer)
+    settings = dict(max_new_tokens=13, max_denoising_steps=2, t_min=0.05, t_max=0.5, entropy_bound=1.0, sliding=True)
+    result = on_meter.generate(PROMPTS[0], seed=5, **settings)
+    assert result.token_ids == pipe.generate(PROMPTS[0], seed=5, **settings).token_ids
+    assert result.stats.canvases > 2  # commits that the next step's pass encoded
+    assert metered.trace.encoder_calls == 1
+    assert metered.trace.decoder_calls == result.stats.forward_passes == result.stats.denoising_steps

@@ -141,8 +141,10 @@ class Trace:
 
 class MeteredModel:
     """A model whose network passes are counted and timed into `trace`: `encode` (the prefill, AR steps, the pass
-    that caches a committed canvas, speculative verifications) and `denoise` (decoder passes). Every other
-    attribute is the model's own, so a `Pipeline` built on it decodes exactly as on the model.
+    that caches a committed canvas, speculative verifications) and `denoise` (decoder passes), and the passes that
+    do both at once as one decoder pass each (`verify_and_draft`: a fused speculative round; `encode_and_denoise`:
+    a sliding canvas's step after a commit). Every other attribute is the model's own, so a `Pipeline` built on it
+    decodes exactly as on the model.
 
     Recording is two counters and a clock read per pass, next to nothing beside a forward.
     """
@@ -162,8 +164,17 @@ class MeteredModel:
         return out
 
     def denoise(self, *args, **kwargs):
+        return self._decoder_pass(self.model.denoise, *args, **kwargs)
+
+    def verify_and_draft(self, *args, **kwargs):
+        return self._decoder_pass(self.model.verify_and_draft, *args, **kwargs)
+
+    def encode_and_denoise(self, *args, **kwargs):
+        return self._decoder_pass(self.model.encode_and_denoise, *args, **kwargs)
+
+    def _decoder_pass(self, method, *args, **kwargs):
         start = time.perf_counter()
-        out = self.model.denoise(*args, **kwargs)
+        out = method(*args, **kwargs)
         self.trace.decoder_calls += 1
         self.trace.decoder_s += time.perf_counter() - start
         return out
