@@ -17,8 +17,8 @@ from printpress.cache import StackedCache
 from printpress.canvas import StepOutcome, advance, denoise, denoise_step, step_event
 from printpress.errors import GenerationError
 from printpress.events import CommitEvent, Decode, Event
-from printpress.request import Request, RequestState, check_prompts, model_device
-from printpress.sampling import canvases_for, pad_after_eos, uniform_tokens
+from printpress.request import Request, RequestState, check_prompts, model_device, new_token_budget
+from printpress.sampling import pad_after_eos, uniform_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +76,12 @@ class DiffusionBatch:
                                   "model has " + ("no draft table" if table is None else "a table without them")
                                   + ": make one with `printpress draft-table MODEL`")
         settings = request.settings
+        room = new_token_budget(settings, self.canvas_length)  # the positions the request's text and canvas take
         # A sliding canvas commits up to max_new_tokens and reads its canvas after them; others commit whole canvases.
-        budget = settings.max_new_tokens if settings.sliding else (
-            canvases_for(settings.max_new_tokens, self.canvas_length) * self.canvas_length)
+        budget = settings.max_new_tokens if settings.sliding else room
         row = RequestState.start(handle, request, self.device, budget, step_events=step_events)
         prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-        row.cache = self.model.new_cache(1, prompt.shape[1] + budget + (self.canvas_length if settings.sliding else 0))
+        row.cache = self.model.new_cache(1, prompt.shape[1] + room)
         self.model.encode(prompt, row.cache, logits="none")
         self._start_canvas(row)
         self.rows.append(row)

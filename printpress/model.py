@@ -646,7 +646,7 @@ class DiffusionGemma(nn.Module):
         if not 0 <= n <= m1:
             raise ValueError(f"{n} canvases for a block of {m1} tokens: at most one per outcome")
         outcome = torch.arange(n, device=block.device).repeat_interleave(length)  # the outcome j of each canvas row
-        logits, hidden = self._encode_beside(block, canvases.reshape(1, n * length), outcome, cache, None)
+        logits, hidden = self._encode_beside(block, canvases.reshape(1, n * length), outcome, length, cache, None)
         return logits, hidden.view(n, length, -1)
 
     def encode_and_denoise(self, block: torch.Tensor, canvas: torch.Tensor, cache: KVCache,
@@ -656,13 +656,14 @@ class DiffusionGemma(nn.Module):
         after it in decoder mode, self-conditioned on `self_conditioning_probs` (1, L, V) when given. The canvas's
         float32 logits (1, L, V) are `denoise`'s up to rounding (more rows per GEMM, another key order). Batch 1."""
         outcome = torch.full((canvas.shape[1],), block.shape[1] - 1, device=block.device)
-        _, hidden = self._encode_beside(block, canvas, outcome, cache, self_conditioning_probs, block_logits=False)
+        _, hidden = self._encode_beside(block, canvas, outcome, canvas.shape[1], cache, self_conditioning_probs,
+                                        block_logits=False)
         return self.logits(hidden)
 
-    def _encode_beside(self, block: torch.Tensor, canvas_rows: torch.Tensor, outcome: torch.Tensor, cache: KVCache,
-                       probs: torch.Tensor | None, block_logits: bool = True):
-        """The fused pass: `block` encoded after the cache, and canvas rows (1, R) in decoder mode, row r after the
-        block's first outcome[r] + 1 tokens (`_fused_mask`). Returns the block's logits (None unless
+    def _encode_beside(self, block: torch.Tensor, canvas_rows: torch.Tensor, outcome: torch.Tensor, length: int,
+                       cache: KVCache, probs: torch.Tensor | None, block_logits: bool = True):
+        """The fused pass: `block` encoded after the cache, and canvas rows (1, R) in decoder mode, canvases of `length`
+        rows one after another, row r after the block's first outcome[r] + 1 tokens (`_fused_mask`). Returns the block's logits (None unless
         `block_logits`) and the canvas rows' final hidden states (1, R, H)."""
         if block.shape[0] != 1 or not cache.all_valid():
             raise ValueError("a fused encoder and decoder pass takes one unpadded sequence (batch 1)")
@@ -670,9 +671,7 @@ class DiffusionGemma(nn.Module):
         cache.check_room(m1)
         start, device = cache.length, block.device
         block_positions = torch.arange(start, start + m1, device=device)
-        _, counts = torch.unique_consecutive(outcome, return_counts=True)  # a canvas per outcome, rows in order
-        within = torch.arange(outcome.numel(), device=device) - (counts.cumsum(0) - counts).repeat_interleave(counts)
-        canvas_positions = start + 1 + outcome + within
+        canvas_positions = start + 1 + outcome + torch.arange(outcome.numel(), device=device) % length
         positions = torch.cat([block_positions, canvas_positions])
         masks = Masks(
             sliding=self._fused_mask(cache, block_positions, outcome, sliding=True) if self._has(True) else None,
