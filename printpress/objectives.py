@@ -89,6 +89,12 @@ class DiffusionSettings:
     # Such a row is not a sampler-state row. 0 turns it off. Measured (docs/benchmarks.md §8, the code model's
     # seventh round): at 0.5 it narrows the text and closes little of the decoder's gap there; no recipe uses it.
     left_to_right: float = 0.0
+    # Rolling rows: the share of rows (not draft rows, not left-to-right rows) whose canvases are noised more towards
+    # their end, each position i of a canvas with probability t0 + (1 - t0) (i + 1) / block, t0 ~ U(0, 1) per canvas
+    # (`rolling_noise`): the shape of the canvas the sliding sampler denoises, its front long revised and its end
+    # fresh noise. Unlike left-to-right rows they stay sampler-state rows (their most certain noised positions, most
+    # often near the front, may take the first pass's samples, as the sliding sampler's front holds its own). 0 = off.
+    rolling: float = 0.0
 
 
 def block_diffusion_masks(length: int, block: int, sliding_window: int, device=None) -> Masks:
@@ -156,6 +162,8 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
     redrawn from the table (`table_noise`), chosen and drawn after everything else, so the other draws stay the same.
     With `settings.left_to_right` > 0, that share of the rows that are not draft rows is noised left to right
     instead (`left_to_right_noise`; t becomes each canvas's noised share), chosen and drawn after all of that.
+    With `settings.rolling` > 0, that share of the rows that are neither draft nor left-to-right rows is noised
+    more towards each canvas's end (`rolling_noise`; t becomes each canvas's mean level), chosen and drawn last.
     """
     if settings.table_noise > 0 and table is None:
         raise ValueError("table_noise draws noise from a draft table, and none was given")
@@ -184,10 +192,15 @@ def row_noise(tokens: torch.Tensor, first_row: int, step: int, seed: int, settin
         if settings.table_noise > 0 and not drafted:  # a table is there: checked above
             if float(torch.rand(1, generator=g)) < settings.table_noise:
                 row = table_noise(tokens[offset : offset + 1], row, table, settings.block, g)
-        if settings.left_to_right > 0 and not drafted and float(torch.rand(1, generator=g)) < settings.left_to_right:
+        left_to_right = (settings.left_to_right > 0 and not drafted
+                         and float(torch.rand(1, generator=g)) < settings.left_to_right)
+        if left_to_right:
             row, t = left_to_right_noise(tokens[offset : offset + 1], settings.block, vocab_size, g)
             if keep:
                 keep[-1] = torch.zeros(1)
+        if (settings.rolling > 0 and not drafted and not left_to_right
+                and float(torch.rand(1, generator=g)) < settings.rolling):
+            row, t = rolling_noise(tokens[offset : offset + 1], settings.block, vocab_size, g)
         noisy.append(row)
         levels.append(t)
         use.append(flag)
@@ -229,6 +242,20 @@ def left_to_right_noise(tokens: torch.Tensor, block: int, vocab_size: int,
     at = torch.arange(length, device=tokens.device) % block
     noised = at >= first_noised.repeat_interleave(block, dim=1)
     return torch.where(noised, noise, tokens), (block - first_noised).float() / block
+
+
+def rolling_noise(tokens: torch.Tensor, block: int, vocab_size: int,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every canvas of `tokens` (B, L) noised more towards its end: position i (0-based) replaced by a uniform
+    token with probability t0 + (1 - t0) (i + 1) / block, t0 drawn from U(0, 1) per canvas, so the last position is
+    always noise; returns (noisy, t), t (B, L // block) each canvas's mean level."""
+    batch, length = tokens.shape
+    start = torch.rand(batch, length // block, generator=generator, device=tokens.device)
+    ramp = (torch.arange(block, device=tokens.device) + 1).float() / block
+    levels = start[..., None] + (1 - start[..., None]) * ramp  # (B, canvases, block)
+    replace = torch.rand(batch, length, generator=generator, device=tokens.device) < levels.view(batch, length)
+    noise = torch.randint(0, vocab_size, tokens.shape, generator=generator, device=tokens.device)
+    return torch.where(replace, noise, tokens), levels.mean(-1)
 
 
 def draft_noise(tokens: torch.Tensor, block: int, vocab_size: int, generator: torch.Generator | None,
@@ -533,7 +560,7 @@ def evaluate_losses(step: Callable[..., dict[str, torch.Tensor]], windows: Seque
     number of ranks, so two evaluations differ only by the weights.
     """
     settings = dataclasses.replace(settings, draft_fraction=0.0, table_noise=0.0,  # comparable across runs
-                                   left_to_right=0.0)
+                                   left_to_right=0.0, rolling=0.0)
     sums: dict[str, float] = {}
     for index, tokens in enumerate(windows):
         noise = None

@@ -92,6 +92,9 @@ class TrainSettings:
     # Left-to-right rows (objectives.left_to_right_noise): the share of rows whose canvases are clean before a random
     # position and noise from it on, the states a sampler committing from the left visits; 0 = off.
     left_to_right: float = 0.0
+    # Rolling rows (objectives.rolling_noise): the share of rows whose canvases are noised more towards their end, the
+    # shape of the sliding sampler's canvas; 0 = off.
+    rolling: float = 0.0
     fsdp: bool = False
     # Where the steps run: cpu, or cuda (one process on one GPU). The data, the noise and every random draw stay on
     # the CPU (the same draws on any device) and only the batch moves; checkpoints are saved from the CPU.
@@ -143,6 +146,8 @@ class TrainSettings:
         need(self.table_noise == 0 or self.objective != "ar", "table_noise needs a diffusion or joint objective")
         need(0 <= self.left_to_right <= 1, f"left_to_right must be in [0, 1] (got {self.left_to_right})")
         need(self.left_to_right == 0 or self.objective != "ar", "left_to_right needs a diffusion or joint objective")
+        need(0 <= self.rolling <= 1, f"rolling must be in [0, 1] (got {self.rolling})")
+        need(self.rolling == 0 or self.objective != "ar", "rolling needs a diffusion or joint objective")
         need(self.device == "cpu" or self.device.split(":")[0] == "cuda",
              f"device {self.device!r} is not cpu or cuda (cuda:N for another GPU)")
         need(self.precision in ("float32", "bfloat16"), f"precision {self.precision!r} is not float32 or bfloat16")
