@@ -38,7 +38,9 @@ def add_sampler_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()
         if s.name in skip:
             continue
         if s.kind is bool:
-            sampler.add_argument(s.flag, dest=s.name, action="store_true", default=None, help=s.help)
+            # --x / --no-x: a checkpoint may make a flag its default (sliding), so it can be turned off too
+            sampler.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None,
+                                 help=s.help)
         else:  # token ids are read as text and parsed with the other values (`sampler_overrides`)
             sampler.add_argument(s.flag, dest=s.name, type=str if s.kind is tuple else s.kind, default=None,
                                  help=s.help, metavar=s.wire.upper())
@@ -88,7 +90,10 @@ def sampler_flags_given(args: argparse.Namespace) -> list[str]:
     for s in SETTINGS:
         value = getattr(args, s.name, None)
         if value is not None:
-            words += [s.flag] if s.kind is bool else [s.flag, str(value)]
+            if s.kind is bool:
+                words += [s.flag if value else "--no-" + s.flag[2:]]
+            else:
+                words += [s.flag, str(value)]
     if args.dtype != "float32":
         words += ["--dtype", args.dtype]
     if args.device != "cpu":

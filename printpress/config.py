@@ -282,7 +282,7 @@ _AR_KEYS = ("do_sample", "temperature", "top_k")
 # printpress's own generation defaults (GenerationConfig.printpress_dict), beside generation_config.json: transformers'
 # DiffusionGemmaGenerationConfig raises on any key it does not know, so they cannot go in that file.
 PRINTPRESS_GENERATION_FILE = "printpress_generation.json"
-PRINTPRESS_GENERATION_KEYS = ("window_lead",)
+PRINTPRESS_GENERATION_KEYS = ("window_lead", "sliding")
 
 
 @dataclass
@@ -299,6 +299,7 @@ class GenerationConfig:
     # printpress's own sampler defaults, which the reference's generation config refuses as unknown keys: stored in
     # PRINTPRESS_GENERATION_FILE beside generation_config.json (`printpress_dict`), read back merged into it.
     window_lead: float = 0.0  # the left-to-right window (0: off, as the reference; printpress.settings)
+    sliding: bool = False  # the sliding canvas (off, as the reference; printpress.settings)
     eos_token_id: list[int] | None = None
     pad_token_id: int | None = 0
     bos_token_id: int | None = 2
@@ -355,6 +356,7 @@ class GenerationConfig:
             need(_integer(getattr(self, name)), name, "an integer")
         for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold", "window_lead", "temperature"):
             need(_number(getattr(self, name)), name, "a number")
+        need(isinstance(self.sliding, bool), "sliding", "true or false")
         need(self.top_k is None or _integer(self.top_k), "top_k", "an integer or null")
         for name in ("pad_token_id", "bos_token_id"):
             need(getattr(self, name) is None or _integer(getattr(self, name)), name, "a token id or null")
@@ -378,7 +380,8 @@ class GenerationConfig:
 
     def printpress_dict(self) -> dict[str, Any]:
         """The defaults of printpress's own settings that are set (`PRINTPRESS_GENERATION_FILE`); {} when none is."""
-        return {key: float(getattr(self, key)) for key in PRINTPRESS_GENERATION_KEYS if getattr(self, key)}
+        values = {key: getattr(self, key) for key in PRINTPRESS_GENERATION_KEYS if getattr(self, key)}
+        return {key: value if isinstance(value, bool) else float(value) for key, value in values.items()}
 
     def _ar_sampling_dict(self) -> dict[str, Any]:
         """AR sampling in transformers' keys, written only when it is not printpress's default (so a default

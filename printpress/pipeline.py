@@ -224,9 +224,11 @@ class Pipeline:
             settings = settings.scale_schedule(settings.temperature)
         if settings.mode == "speculative" and settings.draft_source == "auto" and wants_diffusion_drafts:
             settings = settings.with_overrides(draft_source="diffusion")
-        if settings.window_lead and settings.mode not in BY_NAME["window_lead"].modes:
-            # A checkpoint's window is a diffusion default: speculative drafts share the canvas step, and open whole.
-            settings = settings.with_overrides(window_lead=0.0)
+        for name in DIFFUSION_DEFAULTS:
+            if getattr(settings, name) and settings.mode not in BY_NAME[name].modes:
+                # A checkpoint's window or sliding canvas is a diffusion default: speculative drafts share the canvas
+                # step, open whole and do not slide.
+                settings = settings.with_overrides(**{name: BY_NAME[name].default})
         return settings
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
@@ -341,6 +343,9 @@ class Pipeline:
 
 # What a caller may set per request and find in the settings: every stored setting (the pad id is the checkpoint's).
 SETTING_NAMES = {s.name for s in SETTINGS if s.stored}
+# Checkpoint defaults of diffusion mode that the canvas step it shares with speculative drafts reads
+# (`canvas.denoise_step`): outside diffusion mode they go back to their off value.
+DIFFUSION_DEFAULTS = ("window_lead", "sliding")
 
 
 def _is_token(value: object) -> bool:

@@ -235,7 +235,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sliding", bool, "mode diffusion: slide the canvas along the text: each step commits its leading "
             "positions whose sample repeats the token the step read there (the first position after at most `steps` "
             "steps) to the cache and appends as much noise; not the reference's sampler (opt-in)", default=False,
-            modes=("diffusion",), check=_flag, http={}),
+            checkpoint="sliding", modes=("diffusion",), check=_flag, http={}),
     # Opt-in, not token-exact to the reference: draw samples only at the positions the entropy bound accepts. The
     # tokens follow the same distribution (a sample at a re-noised position is thrown away anyway), but the random
     # stream differs, and the multinomial over canvas x vocabulary shrinks.

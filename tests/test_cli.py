@@ -416,3 +416,6 @@ def test_the_runtime_flags_given_are_spelled_back_for_a_reproducing_command():
     assert load_options(args)["canvas_length"] == 16
     none = parser.parse_args([])
     assert sampler_flags_given(none) == [] and load_options(none)["canvas_length"] is None
+    flags = parser.parse_args(["--no-sliding", "--sample-accepted-only"])  # a flag a checkpoint may default to on
+    assert (flags.sliding, flags.sample_accepted_only) == (False, True)
+    assert sampler_flags_given(flags) == ["--no-sliding", "--sample-accepted-only"]
