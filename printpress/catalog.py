@@ -78,6 +78,7 @@ def describe(folder: Path, name: str, source: str, model: str, size_bytes: int, 
         entry.decoding = {"max_new_tokens": generation.max_new_tokens, "steps": generation.max_denoising_steps,
                           "entropy_bound": generation.entropy_bound, "t_max": generation.t_max,
                           "t_min": generation.t_min, "window_lead": generation.window_lead,
+                          "sliding": generation.sliding, "sliding_steps": generation.sliding_steps,
                           "ar_temperature": generation.temperature, "ar_top_k": generation.top_k}
         objective = optional_json(folder / "card.json").get("objective")
         entry.objective = objective if isinstance(objective, str) else None
@@ -200,6 +201,8 @@ def decoding_summary(decoding: dict[str, Any] | None) -> str:
     diffusion = f"{decoding['steps']} steps, entropy {decoding['entropy_bound']:g}"
     if decoding.get("window_lead"):
         diffusion += f", window {decoding['window_lead']:g}"
+    if decoding.get("sliding"):  # the whole-canvas schedule above is what editing and --no-sliding get
+        diffusion = f"sliding, {decoding.get('sliding_steps') or decoding['steps']} steps (whole canvases: {diffusion})"
     temperature, top_k = decoding["ar_temperature"], decoding["ar_top_k"]
     ar = "greedy" if temperature == 0 else f"T {temperature:g}" + (f", top-k {top_k}" if top_k else "")
     return f"{diffusion}; AR {ar}"

@@ -282,7 +282,7 @@ _AR_KEYS = ("do_sample", "temperature", "top_k")
 # printpress's own generation defaults (GenerationConfig.printpress_dict), beside generation_config.json: transformers'
 # DiffusionGemmaGenerationConfig raises on any key it does not know, so they cannot go in that file.
 PRINTPRESS_GENERATION_FILE = "printpress_generation.json"
-PRINTPRESS_GENERATION_KEYS = ("window_lead", "sliding")
+PRINTPRESS_GENERATION_KEYS = ("window_lead", "sliding", "sliding_steps")
 
 
 @dataclass
@@ -300,6 +300,9 @@ class GenerationConfig:
     # PRINTPRESS_GENERATION_FILE beside generation_config.json (`printpress_dict`), read back merged into it.
     window_lead: float = 0.0  # the left-to-right window (0: off, as the reference; printpress.settings)
     sliding: bool = False  # the sliding canvas (off, as the reference; printpress.settings)
+    # The sliding front's wait, max_denoising_steps while the canvas slides and a request names no steps (0: the same
+    # as a whole canvas's); a sliding canvas does best with far fewer than a whole one (docs/benchmarks.md §8).
+    sliding_steps: int = 0
     eos_token_id: list[int] | None = None
     pad_token_id: int | None = 0
     bos_token_id: int | None = 2
@@ -357,6 +360,7 @@ class GenerationConfig:
         for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold", "window_lead", "temperature"):
             need(_number(getattr(self, name)), name, "a number")
         need(isinstance(self.sliding, bool), "sliding", "true or false")
+        need(_integer(self.sliding_steps) and self.sliding_steps >= 0, "sliding_steps", "an integer >= 0")
         need(self.top_k is None or _integer(self.top_k), "top_k", "an integer or null")
         for name in ("pad_token_id", "bos_token_id"):
             need(getattr(self, name) is None or _integer(getattr(self, name)), name, "a token id or null")
@@ -381,7 +385,7 @@ class GenerationConfig:
     def printpress_dict(self) -> dict[str, Any]:
         """The defaults of printpress's own settings that are set (`PRINTPRESS_GENERATION_FILE`); {} when none is."""
         values = {key: getattr(self, key) for key in PRINTPRESS_GENERATION_KEYS if getattr(self, key)}
-        return {key: value if isinstance(value, bool) else float(value) for key, value in values.items()}
+        return {key: float(value) if key == "window_lead" else value for key, value in values.items()}
 
     def _ar_sampling_dict(self) -> dict[str, Any]:
         """AR sampling in transformers' keys, written only when it is not printpress's default (so a default

@@ -186,8 +186,15 @@ class Pipeline:
     def default_settings(self) -> SamplerSettings:
         """The checkpoint's generation_config.json as sampler settings (each setting's `checkpoint` field)."""
         g = self.generation_config
-        return SamplerSettings(pad_token_id=g.pad_token_id,
-                               **{s.name: getattr(g, s.checkpoint) for s in SETTINGS if s.checkpoint})
+        settings = SamplerSettings(pad_token_id=g.pad_token_id,
+                                   **{s.name: getattr(g, s.checkpoint) for s in SETTINGS if s.checkpoint})
+        return settings.with_overrides(max_denoising_steps=self._canvas_steps(settings.sliding))
+
+    def _canvas_steps(self, sliding: bool) -> int:
+        """The checkpoint's steps for a diffusion canvas: its `sliding_steps` while the canvas slides (when set),
+        else its max_denoising_steps."""
+        g = self.generation_config
+        return g.sliding_steps if sliding and g.sliding_steps else g.max_denoising_steps
 
     def settings(self, **overrides) -> SamplerSettings:
         """Checkpoint defaults with the given overrides (any `SamplerSettings` field but the pad id, and
@@ -198,7 +205,9 @@ class Pipeline:
         stored in `max_denoising_steps` (which the draft loop reads; default `SPECULATIVE_DRAFT_STEPS`, not the
         checkpoint's canvas steps; given, it makes draft_source "auto" mean diffusion drafts); `temperature` in
         diffusion mode multiplies the t_max -> t_min schedule (`SamplerSettings.scale_schedule`), in AR and
-        speculative mode it is the causal head's temperature.
+        speculative mode it is the causal head's temperature. In diffusion mode, steps left out are the
+        checkpoint's for the sampler asked for: its `sliding_steps` (printpress_generation.json) for a sliding
+        canvas where it sets them, else its max_denoising_steps.
         """
         unknown = sorted(set(overrides) - {s.name for s in SETTINGS})
         if unknown:
@@ -218,6 +227,10 @@ class Pipeline:
                 check_setting("draft_steps", draft_steps)
             if overrides.get("max_denoising_steps") is None:
                 overrides["max_denoising_steps"] = SPECULATIVE_DRAFT_STEPS if draft_steps is None else draft_steps
+        if mode == "diffusion" and overrides.get("max_denoising_steps") is None:
+            # The checkpoint's steps for the sampler asked for: a sliding front waits its own (`sliding_steps`).
+            sliding = overrides.get("sliding")
+            overrides["max_denoising_steps"] = self._canvas_steps(defaults.sliding if sliding is None else sliding)
         settings = defaults.with_overrides(**overrides).validate()
         refuse_unread(settings.mode, overrides, defaults)  # an option the mode cannot honour is an error
         if settings.mode == "diffusion" and overrides.get("temperature") is not None:

@@ -82,8 +82,11 @@ def fmt_sample(row: dict) -> str:
 def default_generation(g) -> str:
     """The card's line of generation defaults."""
     window = f", window lead {g.window_lead}" if g.window_lead else ""
-    return (f"{g.max_denoising_steps} denoising steps, entropy bound {g.entropy_bound}, t {g.t_max}→{g.t_min}{window}, "
-            f"{g.max_new_tokens} new tokens")
+    canvas = f"{g.max_denoising_steps} denoising steps, entropy bound {g.entropy_bound}, t {g.t_max}→{g.t_min}{window}"
+    if g.sliding:  # whole canvases are what editing and --no-sliding get
+        canvas = (f"a sliding canvas, its front waiting at most {g.sliding_steps or g.max_denoising_steps} steps, "
+                  f"entropy bound {g.entropy_bound}, t {g.t_max}→{g.t_min} (whole canvases: {canvas})")
+    return f"{canvas}, {g.max_new_tokens} new tokens"
 
 
 def measure_samples(pipe, judge, prompts: list[str], objective: str) -> tuple[dict, list[tuple[str, list[dict]]]]:

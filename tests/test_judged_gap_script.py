@@ -62,3 +62,27 @@ def test_each_side_against_a_named_side_in_the_same_run_or_another(tmp_path, cap
     path.write_text(json.dumps(after))
     with pytest.raises(SystemExit, match="no side labelled 'greedy' to judge against"):
         judged_gap_script.main([str(path), "--versus", "greedy"])
+
+
+def test_a_report_judged_again_pairs_its_sides_by_the_added_scores():
+    """bench/rejudge.py: each side's samples scored in the report's order, the rows given the bench's figures."""
+    rejudge = bench_module("rejudge")
+
+    class Lengths:  # a judge whose NLL per character is the text's length, so every figure can be checked by hand
+        def nll_per_char_batch(self, pairs):
+            return [float(len(text)) for _, text in pairs]
+
+    report = run([0.0] * 4, [0.0] * 4)
+    for sample in report["samples"]:
+        own_ar = sample["side"] == "diffusion model, AR decoding"
+        sample["text"] = "ab" if own_ar else "abc" * (1 + sample["seed"] % 2)  # prompt q's seeds write twice as much
+    for row in report["rows"]:
+        del row["judge_gguf_nll_per_char"], row["judge_gguf_per_sample"]
+    report["judges"] = {"ar_twin": {}}
+    judged = rejudge.rejudge(report, Lengths(), "lengths")
+    fast = judged["rows"][1]
+    assert fast["judge_gguf_per_sample"] == [3.0, 6.0, 3.0, 6.0] and fast["judge_gguf_nll_per_char"] == 4.5
+    assert math.isclose(fast["judge_gguf_stderr"], 1.5)  # over prompts: p's mean 3, q's 6
+    assert judged["judges"]["gguf"]["model"] == "lengths, added by bench/rejudge.py"
+    (label, nll, gap, low, high), = judged_gap_script.gaps(judged, "gguf")
+    assert label == "diffusion, 8 steps" and math.isclose(gap, 4.5 / 2 - 1)

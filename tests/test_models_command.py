@@ -110,8 +110,8 @@ def test_the_shipped_models_are_listed_with_their_parameters(tmp_path):
         return next(line for line in lines if line.startswith(name + " "))
 
     assert "16 steps, entropy 4; AR T 0.8, top-k 50" in row("shakespeare-joint *")  # its generation_config.json
-    # stdlib-code's window default comes from its printpress_generation.json
-    assert "32 steps, entropy 1, window 1.5; AR T 0.8, top-k 50" in row("stdlib-code")
+    # stdlib-code's window and sliding defaults come from its printpress_generation.json
+    assert "sliding, 4 steps (whole canvases: 32 steps, entropy 1, window 1.5); AR T 0.8, top-k 50" in row("stdlib-code")
 
 
 def test_json_lists_the_same_models_and_round_trips(hub_cache, monkeypatch):

@@ -189,38 +189,52 @@ def test_the_bench_counts_a_sliding_steps_fused_pass_as_one_pass(models_):
 
 
 def test_a_checkpoint_can_make_sliding_its_default_for_diffusion_only(models_, tmp_path):
-    """`sliding: true` in printpress_generation.json: diffusion slides unless a request turns it off; speculative
-    drafts and editing denoise whole canvases as before; a save keeps the default."""
+    """`"sliding": true` in printpress_generation.json: diffusion slides unless a request turns it off, its front
+    waiting the checkpoint's `sliding_steps`; speculative drafts, editing and a request that turns sliding off get
+    whole canvases of the checkpoint's steps; a save keeps both defaults."""
     import json
 
     import printpress
     from printpress.errors import ConfigError
+    from printpress.eval.bench_sides import default_sides
 
     _, pipe = models_["peaked"]
+    steps = pipe.default_settings().max_denoising_steps
     folder = pipe.save_pretrained(tmp_path / "plain")
-    (folder / "printpress_generation.json").write_text(json.dumps({"sliding": True}))
+    (folder / "printpress_generation.json").write_text(json.dumps({"sliding": True, "sliding_steps": 2}))
     sliding = printpress.load(folder)
-    settings = dict(max_new_tokens=9, max_denoising_steps=3, t_min=0.05, t_max=0.5, entropy_bound=1.0)
+    assert sliding.default_settings().sliding and sliding.default_settings().max_denoising_steps == 2 != steps
+    settings = dict(max_new_tokens=9, t_min=0.05, t_max=0.5, entropy_bound=1.0)
     for prompt in PROMPTS:
-        expected = pipe.generate(prompt, seed=2, sliding=True, **settings)
-        assert sliding.generate(prompt, seed=2, **settings).token_ids == expected.token_ids
+        assert (sliding.generate(prompt, seed=2, **settings).token_ids
+                == pipe.generate(prompt, seed=2, sliding=True, max_denoising_steps=2, **settings).token_ids)
+        assert (sliding.generate(prompt, seed=2, max_denoising_steps=3, **settings).token_ids  # given steps win
+                == pipe.generate(prompt, seed=2, sliding=True, max_denoising_steps=3, **settings).token_ids)
         assert (sliding.generate(prompt, seed=2, sliding=False, **settings).token_ids
                 == pipe.generate(prompt, seed=2, **settings).token_ids)
-    assert sliding.default_settings().sliding and not pipe.default_settings().sliding
+    assert sliding.settings(sliding=False).max_denoising_steps == steps
     assert not sliding.settings(mode="speculative", draft_steps=2).sliding
     assert not sliding.settings(mode="ar").sliding
-    drafted = dict(mode="speculative", draft_steps=2, draft_source="diffusion", max_new_tokens=9, temperature=0)
+    drafted = dict(mode="speculative", draft_source="diffusion", max_new_tokens=9, temperature=0)
     assert (sliding.generate(PROMPTS[0], seed=3, **drafted).stats.forward_passes
             == pipe.generate(PROMPTS[0], seed=3, **drafted).stats.forward_passes)
-    edit = dict(length=4, seed=3, max_denoising_steps=3)
+    edit = dict(length=4, seed=3)
     assert sliding.infill([7, 9], [11, 13], **edit).middle_ids == pipe.infill([7, 9], [11, 13], **edit).middle_ids
     with pytest.raises(GenerationError, match="editing denoises its canvas in place .*; sliding does not apply"):
         sliding.infill([7, 9], [11, 13], sliding=True, **edit)
     with pytest.raises(GenerationError, match="it starts from noise, not canvas_start='table': leave canvas_start out "
                                               "or sliding off"):
         sliding.generate(PROMPTS[0], seed=1, canvas_start="table", **settings)
+    for side in default_sides([4], [1.0], [{"entropy_bound": 2.0}, {"sliding": True}]):  # a bench side names its sampler
+        if side.kind == "diffusion":
+            assert side.overrides["sliding"] is side.label.endswith("sliding True")
     saved = sliding.save_pretrained(tmp_path / "copy")
-    assert json.loads((saved / "printpress_generation.json").read_text()) == {"sliding": True}
-    (folder / "printpress_generation.json").write_text(json.dumps({"sliding": "yes"}))
-    with pytest.raises(ConfigError, match="invalid generation_config: sliding must be true or false"):
-        load_model(folder)
+    assert json.loads((saved / "printpress_generation.json").read_text()) == {"sliding": True, "sliding_steps": 2}
+    (folder / "printpress_generation.json").write_text(json.dumps({"sliding_steps": 2}))  # for an asked-for slide only
+    waits = printpress.load(folder)
+    assert waits.settings().max_denoising_steps == steps and waits.settings(sliding=True).max_denoising_steps == 2
+    for content, message in (({"sliding": "yes"}, "sliding must be true or false"),
+                             ({"sliding_steps": -1}, "sliding_steps must be an integer >= 0")):
+        (folder / "printpress_generation.json").write_text(json.dumps(content))
+        with pytest.raises(ConfigError, match=f"invalid generation_config: {message}"):
+            load_model(folder)

@@ -65,9 +65,11 @@ def default_sides(steps: list[int], bounds: list[float], extra: list[dict[str, A
     for n in steps:
         for bound in bounds:
             sides.append(Side(f"diffusion, {n} steps, bound {bound:g}", "diffusion",
-                              {"max_denoising_steps": n, "entropy_bound": bound}))
+                              {"sliding": False, "max_denoising_steps": n, "entropy_bound": bound}))
     for overrides in extra:
-        sides.append(Side(describe(overrides), "diffusion", overrides))
+        # A side names its sampler: whole canvases unless it asks for sliding=true, whatever the checkpoint's default.
+        whole = {"sliding": False} if overrides.get("mode", "diffusion") == "diffusion" else {}
+        sides.append(Side(describe(overrides), "diffusion", {**whole, **overrides}))
     if any(side.overrides.get("canvas_start") == "table" for side in sides):
         sides.append(Side(TABLE_CHAIN, "diffusion", chain=True))
     labels = [s.label for s in sides]

@@ -137,9 +137,7 @@ def summarize(side: Side, items: list[Sample], scores: dict[str, list[float]]) -
     row["whitespace_share"] = sum(c.isspace() for c in text) / len(text) if text else None
     row.update(diversity(texts))
     for judge, values in scores.items():
-        row[f"judge_{judge}_nll_per_char"] = _mean(values)
-        row[f"judge_{judge}_stderr"] = _stderr_over_prompts(values, prompts)
-        row[f"judge_{judge}_per_sample"] = values
+        row.update(summarize_judge(judge, values, prompts))
     if side.kind == "diffusion":
         row.update(confidence(items))
     if side.kind == "speculative":
@@ -148,6 +146,12 @@ def summarize(side: Side, items: list[Sample], scores: dict[str, list[float]]) -
         row["drafted_tokens"] = sum(s.extra.get("drafted_tokens", 0) for s in items)
         row["tokens_per_verification"] = tokens / row["verifications"] if row["verifications"] else None
     return row
+
+
+def summarize_judge(judge: str, values: list[float], prompts: list[str]) -> dict[str, Any]:
+    """A side's figures under one judge: the mean NLL per character, its standard error over prompts, each sample's."""
+    return {f"judge_{judge}_nll_per_char": _mean(values), f"judge_{judge}_stderr": _stderr_over_prompts(values, prompts),
+            f"judge_{judge}_per_sample": values}
 
 
 def compare_with_ar(rows: list[dict[str, Any]], samples: dict[str, list[Sample]]) -> dict[str, Any]:
