@@ -4,6 +4,8 @@ or, with --against, how each side of one run is judged against the same side of 
     python bench/judged_gap.py docs/results/levers/shipped-s19200.json [--judge gguf] [--match canvas_start]
     python bench/judged_gap.py docs/results/code/round4-light.json --against docs/results/code/round3b-light.json
     python bench/judged_gap.py docs/results/code/sliding.json --versus "diffusion, 8 steps, bound 4"
+    python bench/judged_gap.py docs/results/code/validity-sliding-smollm2.json --versus "diffusion, 32 steps, bound 1" \
+        --prompts-of docs/results/code/sliding-steps.json     (or --other-prompts-than: the rest of its prompts)
 
 Issue 11's quality target is relative: a diffusion side's judged NLL per character within 10% of AR sampling's on
 the same weights. One run's 72 samples leave that ratio uncertain by a few percent, which matters once a side sits
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 
 from printpress.eval.bench_sides import OWN_AR
 from printpress.eval.frontier import judged_gap
@@ -67,6 +71,22 @@ def gaps(report: dict, judge: str, match: str = "", against: dict | None = None,
     return out
 
 
+def restricted(report: dict, prompts: set[str], inside: bool) -> dict:
+    """`report` cut to the samples whose prompt is (`inside`) or is not among `prompts`, each row's per-sample figures
+    with them (so a run's sides can be judged on a subset of its prompts, e.g. those another run also drew)."""
+    rows = []
+    for row in report["rows"]:
+        keep = [(s["prompt"] in prompts) == inside for s in report["samples"] if s["side"] == row["label"]]
+        cut = {key: [v for v, k in zip(value, keep) if k] if key.endswith("_per_sample") else value
+               for key, value in row.items()}
+        for key in [key for key in cut if key.endswith("_per_sample")]:  # the means of what is left
+            values = [v for v in cut[key] if v is not None and not math.isnan(v)]
+            cut[key.replace("_per_sample", "_nll_per_char")] = statistics.fmean(values) if values else None
+        rows.append(cut)
+    samples = [s for s in report["samples"] if (s["prompt"] in prompts) == inside]
+    return {**report, "rows": rows, "samples": samples}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reports", nargs="+", help="`printpress bench --out` JSON files")
@@ -76,7 +96,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="a second run on the same prompts and seeds: each side judged against its namesake there")
     parser.add_argument("--versus", default=None, metavar="LABEL",
                         help="judge each side against the side of this label instead (in the --against run if given)")
+    parser.add_argument("--prompts-of", default=None, metavar="REPORT",
+                        help="only the samples whose prompt that report also drew")
+    parser.add_argument("--other-prompts-than", default=None, metavar="REPORT",
+                        help="only the samples whose prompt that report did not draw")
     args = parser.parse_args(argv)
+    subsets = []
+    for path, inside in ((args.prompts_of, True), (args.other_prompts_than, False)):
+        if path:
+            with open(path) as handle:
+                subsets.append(({s["prompt"] for s in json.load(handle)["samples"]}, inside))
     against = None
     if args.against:
         with open(args.against) as handle:
@@ -84,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.reports:
         with open(path) as handle:
             report = json.load(handle)
+        for prompts, inside in subsets:
+            report = restricted(report, prompts, inside)
         print(path if against is None else f"{path} against {args.against}")
         for label, nll, gap, low, high in gaps(report, args.judge, args.match, against, args.versus):
             where = f"against {args.versus!r}" if args.versus else "behind" if against is None else \

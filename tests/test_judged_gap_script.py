@@ -86,3 +86,14 @@ def test_a_report_judged_again_pairs_its_sides_by_the_added_scores():
     assert judged["judges"]["gguf"]["model"] == "lengths, added by bench/rejudge.py"
     (label, nll, gap, low, high), = judged_gap_script.gaps(judged, "gguf")
     assert label == "diffusion, 8 steps" and math.isclose(gap, 4.5 / 2 - 1)
+
+
+def test_sides_can_be_judged_on_the_prompts_another_run_drew_or_on_the_others(tmp_path, capsys):
+    report = run([1.0, 2.0, 1.0, 2.0], [1.1, 2.0, 1.1, 2.0])  # 10% behind on prompt p, level on q
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"samples": [{"prompt": "p", "seed": 9}]}))
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    for flag, line in (("--prompts-of", "1.100, +10.0% behind"), ("--other-prompts-than", "2.000, +0.0% behind")):
+        judged_gap_script.main([str(path), flag, str(other)])
+        assert capsys.readouterr().out.splitlines()[1].startswith(f"  diffusion, 8 steps: {line}")
