@@ -357,10 +357,12 @@ def test_flags_and_http_fields_are_derived_from_the_settings():
         runtime = {"-h", "--help", "--dtype", "--device", "--quantize", "--compile", "--canvas-length"}
         return {option for action in parser._actions for option in action.option_strings} - runtime
 
-    assert flags() == {s.flag for s in SETTINGS}
+    off = {"--no-" + s.flag[2:] for s in SETTINGS if s.kind is bool}  # an on/off flag can be turned off too
+    assert flags() == {s.flag for s in SETTINGS} | off
+    assert off == {"--no-sliding", "--no-sample-accepted-only", "--no-fused-draft"}
     assert flags(settings=EDITING) == {"--steps", "--entropy-bound", "--t-min", "--t-max", "--stability-threshold",
                                        "--confidence-threshold", "--temperature", "--sample-accepted-only",
-                                       "--window-lead", "--canvas-top-k"}
+                                       "--no-sample-accepted-only", "--window-lead", "--canvas-top-k"}
     wire = {s.wire for s in SETTINGS if s.http is not None}
     assert wire == {s.wire for s in SETTINGS} - {"max_new_tokens", "eos"}
     for request in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
