@@ -184,7 +184,8 @@ class Pipeline:
         return self.config.canvas_length
 
     def default_settings(self) -> SamplerSettings:
-        """The checkpoint's generation_config.json as sampler settings (each setting's `checkpoint` field)."""
+        """The checkpoint's generation defaults as sampler settings (each setting's `checkpoint` field, from
+        generation_config.json and printpress_generation.json); a sliding default comes with its `sliding_steps`."""
         g = self.generation_config
         settings = SamplerSettings(pad_token_id=g.pad_token_id,
                                    **{s.name: getattr(g, s.checkpoint) for s in SETTINGS if s.checkpoint})
