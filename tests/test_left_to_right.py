@@ -8,9 +8,6 @@ import pytest
 import torch
 
 from printpress.objectives import DiffusionSettings, left_to_right_noise, row_noise
-from printpress.train.loop import Trainer, TrainingError
-
-from helpers import run_config
 
 BLOCK, VOCAB = 8, 1000
 WIDE = 1_000_000  # noise drawn from this many ids equals a clean token (< VOCAB) about never
@@ -51,18 +48,3 @@ def test_left_to_right_rows_replace_a_share_of_rows_and_leave_the_others_noise_u
     starts = noised_suffix_starts(tokens[changed], noisy[changed])
     assert torch.equal(t[changed], (BLOCK - starts).float() / BLOCK)
     assert (keep[changed] == 0).all() and torch.equal(use, base[2])  # not sampler states; self-conditioning as drawn
-
-
-@pytest.mark.parametrize("change, message", [
-    (dict(left_to_right=1.5), r"left_to_right must be in \[0, 1\] \(got 1.5\)"),
-    (dict(left_to_right=0.5, objective="ar"), "left_to_right needs a diffusion or joint objective"),
-])
-def test_bad_left_to_right_settings_are_refused_by_name(corpus, tmp_path, change, message):
-    with pytest.raises(TrainingError, match=message):
-        Trainer(run_config(corpus, **change), tmp_path)
-
-
-def test_a_run_with_left_to_right_rows_trains(corpus, tmp_path):
-    trainer = Trainer(run_config(corpus, left_to_right=0.5, sampler_states=0.5, steps=2), tmp_path)
-    first = trainer.train_step()
-    assert first["diffusion"] > 0 and "ar" in first

@@ -1,4 +1,5 @@
-"""Rolling rows (`train.rolling`): canvases noised more towards their end, the sliding sampler's canvas."""
+"""Rolling rows (`train.rolling`): canvases noised more towards their end, the sliding sampler's canvas; and the
+checks the row shapes share (left-to-right rows' own draws: tests/test_left_to_right.py)."""
 
 from __future__ import annotations
 
@@ -50,15 +51,18 @@ def test_rolling_rows_replace_a_share_of_the_other_rows_and_leave_those_rows_noi
 
 
 @pytest.mark.parametrize("change, message", [
+    (dict(left_to_right=1.5), r"left_to_right must be in \[0, 1\] \(got 1.5\)"),
+    (dict(left_to_right=0.5, objective="ar"), "left_to_right needs a diffusion or joint objective"),
     (dict(rolling=-0.1), r"rolling must be in \[0, 1\] \(got -0.1\)"),
     (dict(rolling=0.5, objective="ar"), "rolling needs a diffusion or joint objective"),
 ])
-def test_bad_rolling_settings_are_refused_by_name(corpus, tmp_path, change, message):
+def test_bad_row_shape_shares_are_refused_by_name(corpus, tmp_path, change, message):
     with pytest.raises(TrainingError, match=message):
         Trainer(run_config(corpus, **change), tmp_path)
 
 
-def test_a_run_with_rolling_rows_trains(corpus, tmp_path):
-    trainer = Trainer(run_config(corpus, rolling=0.5, sampler_states=0.5, steps=2), tmp_path)
+@pytest.mark.parametrize("shape", ["left_to_right", "rolling"])
+def test_a_run_with_shaped_rows_trains(corpus, tmp_path, shape):
+    trainer = Trainer(run_config(corpus, sampler_states=0.5, steps=2, **{shape: 0.5}), tmp_path)
     first = trainer.train_step()
     assert first["diffusion"] > 0 and "ar" in first

@@ -60,16 +60,20 @@ class Side:
         return "chain" if self.chain else self.overrides.get("mode", "diffusion")
 
 
+def named_sampler(overrides: dict[str, Any]) -> dict[str, Any]:
+    """A side names its sampler: in diffusion mode whole canvases unless it asks for sliding=true, whatever the
+    checkpoint's default, so a bench command measures the same sampler on any model."""
+    return {"sliding": False, **overrides} if overrides.get("mode", "diffusion") == "diffusion" else overrides
+
+
 def default_sides(steps: list[int], bounds: list[float], extra: list[dict[str, Any]]) -> list[Side]:
     sides = [Side(AR_TWIN, "ar", {"mode": "ar", **AR_SAMPLING}), Side(OWN_AR, "diffusion", {"mode": "ar", **AR_SAMPLING})]
     for n in steps:
         for bound in bounds:
             sides.append(Side(f"diffusion, {n} steps, bound {bound:g}", "diffusion",
-                              {"sliding": False, "max_denoising_steps": n, "entropy_bound": bound}))
+                              named_sampler({"max_denoising_steps": n, "entropy_bound": bound})))
     for overrides in extra:
-        # A side names its sampler: whole canvases unless it asks for sliding=true, whatever the checkpoint's default.
-        whole = {"sliding": False} if overrides.get("mode", "diffusion") == "diffusion" else {}
-        sides.append(Side(describe(overrides), "diffusion", {**whole, **overrides}))
+        sides.append(Side(describe(overrides), "diffusion", named_sampler(overrides)))
     if any(side.overrides.get("canvas_start") == "table" for side in sides):
         sides.append(Side(TABLE_CHAIN, "diffusion", chain=True))
     labels = [s.label for s in sides]

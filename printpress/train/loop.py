@@ -142,12 +142,10 @@ class TrainSettings:
         need(self.ar_target_power >= 0, f"ar_target_power must be >= 0 (got {self.ar_target_power})")
         need(self.ar_target_weight == 0 or self.objective == "joint",
              "ar_target_weight needs the joint objective (the AR distribution comes from its clean half)")
-        need(0 <= self.table_noise <= 1, f"table_noise must be in [0, 1] (got {self.table_noise})")
-        need(self.table_noise == 0 or self.objective != "ar", "table_noise needs a diffusion or joint objective")
-        need(0 <= self.left_to_right <= 1, f"left_to_right must be in [0, 1] (got {self.left_to_right})")
-        need(self.left_to_right == 0 or self.objective != "ar", "left_to_right needs a diffusion or joint objective")
-        need(0 <= self.rolling <= 1, f"rolling must be in [0, 1] (got {self.rolling})")
-        need(self.rolling == 0 or self.objective != "ar", "rolling needs a diffusion or joint objective")
+        for name in ("table_noise", "left_to_right", "rolling"):  # shares of rows noised in a shape of their own
+            share = getattr(self, name)
+            need(0 <= share <= 1, f"{name} must be in [0, 1] (got {share})")
+            need(share == 0 or self.objective != "ar", f"{name} needs a diffusion or joint objective")
         need(self.device == "cpu" or self.device.split(":")[0] == "cuda",
              f"device {self.device!r} is not cpu or cuda (cuda:N for another GPU)")
         need(self.precision in ("float32", "bfloat16"), f"precision {self.precision!r} is not float32 or bfloat16")
