@@ -78,6 +78,10 @@ class DiffusionSettings:
     # t ** ar_target_power per block (`ar_target_loss`). 0 turns it off.
     ar_target_weight: float = 0.0
     ar_target_power: float = 1.0
+    # Front distillation: weight of the cross-entropy from the joint model's own AR distribution p_AR(. | x_<i)
+    # (detached) to the decoder's at each canvas's first position where it is noised (`front_distill_loss`), as a
+    # mean over those fronts. 0 turns it off.
+    front_distill_weight: float = 0.0
     # Table noise (for `canvas_start="table"`): the share of rows whose noised positions hold tokens drawn from the
     # draft table's sampled counts after the text before them, instead of uniform ones (`table_noise`), so the
     # denoiser learns to revise a plausible draft rather than take plausible tokens for clean ones. 0 turns it off.
@@ -364,6 +368,27 @@ def ar_target_loss(logits: torch.Tensor, ar_logits: torch.Tensor, clean: torch.T
     return (weight * (soft - hard)).mean()
 
 
+def front_distill_loss(logits: torch.Tensor, ar_logits: torch.Tensor, clean: torch.Tensor, noisy: torch.Tensor,
+                       block: int) -> torch.Tensor:
+    """Mean over the noised first positions of the canvases (the sequence's first token excepted: it has no AR
+    prediction) of the cross-entropy from p_AR(. | x_<i), the clean half's logits at i - 1 (not differentiated),
+    to the decoder's distribution at i.
+
+    A canvas's noised front knows what the AR side knows, the text before it, and little more where the rest of the
+    canvas is noise too: the state a sliding canvas's front is in (`sliding`), which must wait while its entropy is
+    over the bound (bench/sliding_front.py). There the joint model's AR side predicts far better than its decoder
+    (bench/sliding_canvas.py), so the decoder's front learns the AR side's distribution, at full weight whatever the
+    noise level (unlike `ar_target_loss`, a mixed target at every noised position that falls with t).
+    """
+    fronts = torch.zeros_like(clean, dtype=torch.bool)
+    fronts[:, block::block] = True
+    chosen = fronts & (noisy != clean)
+    rows, positions = chosen.nonzero(as_tuple=True)
+    teacher = torch.softmax(ar_logits.detach().float()[rows, positions - 1], dim=-1)
+    ce = -(teacher * torch.log_softmax(logits.float()[rows, positions], dim=-1)).sum(dim=-1)
+    return mean_over_ranks(ce.sum(), chosen.sum())
+
+
 @dataclass
 class TeacherDraws:
     """What few-step self-distillation needs beyond the batch: the frozen teacher and, per token, the random
@@ -532,6 +557,10 @@ class TrainStep(nn.Module):
             soft = ar_target_loss(denoise_logits, ar_logits, tokens, noisy, t, settings)
             out["ar_target"] = soft.detach()
             loss = loss + soft
+        if settings.front_distill_weight > 0:
+            front = front_distill_loss(denoise_logits, ar_logits, tokens, noisy, settings.block)
+            out["front_distill"] = front.detach()
+            loss = loss + settings.front_distill_weight * front
         if settings.step_distill_weight > 0 and teacher is not None:
             distill = step_distillation_loss(denoise_logits, tokens, noisy, t, teacher, settings)
             out["step_distill"] = distill.detach()

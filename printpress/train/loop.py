@@ -86,6 +86,9 @@ class TrainSettings:
     # distribution, with weight ar_target_weight * t ** ar_target_power; 0 = off. Needs the joint objective.
     ar_target_weight: float = 0.0
     ar_target_power: float = 1.0
+    # Front distillation (objectives.front_distill_loss): each canvas's noised first position learns towards the
+    # model's own AR distribution, a term of this weight; 0 = off. Needs the joint objective.
+    front_distill_weight: float = 0.0
     # Table noise (objectives.table_noise): the share of rows whose noise is drawn from a draft table (data.draft_table,
     # else init_from's) instead of uniformly, as `canvas_start="table"` starts a canvas; 0 = off.
     table_noise: float = 0.0
@@ -142,6 +145,9 @@ class TrainSettings:
         need(self.ar_target_power >= 0, f"ar_target_power must be >= 0 (got {self.ar_target_power})")
         need(self.ar_target_weight == 0 or self.objective == "joint",
              "ar_target_weight needs the joint objective (the AR distribution comes from its clean half)")
+        need(self.front_distill_weight >= 0, f"front_distill_weight must be >= 0 (got {self.front_distill_weight})")
+        need(self.front_distill_weight == 0 or self.objective == "joint",
+             "front_distill_weight needs the joint objective (the AR distribution comes from its clean half)")
         for name in ("table_noise", "left_to_right", "rolling"):  # shares of rows noised in a shape of their own
             share = getattr(self, name)
             need(0 <= share <= 1, f"{name} must be in [0, 1] (got {share})")
@@ -684,7 +690,7 @@ class Trainer:
         """One line on how the run ended: steps, time, the last step's losses and the last held-out losses."""
         parts = [f"trained {self.step} steps ({self.elapsed / 60:.1f} min of training)"]
         if self.last_record:
-            terms = ("loss", "ar", "diffusion", "certainty", "ar_target", "step_distill")
+            terms = ("loss", "ar", "diffusion", "certainty", "ar_target", "front_distill", "step_distill")
             keys = [k for k in terms if k in self.last_record]
             parts.append("last step " + ", ".join(f"{k} {self.last_record[k]:.3f}" for k in keys))
         if self.last_eval:
