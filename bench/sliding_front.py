@@ -3,17 +3,18 @@
 
 A sliding canvas commits, after each decoder pass, the leading run of fixed points (positions the pass accepted
 under the entropy bound whose sample equals the token the pass read there), or its front alone once the front has
-waited its last step (`sliding_steps`). A run can only pass through positions whose input was a draw kept by the
-pass before (an accepted sample, not re-noised), so a run breaks where
+waited its last step (`sliding_steps`). A run breaks at the first position where
 
 - **entropy**: the pass did not accept the position (its entropy is over what the bound lets through), or
-- **noise**: the position's input was fresh noise (the pass before did not accept it), or
-- **collision**: it accepted a position holding a draw but sampled another token there.
+- **noise**: it accepted a position whose input was noise (the pass before re-noised it, or it is fresh) and
+  sampled another token there: nothing had been drawn there yet to repeat, or
+- **collision**: it accepted a position holding a kept draw of the pass before and sampled another token there.
 
 Per setting this counts passes, commits (runs against forced fronts), where each leading run broke, and the share
 of fronts accepted, and splits the passes into those a forced front waited through (each wait buys one token) and
-the rest (what tokens per pass would be if every front came through as a fixed point as soon as the others do). The input of each pass is rebuilt from the pass before
-(its tokens moved left by what was committed, noise after them); nothing in the engine is changed or patched.
+the rest (what tokens per pass would be if every front came through as a fixed point as soon as the others do).
+The input of each pass is rebuilt from the pass before (its tokens moved left by what was committed, fresh noise
+after them); nothing in the engine is changed or patched.
 
     OMP_NUM_THREADS=1 python bench/sliding_front.py --model models/stdlib-code --data stdlib \\
         --setting steps=1 --setting steps=2 --setting steps=4 --setting steps=8 --out docs/results/code/sliding-front.json
@@ -145,8 +146,8 @@ def main() -> None:
         broke = ", ".join(f"{name} {share:.2f}" for name, share in row["run_broke_at"].items())
         print(f"{row['setting']}: {row['tokens_per_pass']:.2f} tokens per pass ({row['tokens_per_pass_without_forced']:.2f} "
               f"without forced fronts, which took {row['forced_pass_share']:.2f} of the passes for "
-              f"{row['forced_token_share']:.2f} of the tokens); front accepted before its last step "
-              f"{row['front_accepted_share'] if row['front_accepted_share'] is None else round(row['front_accepted_share'], 2)}; "
+              f"{row['forced_token_share']:.2f} of the tokens); fronts accepted before their last step: "
+              f"{'-' if row['front_accepted_share'] is None else format(row['front_accepted_share'], '.2f')}; "
               f"runs broke at: {broke}")
     report = {"command": "python " + " ".join(sys.argv), "model": args.model, "data": args.data,
               "prompts": args.prompts, "seeds": args.seeds, "max_new_tokens": args.max_new_tokens,
