@@ -34,6 +34,6 @@ from printpress.objectives import (
 __all__ = [
     "DiffusionSettings", "Objective", "TeacherDraws", "TrainStep", "Weighting", "add_uniform_noise", "ar_target_loss",
     "block_diffusion_masks", "causal_masks", "certainty_loss", "denoising_loss", "evaluate_losses",
-    "expected_inverse_t", "forward_ar", "forward_block_diffusion", "front_distill_loss", "hash_seed", "next_token_loss", "row_noise",
-    "sample_inverse_cdf", "step_distillation_loss", "two_step_targets",
+    "expected_inverse_t", "forward_ar", "forward_block_diffusion", "front_distill_loss", "hash_seed",
+    "next_token_loss", "row_noise", "sample_inverse_cdf", "step_distillation_loss", "two_step_targets",
 ]
