@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 
 from printpress.eval.bench_sides import OWN_AR
-from printpress.eval.frontier import judged_gap
+from printpress.eval.frontier import judged_gap, summarize_judge
 
 
 def side_samples(report: dict, label: str) -> list[tuple[str, int]]:
@@ -76,12 +74,13 @@ def restricted(report: dict, prompts: set[str], inside: bool) -> dict:
     with them (so a run's sides can be judged on a subset of its prompts, e.g. those another run also drew)."""
     rows = []
     for row in report["rows"]:
-        keep = [(s["prompt"] in prompts) == inside for s in report["samples"] if s["side"] == row["label"]]
-        cut = {key: [v for v, k in zip(value, keep) if k] if key.endswith("_per_sample") else value
-               for key, value in row.items()}
-        for key in [key for key in cut if key.endswith("_per_sample")]:  # the means of what is left
-            values = [v for v in cut[key] if v is not None and not math.isnan(v)]
-            cut[key.replace("_per_sample", "_nll_per_char")] = statistics.fmean(values) if values else None
+        side = [s["prompt"] for s in report["samples"] if s["side"] == row["label"]]
+        keep = [(prompt in prompts) == inside for prompt in side]
+        cut = dict(row)
+        for key in [key for key in row if key.startswith("judge_") and key.endswith("_per_sample")]:
+            judge = key[len("judge_") : -len("_per_sample")]  # its mean and stderr over what is left
+            values = [v for v, k in zip(row[key], keep) if k]
+            cut.update(summarize_judge(judge, values, [p for p, k in zip(side, keep) if k]))
         rows.append(cut)
     samples = [s for s in report["samples"] if (s["prompt"] in prompts) == inside]
     return {**report, "rows": rows, "samples": samples}

@@ -130,7 +130,8 @@ def infill_stream(
     if overrides.get("sliding"):
         raise GenerationError("editing denoises its canvas in place between the prefix and the suffix; sliding does "
                               "not apply")
-    settings = pipe.settings(**overrides, sliding=False)  # a checkpoint's sliding default included (and its steps)
+    # Whole canvases whatever the checkpoint's default or the request says (an explicit False included), with their steps.
+    settings = pipe.settings(**{**overrides, "sliding": False})
     # A blank at the end of a text prefix is left out of the context: the model writes it as the start of the
     # middle's first word (" light", as the BPE tokenises words), and `_fit_middle` joins the two without doubling it.
     context_prefix = prefix[: len(prefix) - len(_trailing_blank(prefix))] if isinstance(prefix, str) else prefix

@@ -220,6 +220,8 @@ def test_a_checkpoint_can_make_sliding_its_default_for_diffusion_only(models_, t
             == pipe.generate(PROMPTS[0], seed=3, **drafted).stats.forward_passes)
     edit = dict(length=4, seed=3)
     assert sliding.infill([7, 9], [11, 13], **edit).middle_ids == pipe.infill([7, 9], [11, 13], **edit).middle_ids
+    assert (sliding.infill([7, 9], [11, 13], sliding=False, **edit).middle_ids  # saying so is no error
+            == pipe.infill([7, 9], [11, 13], **edit).middle_ids)
     with pytest.raises(GenerationError, match="editing denoises its canvas in place .*; sliding does not apply"):
         sliding.infill([7, 9], [11, 13], sliding=True, **edit)
     with pytest.raises(GenerationError, match="it starts from noise, not canvas_start='table': leave canvas_start out "
