@@ -268,6 +268,9 @@ def _few_float_rows(value, limit: int | None = ROWS_LINEAR_MAX_ROWS) -> bool:
     return not isinstance(rows, int) or limit is None or 1 <= rows <= limit
 
 
+GRAPH_VARIANTS = 64  # graphs dynamo may compile per pass function (`CompiledGraph`), instead of its default 8
+
+
 class CompiledGraph:
     """A graph function compiled whole (`fullgraph=True`), run until it first fails: the failure is logged once,
     kept in `.failure`, and from then on the caller's exact eager path runs."""
@@ -287,7 +290,11 @@ class CompiledGraph:
             options["cpp_wrapper"] = True  # the kernels are called from C++, not one Python call each
             if rows_kernel:  # the kernel is built when the first graph is compiled, not here
                 options["post_grad_custom_post_pass"] = FewRowLinears()
-        self._graph = torch.compile(type(self).graph, backend=backend, fullgraph=True, options=options)
+        graph = torch.compile(type(self).graph, backend=backend, fullgraph=True, options=options)
+        # Each variant a model meets is a graph of its own (a canvas length, self-conditioned or not, batch 1 or
+        # more, padded rows or not, a block of 1 token or more): bench/compiled_decoder.py's three canvas lengths
+        # with sliding canvases went past dynamo's default limit of 8 per function, and the pass went eager.
+        self._graph = torch._dynamo.config.patch(recompile_limit=GRAPH_VARIANTS)(graph)
         self._parameters = [(p, p.dtype, p.device, p.shape) for p in model.parameters()]
 
     def _parameters_unchanged(self) -> bool:
@@ -510,6 +517,87 @@ class CompiledDecoderPass(CompiledGraph):
         return self._run(canvas_ids, probs, self_conditioning_mask, positions, keys, values, full_valid, sliding_valid)
 
 
+# -- the fused pass: a block encoded and canvas rows denoised beside it ----------------------------------------
+
+
+def fused_pass_graph(
+    model: DiffusionGemma,
+    block_ids: torch.Tensor,
+    canvas_ids: torch.Tensor,
+    probs: torch.Tensor | None,
+    positions: torch.Tensor,
+    prefix_keys: list[torch.Tensor],
+    prefix_values: list[torch.Tensor],
+    full_mask: torch.Tensor | None,
+    sliding_mask: torch.Tensor | None,
+    canvas_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+    """`DiffusionGemma._encode_beside` as a pure function of tensors: the block `block_ids` (1, m) in encoder mode
+    and the canvas rows `canvas_ids` (1, R) in decoder mode (self-conditioned on `probs` (1, R, V), or not) in one
+    pass over the cached prefix, under the masks `_fused_mask` gives (keys: prefix, block, canvas rows).
+
+    Returns the block's float32 logits (m, V) and the canvas rows' final hidden states (1, R, H) (`verify_and_draft`),
+    or with `canvas_logits` None and the canvas rows' logits (1, R, V) (`encode_and_denoise`); then each layer's new
+    block keys and values, which the caller writes into the cache (the canvas's are never stored)."""
+    m, rows = block_ids.shape[1], canvas_ids.shape[1]
+    x = torch.cat([model.embed(block_ids), model.embed_canvas(canvas_ids, None, probs=probs)], dim=1)
+    x = x.reshape(m + rows, -1)
+    is_encoder = torch.arange(m + rows, device=x.device) < m
+    ropes = model.rope(positions)
+    new_keys, new_values = [], []
+    for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
+        past_k, past_v = prefix_keys[index], prefix_values[index]
+
+        def joined(k: torch.Tensor, v: torch.Tensor, past_k=past_k, past_v=past_v):
+            new_keys.append(k[:, :, :m])
+            new_values.append(v[:, :, :m])
+            return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+        attended = layer.self_attn.attend(*layer.attention_inputs(x, (1, m + rows), ropes[spec.sliding]),
+                                          sliding_mask if spec.sliding else full_mask, joined)
+        x = layer.after_attention(x, attended, (1, m + rows), is_encoder)
+    hidden = model.norm(x).view(1, m + rows, -1)
+    if canvas_logits:
+        return None, model.logits(hidden[:, m:]), new_keys, new_values
+    return model.logits(hidden[0, :m]), hidden[:, m:], new_keys, new_values
+
+
+class CompiledFusedPass(CompiledGraph):
+    """`DiffusionGemma._encode_beside` (a sliding canvas's pass after a commit, a fused speculative round) through
+    compiled graphs for any block, canvas and cache length; see `compile_decoder`."""
+
+    what = "compiled fused pass"
+    graph = staticmethod(fused_pass_graph)
+
+    def covers(self) -> bool:
+        """Whether the graph runs this pass (inference only, and only while it has not failed)."""
+        return self.failure is None and not torch.is_grad_enabled()
+
+    def __call__(self, block: torch.Tensor, canvas_rows: torch.Tensor, positions: torch.Tensor, masks, cache: KVCache,
+                 probs: torch.Tensor | None, canvas_logits: bool):
+        """What `_encode_beside` returns (the block's logits and the canvas rows' hidden states, or with
+        `canvas_logits` None and their logits), with the block written to the cache and the cache advanced. None
+        if the graph failed (nothing was written: the caller runs the eager path)."""
+        keys, values = cached_prefixes(self.model, cache)
+        torch._dynamo.maybe_mark_dynamic(block, 1)
+        torch._dynamo.maybe_mark_dynamic(canvas_rows, 1)
+        torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
+        if probs is not None:
+            torch._dynamo.maybe_mark_dynamic(probs, 1)
+        for mask in (masks.full, masks.sliding):
+            if mask is not None:
+                torch._dynamo.maybe_mark_dynamic(mask, 2)
+                torch._dynamo.maybe_mark_dynamic(mask, 3)
+        out = self._run(block, canvas_rows, probs, positions, keys, values, masks.full, masks.sliding, canvas_logits)
+        if out is None:
+            return None
+        block_logits, canvas_out, new_keys, new_values = out
+        for index, (k, v) in enumerate(zip(new_keys, new_values)):
+            cache.write(index, k, v)
+        cache.advance(block.shape[1], None)
+        return block_logits, canvas_out
+
+
 def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
                     routed_experts: bool = True) -> CompiledDecoderPass:
     """Run this model's decoder passes (diffusion steps, speculative drafts, edits) through one compiled graph
@@ -517,11 +605,15 @@ def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kerne
     computed from exp). A canvas's experts run each on its own tokens through `printpress_fast::routed_experts`
     where the kernel builds (`routed_experts=False`, or no compiler: every expert on every token, then the
     router's choice). Returns the pass object (`.failure` says why it fell back, if it did);
-    `remove_compiled_decoder` undoes it."""
+    `remove_compiled_decoder` undoes it. The fused passes (a sliding canvas's pass after a commit, a fused
+    speculative round: a block encoded beside canvas rows) run through their own graphs from then on too
+    (`model.compiled_fused_pass`)."""
     compiled = CompiledDecoderPass(model, backend, rows_kernel, routed_experts)
     model.compiled_decoder = compiled
+    model.compiled_fused_pass = CompiledFusedPass(model, backend, rows_kernel, routed_experts)
     return compiled
 
 
 def remove_compiled_decoder(model: DiffusionGemma) -> None:
     model.compiled_decoder = None
+    model.compiled_fused_pass = None

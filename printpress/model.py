@@ -25,7 +25,7 @@ from printpress.cache import KVCache
 from printpress.config import FULL, SLIDING, LayerSpec, TextConfig
 
 if TYPE_CHECKING:
-    from printpress.fast import CompiledARStep, CompiledDecoderPass, CompiledEncoderBlock
+    from printpress.fast import CompiledARStep, CompiledDecoderPass, CompiledEncoderBlock, CompiledFusedPass
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LogitsMode = Literal["all", "last", "none"]
@@ -404,6 +404,8 @@ class DiffusionGemma(nn.Module):
         self.compiled_encoder: CompiledEncoderBlock | None = None
         # Opt-in, not bit-exact: decoder passes through one compiled graph (`printpress.fast.compile_decoder`).
         self.compiled_decoder: CompiledDecoderPass | None = None
+        # ... and the fused passes (a block encoded beside canvas rows), with it (`CompiledFusedPass`).
+        self.compiled_fused_pass: CompiledFusedPass | None = None
         # Opt-in, not exact: the logits from an int8 copy of the tied embedding (`printpress.quantize`, "int8-head").
         self.lm_head: nn.Module | None = None
         self.reset_parameters()
@@ -656,15 +658,15 @@ class DiffusionGemma(nn.Module):
         after it in decoder mode, self-conditioned on `self_conditioning_probs` (1, L, V) when given. The canvas's
         float32 logits (1, L, V) are `denoise`'s up to rounding (more rows per GEMM, another key order). Batch 1."""
         outcome = torch.full((canvas.shape[1],), block.shape[1] - 1, device=block.device)
-        _, hidden = self._encode_beside(block, canvas, outcome, canvas.shape[1], cache, self_conditioning_probs,
-                                        block_logits=False)
-        return self.logits(hidden)
+        return self._encode_beside(block, canvas, outcome, canvas.shape[1], cache, self_conditioning_probs,
+                                   canvas_logits=True)[1]
 
     def _encode_beside(self, block: torch.Tensor, canvas_rows: torch.Tensor, outcome: torch.Tensor, length: int,
-                       cache: KVCache, probs: torch.Tensor | None, block_logits: bool = True):
+                       cache: KVCache, probs: torch.Tensor | None, canvas_logits: bool = False):
         """The fused pass: `block` encoded after the cache, and canvas rows (1, R) in decoder mode, canvases of `length`
-        rows one after another, row r after the block's first outcome[r] + 1 tokens (`_fused_mask`). Returns the block's logits (None unless
-        `block_logits`) and the canvas rows' final hidden states (1, R, H)."""
+        rows one after another, row r after the block's first outcome[r] + 1 tokens (`_fused_mask`). Returns the
+        block's logits (m, V) and the canvas rows' final hidden states (1, R, H); with `canvas_logits`, None and the
+        canvas rows' logits (1, R, V). Through `compiled_fused_pass` when the decoder is compiled."""
         if block.shape[0] != 1 or not cache.all_valid():
             raise ValueError("a fused encoder and decoder pass takes one unpadded sequence (batch 1)")
         m1 = block.shape[1]
@@ -677,6 +679,11 @@ class DiffusionGemma(nn.Module):
             sliding=self._fused_mask(cache, block_positions, outcome, sliding=True) if self._has(True) else None,
             full=self._fused_mask(cache, block_positions, outcome, sliding=False) if self._has(False) else None,
         )
+        compiled = self.compiled_fused_pass
+        if compiled is not None and compiled.covers():
+            out = compiled(block, canvas_rows, cache.row_positions(positions), masks, cache, probs, canvas_logits)
+            if out is not None:
+                return out
 
         def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             block_k, block_v, canvas_k, canvas_v = k[:, :, :m1], v[:, :, :m1], k[:, :, m1:], v[:, :, m1:]
@@ -693,7 +700,9 @@ class DiffusionGemma(nn.Module):
         is_encoder = torch.arange(x.shape[1], device=device) < m1
         hidden = self.run_layers(x, cache.row_positions(positions), masks, kv_fn, encoder=is_encoder)
         cache.advance(m1, None)
-        return (self.logits(hidden[0, :m1]) if block_logits else None), hidden[:, m1:]
+        if canvas_logits:
+            return None, self.logits(hidden[:, m1:])
+        return self.logits(hidden[0, :m1]), hidden[:, m1:]
 
     def _fused_mask(self, cache: KVCache, block_positions: torch.Tensor, outcome: torch.Tensor,
                     sliding: bool) -> torch.Tensor:

@@ -7,6 +7,7 @@ computes what the exact path computes); `-m slow` also compiles it with inductor
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 
 import pytest
@@ -178,6 +179,29 @@ def test_the_decoder_pass_is_one_graph_and_computes_the_exact_paths_logits(model
             assert a.shape == b.shape and (a - b).abs().max() < tolerance
 
 
+@pytest.mark.slow  # compiles a dozen graphs
+def test_more_variants_than_dynamos_default_limit_stay_compiled(model):
+    """Each variant of a pass is a graph of its own (a canvas of 1 token or more, self-conditioned or not, a mask of
+    the rows that are, padded rows or not, batch 1 or more): these are past dynamo's default of 8 recompilations
+    per function, which would have sent every later pass eager."""
+    from printpress.fast import compile_decoder, remove_compiled_decoder
+
+    vocab, generator = model.config.vocab_size, torch.Generator().manual_seed(12)
+    compiled = compile_decoder(model, backend="eager")
+    try:
+        with torch.no_grad():
+            for length, cache, signal, masked in itertools.product((1, 8), decoder_caches(model), (False, True),
+                                                                   (False, True)):
+                b = cache.batch_size
+                probs = torch.softmax(torch.randn(b, length, vocab, generator=generator), -1) if signal else None
+                mask = torch.tensor([True] + [False] * (b - 1)) if masked else None
+                model.denoise(torch.randint(3, vocab, (b, length), generator=generator), cache,
+                              self_conditioning_probs=probs, self_conditioning_mask=mask)
+    finally:
+        remove_compiled_decoder(model)
+    assert compiled.failure is None
+
+
 def test_a_failing_decoder_graph_falls_back_to_the_exact_path_once(model, caplog):
     from printpress.fast import compile_decoder, remove_compiled_decoder
 
@@ -199,6 +223,75 @@ def test_a_failing_decoder_graph_falls_back_to_the_exact_path_once(model, caplog
     assert "no compiler here" in compiled.failure
     assert sum("exact eager path" in r.message for r in caplog.records) == 1
     assert all(torch.equal(a, b) for a, b in zip(exact[0], fallback[0]))  # the exact path, bit for bit
+
+
+def fused_passes(model):
+    """What fused passes meet, each from its own cache: a sliding canvas's pass after a commit of 1 and of 3
+    tokens (self-conditioned, then not), the last after the 5-slot ring has wrapped, and a fused speculative round
+    (a block of 4, canvases of 3 for 3 outcomes). Each pass's outputs and each cache's readable keys after it."""
+    generator = torch.Generator().manual_seed(9)
+    vocab = model.config.vocab_size
+
+    def tokens(*shape):
+        return torch.randint(3, vocab, shape, generator=generator)
+
+    out = []
+    with torch.no_grad():
+        for prefix, block, probs in ((4, 1, True), (11, 3, False), (13, 3, True)):
+            cache = model.new_cache(1, 40)
+            model.encode(tokens(1, prefix), cache, logits="none")
+            signal = torch.softmax(torch.randn(1, 8, vocab, generator=generator), -1) if probs else None
+            out.append(((model.encode_and_denoise(tokens(1, block), tokens(1, 8), cache, signal),), cache))
+        cache = model.new_cache(1, 40)
+        model.encode(tokens(1, 9), cache, logits="none")
+        out.append((model.verify_and_draft(tokens(1, 4), tokens(3, 3), cache), cache))
+    return [(outputs, readable_cache(cache)) for outputs, cache in out]
+
+
+def readable_cache(cache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer: the positions attention can read and their keys and values (the sliding ring oldest first)."""
+    return [(cache.prefix_positions(layer.sliding),
+             *(cache.sliding_prefix(i) if layer.sliding else cache.full_prefix(i))) for i, layer in enumerate(cache.layers)]
+
+
+@pytest.mark.slow  # compiles the passes
+def test_the_fused_passes_are_graphs_and_compute_the_exact_paths_logits_and_caches(model):
+    from printpress.fast import compile_decoder, remove_compiled_decoder
+
+    exact = fused_passes(model)
+    compile_decoder(model, backend="eager")
+    fused = model.compiled_fused_pass
+    try:
+        fast = fused_passes(model)
+    finally:
+        remove_compiled_decoder(model)
+    assert fused.failure is None and model.compiled_fused_pass is None  # fullgraph: a break would have failed
+    for (exact_out, exact_cache), (fast_out, fast_cache) in zip(exact, fast, strict=True):
+        for a, b in zip(exact_out, fast_out, strict=True):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-4
+        for (positions, keys, values), (fast_positions, fast_keys, fast_values) in zip(exact_cache, fast_cache):
+            assert torch.equal(positions, fast_positions)
+            assert (keys - fast_keys).abs().max() < 1e-5 and (values - fast_values).abs().max() < 1e-5
+
+
+def test_a_failing_fused_graph_falls_back_to_the_exact_path_once(model, caplog):
+    from printpress.fast import compile_decoder, remove_compiled_decoder
+
+    exact = fused_passes(model)
+    compile_decoder(model, backend="eager")
+    fused = model.compiled_fused_pass
+    fused._graph = lambda *args: (_ for _ in ()).throw(RuntimeError("no compiler here"))
+    model.compiled_decoder.failure = "not this test's"  # the canvas-only passes (none here) stay eager too
+    try:
+        with caplog.at_level(logging.WARNING, logger="printpress.fast"):
+            fallback = fused_passes(model)
+    finally:
+        remove_compiled_decoder(model)
+    assert "no compiler here" in fused.failure
+    assert sum("exact eager path" in r.message for r in caplog.records) == 1
+    for (exact_out, exact_cache), (fallback_out, fallback_cache) in zip(exact, fallback, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(exact_out, fallback_out, strict=True))  # bit for bit
+        assert all(torch.equal(a, b) for layer in zip(exact_cache, fallback_cache) for a, b in zip(*layer))
 
 
 # -- the compiled encoder block --------------------------------------------------------------------------------
