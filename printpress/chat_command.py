@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from printpress.cli_flags import add_sampler_arguments, load_options, sampler_overrides
+from printpress.cli_flags import add_sampler_arguments, load_options, sampler_overrides, warm_up
 from printpress.errors import PrintpressError
 
 END_WORDS = ("/bye", "/exit", "/quit")
@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     settings = sampler_overrides(args)
     pipe = printpress.load(args.model, **load_options(args))
     pipe.settings(**settings)  # the checks between settings, before the first line is read
+    warm_up(pipe, args)
     chat = chat_formatter(model_folder(args.model))
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if interactive:

@@ -80,7 +80,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()  # the text is out before the statistics, whichever way the two streams are buffered
     if args.stats:
         for result in results:
-            print(_stats_line(result), file=sys.stderr)
+            print(_stats_line(result, compiled=args.compile is not None), file=sys.stderr)
     return 0
 
 
@@ -142,8 +142,10 @@ class TextPrinter:
             self.out.flush()
 
 
-def _stats_line(result) -> str:
-    """One line: the tokens printed, and what the engine generated (whole canvases in diffusion) and how fast."""
+def _stats_line(result, compiled: bool = False) -> str:
+    """One line: the tokens printed, and what the engine generated (whole canvases in diffusion) and how fast. With
+    `compiled` (--compile), it says that the time includes compiling: a process's first requests compile the graphs
+    (seconds to a minute), so one `generate` does not show the compiled passes' speed."""
     stats = result.stats
     rate = stats.new_tokens / stats.wall_time_s if stats.wall_time_s else float("nan")
     printed = len(result.completion_ids)
@@ -155,6 +157,8 @@ def _stats_line(result) -> str:
                  f"({stats.accepted_drafts} of {stats.drafted_tokens} {stats.draft_source} drafts kept)")
     elif stats.denoising_steps:
         line += f", {stats.canvases} canvases"
+    if compiled:
+        line += "; the time includes compiling the passes (--compile), once per process"
     return line + "]"
 
 

@@ -68,6 +68,20 @@ def load_options(args: argparse.Namespace) -> dict:
             "canvas_length": args.canvas_length}
 
 
+def warm_up(pipe, args: argparse.Namespace) -> None:
+    """With --compile, compile what the first requests would before taking any (`Pipeline.warm_up`), saying so on
+    stderr: a server's or a chat's first answers then come at the compiled passes' speed."""
+    if args.compile is None:
+        return
+    import time
+
+    print(f"printpress: compiling the passes (--compile {args.compile}) before the first request; "
+          "a minute or two the first time, less once inductor's cache holds them", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    pipe.warm_up()
+    print(f"printpress: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
 def sampler_overrides(args: argparse.Namespace) -> dict:
     """The sampler settings given on the command line, as `Pipeline.generate` keywords.
 

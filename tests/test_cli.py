@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -369,6 +370,33 @@ def test_stats_go_to_stderr_on_their_own_line_after_the_text(folders):
     assert done.returncode == 0 and len(lines) == 2, done.stdout
     assert len(lines[0].split()) == 5  # the text, then (flushed first) the statistics
     assert lines[1].startswith("[5 tokens of 8 generated in ") and lines[1].endswith(" canvases]")
+
+
+def test_stats_say_when_the_time_includes_compiling(folders):
+    """With --compile a one-shot `generate` spends most of its time compiling; its statistics say so, not only a
+    rate that looks like the compiled passes' speed."""
+    from printpress.cli import _stats_line
+
+    result = printpress.load(folders["text"]).generate("w7", seed=2, max_new_tokens=5, eos_token_ids=[])
+    plain, compiled = _stats_line(result), _stats_line(result, compiled=True)
+    assert plain.startswith("[5 tokens of 8 generated in ") and plain.endswith(" canvases]")
+    assert compiled == plain[:-1] + "; the time includes compiling the passes (--compile), once per process]"
+
+
+def test_compiled_commands_warm_up_first_and_say_so(folders, capsys):
+    """`chat` and `serve` with --compile compile before the first request (`Pipeline.warm_up`, tested in
+    tests/test_fast.py), with a line on stderr before and after; without --compile they say nothing."""
+    import argparse
+
+    from printpress.cli_flags import warm_up
+
+    pipe = printpress.load(folders["text"])
+    warm_up(pipe, argparse.Namespace(compile=None))
+    assert capsys.readouterr().err == ""
+    warm_up(pipe, argparse.Namespace(compile="ar"))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("printpress: compiling the passes (--compile ar) before the first request")
+    assert re.fullmatch(r"printpress: compiled in \d+ s", lines[1]) and len(lines) == 2
 
 
 def test_help_does_not_import_torch():

@@ -353,6 +353,32 @@ def test_padded_one_token_and_failing_blocks_run_the_exact_path(model, caplog):
     assert all(torch.equal(a, b) for a, b in zip(exact, fallback))  # the exact path, bit for bit
 
 
+@pytest.mark.slow  # compiles the graphs a server meets
+@pytest.mark.parametrize("sliding", [False, True])
+def test_warm_up_compiles_what_typical_requests_then_run(folder, sliding):
+    """After `Pipeline.warm_up`, requests of other prompt lengths and lengths, one or two prompts, by diffusion
+    (whole or sliding canvases) and AR decoding, compile nothing more (dynamo refuses to recompile here, which
+    would show as a failed graph); an exact model has nothing to warm up."""
+    from printpress.fast import compile_decoder
+
+    pipe = printpress.load(folder)
+    assert pipe.warm_up() is False
+    compile_ar_step(pipe.model, backend="eager")
+    compile_decoder(pipe.model, backend="eager")
+    pipe.generation_config.sliding = sliding  # the checkpoint's sampler, which warm_up runs
+    assert pipe.warm_up() is True
+    vocab = pipe.config.text.vocab_size
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n, new_tokens in ((3, 25), (12, 40)):
+            prompts = [[(5 * i + 4) % vocab for i in range(n)], [(3 * i + 1) % vocab for i in range(n + 4)]]
+            for batch in (prompts[:1], prompts):
+                pipe.generate(batch, seed=1, max_new_tokens=new_tokens, eos_token_ids=[])
+                pipe.generate(batch, seed=1, mode="ar", max_new_tokens=new_tokens, eos_token_ids=[])
+    model = pipe.model
+    assert [getattr(model, name).failure for name in ("compiled_ar_step", "compiled_encoder", "compiled_decoder",
+                                                      "compiled_fused_pass")] == [None] * 4
+
+
 # -- the load option -------------------------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 
-from printpress.cli_flags import add_runtime_arguments, load_options
+from printpress.cli_flags import add_runtime_arguments, load_options, warm_up
 from printpress.errors import PrintpressError
 
 API_KEY_ENV = "PRINTPRESS_API_KEY"
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # a port that is taken is one line, before the model loads
     try:
         pipeline = printpress.load(args.model, **options)
+        warm_up(pipeline, args)  # with --compile; connections wait in the socket's backlog meanwhile
         folder = model_folder(args.model)
         config = pipeline.config.text
         max_prompt = args.max_prompt_tokens or max(1, config.max_position_embeddings - pipeline.canvas_length)
