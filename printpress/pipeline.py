@@ -294,23 +294,25 @@ class Pipeline:
     def warm_up(self) -> bool:
         """Compile now what a compiled model's first requests would compile (`load(compile=...)`: a few seconds to
         a minute on a CPU), so that they run at the compiled passes' speed: requests of one and of two prompts, by
-        diffusion with the checkpoint's sampler and by AR decoding, each past the sliding window (the cache is laid
-        out otherwise before; a sliding canvas reaches its fused pass) and a short one of each. Requests of other
-        shapes may still compile a variant of their own. The outputs are thrown away; seeds are fixed, so nothing
-        else's random stream moves. Returns whether there was anything to compile (False for the exact passes)."""
+        diffusion with the checkpoint's sampler (past a commit: a sliding canvas reaches its fused pass) and by AR
+        decoding, with short prompts and with prompts past the sliding window (the ring is read in place until it
+        wraps, reordered after), and short AR requests. Requests of other shapes may still compile a variant of
+        their own. The outputs are thrown away; seeds are fixed, so nothing else's random stream moves. Returns
+        whether there was anything to compile (False for the exact passes)."""
         model = self.model
         if all(getattr(model, name) is None for name in ("compiled_ar_step", "compiled_encoder", "compiled_decoder")):
             return False
         text = self.config.text
-        window = text.sliding_window or 0
-        long = max(self.canvas_length, window) + 2
-        # Prompts of two lengths (a batch of them is padded), the first shorter than the sliding ring where the
-        # window allows (the ring is read in place until it wraps, reordered after); token ids: no tokenizer needed.
-        short = max(3, min(5, window // 2 - 1)) if window else 5
-        prompts = [[(7 * i + 3) % text.vocab_size for i in range(n)] for n in (short, short + 2)]
-        for batch, new_tokens in ((prompts[:1], long), (prompts, long), (prompts[:1], 3)):
-            for mode in ("diffusion", "ar"):
-                self.generate(batch, seed=0, mode=mode, max_new_tokens=new_tokens, eos_token_ids=[])
+        window = min(text.sliding_window or 0, text.max_position_embeddings - self.canvas_length - 8)
+        short = max(3, min(5, window // 2 - 1))
+
+        def prompts(first: int) -> list[list[int]]:  # two lengths (a batch of them is padded); ids: no tokenizer
+            return [[(7 * i + 3) % text.vocab_size for i in range(n)] for n in (first, first + 2)]
+
+        requests = [(pair[:rows], mode, self.canvas_length + 2) for pair in (prompts(short), prompts(window + 2))
+                    for rows in (1, 2) for mode in ("diffusion", "ar")]
+        for batch, mode, new_tokens in requests + [(prompts(short)[:1], "ar", 3)]:
+            self.generate(batch, seed=0, mode=mode, max_new_tokens=new_tokens, eos_token_ids=[])
         return True
 
     def stream(
