@@ -505,6 +505,10 @@ class CompiledDecoderPass(CompiledGraph):
         probs = self_conditioning_probs
         if probs is None and self_conditioning_logits is not None:
             probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)
+        if probs is not None and self_conditioning_mask is None and canvas_ids.shape[0] > 1:
+            # Every row conditioned is the all-true mask (a product by 1, the same numbers): one graph for a batch
+            # whether or not its rows are in step, so a warm-up's rows, which are, compile what later ones need.
+            self_conditioning_mask = torch.ones(canvas_ids.shape[0], dtype=torch.bool, device=canvas_ids.device)
         c = canvas_ids.shape[1]
         positions = cache.row_positions(torch.arange(cache.length, cache.length + c, device=canvas_ids.device))
         keys, values = cached_prefixes(self.model, cache)

@@ -194,6 +194,28 @@ def test_a_compiled_pass_holds_more_variants_than_dynamos_default_limit(model):
         assert out is not None and torch.equal(out, x * 2), doubled.failure
 
 
+@pytest.mark.slow  # compiles the pass
+def test_a_batch_whose_rows_are_all_conditioned_runs_the_graph_of_a_masked_one(model):
+    """Rows in step (every one self-conditioned, no mask) and rows out of step (a mask) run one graph, so what a
+    warm-up compiles covers both; with every row conditioned the two give the same logits, bit for bit."""
+    from printpress.fast import compile_decoder, remove_compiled_decoder
+
+    cache = decoder_caches(model)[1]
+    generator = torch.Generator().manual_seed(13)
+    canvas = torch.randint(3, model.config.vocab_size, (2, 8), generator=generator)
+    probs = torch.softmax(torch.randn(2, 8, model.config.vocab_size, generator=generator), dim=-1)
+    compiled = compile_decoder(model, backend="eager")
+    try:
+        with torch.no_grad():
+            masked = model.denoise(canvas, cache, self_conditioning_probs=probs,
+                                   self_conditioning_mask=torch.tensor([True, True]))
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                unmasked = model.denoise(canvas, cache, self_conditioning_probs=probs)
+    finally:
+        remove_compiled_decoder(model)
+    assert compiled.failure is None and torch.equal(masked, unmasked)
+
+
 def test_a_failing_decoder_graph_falls_back_to_the_exact_path_once(model, caplog):
     from printpress.fast import compile_decoder, remove_compiled_decoder
 
