@@ -82,13 +82,14 @@ def ar_step_graph(
     return model.logits(model.norm(x)[:, None, :]), new_keys, new_values
 
 
-def _appended(past_k: torch.Tensor, past_v: torch.Tensor, new_keys: list, new_values: list):
+def _appended(past_k: torch.Tensor, past_v: torch.Tensor, new_keys: list, new_values: list, stored=None):
     """The `kv_fn` of `Attention.attend` for an encoder pass: the block's keys and values after the cached ones,
-    and kept in `new_keys` / `new_values` for the caller to write into the cache."""
+    and kept in `new_keys` / `new_values` for the caller to write into the cache (only the first `stored` rows, when
+    given: a fused pass's canvas rows follow its block and are never stored)."""
 
     def joined(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        new_keys.append(k)
-        new_values.append(v)
+        new_keys.append(k[:, :, :stored])
+        new_values.append(v[:, :, :stored])
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
     return joined
@@ -550,15 +551,9 @@ def fused_pass_graph(
     ropes = model.rope(positions)
     new_keys, new_values = [], []
     for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        past_k, past_v = prefix_keys[index], prefix_values[index]
-
-        def joined(k: torch.Tensor, v: torch.Tensor, past_k=past_k, past_v=past_v):
-            new_keys.append(k[:, :, :m])
-            new_values.append(v[:, :, :m])
-            return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-
         attended = layer.self_attn.attend(*layer.attention_inputs(x, (1, m + rows), ropes[spec.sliding]),
-                                          sliding_mask if spec.sliding else full_mask, joined)
+                                          sliding_mask if spec.sliding else full_mask,
+                                          _appended(prefix_keys[index], prefix_values[index], new_keys, new_values, m))
         x = layer.after_attention(x, attended, (1, m + rows), is_encoder)
     hidden = model.norm(x).view(1, m + rows, -1)
     if canvas_logits:
@@ -572,10 +567,7 @@ class CompiledFusedPass(CompiledGraph):
 
     what = "compiled fused pass"
     graph = staticmethod(fused_pass_graph)
-
-    def covers(self) -> bool:
-        """Whether the graph runs this pass (inference only, and only while it has not failed)."""
-        return self.failure is None and not torch.is_grad_enabled()
+    covers = CompiledDecoderPass.covers  # inference only, and only while it has not failed
 
     def __call__(self, block: torch.Tensor, canvas_rows: torch.Tensor, positions: torch.Tensor, masks, cache: KVCache,
                  probs: torch.Tensor | None, canvas_logits: bool):
