@@ -62,24 +62,35 @@ def ar_step_graph(
     values: list[torch.Tensor],
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One AR step as a pure function of tensors (what `torch.compile` captures): the next-token logits (B, 1, V)
-    and each layer's new key and value, which the caller writes into the cache.
+    and each layer's new key and value, which the caller writes into the cache. The inputs are
+    `_causal_block`'s, with `ids` (B, 1)."""
+    hidden, new_keys, new_values = _causal_block(model, ids, position, offsets, pad_mask, slot_positions, keys, values)
+    return model.logits(hidden), new_keys, new_values
 
-    `position` (0-d) is the cache slot of the new token (the cache length); `offsets` (B,) each row's left pads;
-    `pad_mask` (B, L) which cached slots hold real tokens; `slot_positions` (W,) the position each sliding-ring
-    slot holds (-1: empty); `keys`/`values` the cache's tensors per layer (full: (B, H_kv, L, D), sliding: the
-    ring (B, H_kv, W, D)), read only."""
-    b = ids.shape[0]
-    x = model.embed(ids).reshape(b, -1)
-    ropes = model.rope((position - offsets)[:, None])
-    full_mask, sliding_mask = _step_masks(position, pad_mask, slot_positions)
+
+def _causal_block(model: DiffusionGemma, ids: torch.Tensor, position: torch.Tensor, offsets: torch.Tensor,
+                  pad_mask: torch.Tensor, slot_positions: torch.Tensor, keys: list[torch.Tensor],
+                  values: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """An encoder pass over the block `ids` (B, T) after the cache, read as the cache holds it: the final hidden
+    states (B, T, H) and each layer's new keys and values (B, H_kv, T, D), which the caller writes into the cache.
+
+    `position` (0-d) is the cache slot of the block's first token (the cache length); `offsets` (B,) each row's left
+    pads; `pad_mask` (B, L) which cached slots hold real tokens; `slot_positions` (W,) the position each
+    sliding-ring slot holds (-1: empty); `keys`/`values` the cache's own tensors per layer (full: (B, H_kv, L, D),
+    sliding: the ring (B, H_kv, W, D)), read only, whole: the masks (`_block_masks`) hide empty, padded, future
+    and too distant slots, so nothing is gathered or reordered before the call."""
+    b, t = ids.shape
+    x = model.embed(ids).reshape(b * t, -1)
+    ropes = model.rope(position + torch.arange(t, device=ids.device)[None, :] - offsets[:, None])
+    full_mask, sliding_mask = _block_masks(position, t, pad_mask, slot_positions, model.config.sliding_window)
     new_keys, new_values = [], []
     for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        # The new key goes after every cached slot; the masks hide empty, padded and future slots.
-        attended = layer.self_attn.attend(*layer.attention_inputs(x, (b, 1), ropes[spec.sliding]),
+        # The block's keys go after every cached slot (`_appended`).
+        attended = layer.self_attn.attend(*layer.attention_inputs(x, (b, t), ropes[spec.sliding]),
                                           sliding_mask if spec.sliding else full_mask,
                                           _appended(keys[index], values[index], new_keys, new_values))
-        x = layer.after_attention(x, attended, (b, 1), True)
-    return model.logits(model.norm(x)[:, None, :]), new_keys, new_values
+        x = layer.after_attention(x, attended, (b, t), True)
+    return model.norm(x).view(b, t, -1), new_keys, new_values
 
 
 def _appended(past_k: torch.Tensor, past_v: torch.Tensor, new_keys: list, new_values: list, stored=None):
@@ -95,19 +106,44 @@ def _appended(past_k: torch.Tensor, past_v: torch.Tensor, new_keys: list, new_va
     return joined
 
 
-def _step_masks(position: torch.Tensor, pad_mask: torch.Tensor, slot_positions: torch.Tensor):
-    """(B, 1, 1, S + 1) masks over the cached slots plus the new key (always visible).
+def _block_masks(position: torch.Tensor, t: int, pad_mask: torch.Tensor, slot_positions: torch.Tensor, window: int):
+    """(B, 1, T, S + T) masks of a block of T queries at positions `position` + 0..T-1 over the cache's slots (S:
+    the full layers' L, the ring's W) and then the block's own keys (causal).
 
-    Full layers: slots before `position` holding real tokens. Sliding layers: ring slots that hold a real token;
-    the ring keeps only the window before the new token, so none is too far back."""
-    b, length = pad_mask.shape
-    itself = torch.ones(b, 1, dtype=torch.bool, device=pad_mask.device)
-    before = torch.arange(length, device=pad_mask.device) < position
-    full = torch.cat([pad_mask & before, itself], dim=1)
-    filled = slot_positions >= 0
-    ring = pad_mask[:, slot_positions.clamp(min=0)] & filled
-    sliding = torch.cat([ring, itself], dim=1)
-    return full[:, None, None, :], sliding[:, None, None, :]
+    Full layers: slots before `position` holding real tokens. Sliding layers: ring slots holding a real token less
+    than `window` positions before the query (the ring keeps the window before the block's first token; a later
+    query of a long block sees less of it), and the block's keys within the window too."""
+    device = pad_mask.device
+    queries = position + torch.arange(t, device=device)  # (T,)
+    block = torch.arange(t, device=device)
+    causal = block[None, :] <= block[:, None]  # (T, T)
+    before = pad_mask & (torch.arange(pad_mask.shape[1], device=device) < position)  # (B, L)
+    full = torch.cat([before[:, None, :].expand(-1, t, -1), causal[None].expand(pad_mask.shape[0], -1, -1)], dim=2)
+    filled = (slot_positions >= 0) & pad_mask[:, slot_positions.clamp(min=0)]  # (B, W)
+    near = queries[:, None] - slot_positions[None, :] < window  # (T, W)
+    ring = filled[:, None, :] & near[None]
+    own = causal & (block[:, None] - block[None, :] < window)
+    sliding = torch.cat([ring, own[None].expand(pad_mask.shape[0], -1, -1)], dim=2)
+    return full[:, None], sliding[:, None]
+
+
+def _cache_inputs(cache: KVCache) -> tuple:
+    """What `_causal_block` reads of a cache, marked dynamic in every size that changes between requests (the
+    cache's length, and the ring's for a short one): the graphs compile once for any."""
+    torch._dynamo.maybe_mark_dynamic(cache.pad_mask, 1)
+    torch._dynamo.maybe_mark_dynamic(cache.slot_positions, 0)
+    for layer in cache.layers:
+        torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+        torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+    return (torch.tensor(cache.length, device=cache.device), cache.offsets, cache.pad_mask, cache.slot_positions,
+            [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+
+
+def _store(cache: KVCache, new_keys: list[torch.Tensor], new_values: list[torch.Tensor], n: int | None = None) -> None:
+    """Write a block's new keys and values (the first `n` tokens of it, or all) into the cache and advance it."""
+    for index, (k, v) in enumerate(zip(new_keys, new_values)):
+        cache.write(index, k if n is None else k[:, :, :n], v if n is None else v[:, :, :n])
+    cache.advance(new_keys[0].shape[2] if n is None else n, None)
 
 
 def input_and_code_guards(entries) -> list[bool]:
@@ -145,7 +181,7 @@ def _register_rows_linear_fake() -> None:
         return x.new_empty((x.shape[0], weight.shape[1]))
 
     @torch.library.register_fake("printpress_fast::routed_experts")
-    def _(x, weights, experts, gate_up, down, activation):
+    def _(x, weights, experts, gate_up, down, activation, max_rows):
         return x.new_empty(x.shape)
 
 
@@ -336,21 +372,11 @@ class CompiledARStep(CompiledGraph):
         """The step's logits (B, 1, V), with the cache advanced; None if the graph failed (nothing was written:
         the caller runs the eager path)."""
         cache.check_room(1)
-        # Cache sizes change with every request (and the ring's with short ones): compile once for any size.
-        torch._dynamo.maybe_mark_dynamic(cache.pad_mask, 1)
-        torch._dynamo.maybe_mark_dynamic(cache.slot_positions, 0)
-        for layer in cache.layers:
-            torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
-            torch._dynamo.maybe_mark_dynamic(layer.values, 2)
-        out = self._run(input_ids, torch.tensor(cache.length, device=input_ids.device), cache.offsets,
-                        cache.pad_mask, cache.slot_positions, [layer.keys for layer in cache.layers],
-                        [layer.values for layer in cache.layers])
+        out = self._run(input_ids, *_cache_inputs(cache))
         if out is None:
             return None
         logits, new_keys, new_values = out
-        for index, (k, v) in enumerate(zip(new_keys, new_values)):
-            cache.write(index, k, v)
-        cache.advance(1, None)
+        _store(cache, new_keys, new_values)
         return logits
 
 
@@ -379,29 +405,19 @@ def remove_compiled_ar_step(model: DiffusionGemma) -> None:
 def encoder_block_graph(
     model: DiffusionGemma,
     ids: torch.Tensor,
-    positions: torch.Tensor,
-    prefix_keys: list[torch.Tensor],
-    prefix_values: list[torch.Tensor],
-    full_mask: torch.Tensor | None,
-    sliding_mask: torch.Tensor | None,
+    position: torch.Tensor,
+    offsets: torch.Tensor,
+    pad_mask: torch.Tensor,
+    slot_positions: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
     last: bool,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """A causal pass over a block `ids` (B, T) after the cache, as a pure function of tensors: the float32
     next-token logits (B, T, V), or (B, 1, V) with `last`, and each layer's new keys and values, which the caller
-    writes into the cache.
-
-    The inputs are what the eager `encode` reads: the block's RoPE positions, each layer's cached keys/values
-    oldest first and the causal (and windowed) masks over them and the block (`DiffusionGemma._encoder_masks`)."""
-    b, t = ids.shape
-    x = model.embed(ids).reshape(b * t, -1)
-    ropes = model.rope(positions)
-    new_keys, new_values = [], []
-    for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        attended = layer.self_attn.attend(*layer.attention_inputs(x, (b, t), ropes[spec.sliding]),
-                                          sliding_mask if spec.sliding else full_mask,
-                                          _appended(prefix_keys[index], prefix_values[index], new_keys, new_values))
-        x = layer.after_attention(x, attended, (b, t), True)
-    hidden = model.norm(x).view(b, t, -1)
+    writes into the cache (all of them, or a speculative verification's kept ones). The inputs are
+    `_causal_block`'s."""
+    hidden, new_keys, new_values = _causal_block(model, ids, position, offsets, pad_mask, slot_positions, keys, values)
     return model.logits(hidden[:, -1:] if last else hidden), new_keys, new_values
 
 
@@ -432,28 +448,26 @@ class CompiledEncoderBlock(CompiledGraph):
 
     def __call__(self, input_ids: torch.Tensor, cache: KVCache, logits: str) -> torch.Tensor | None:
         """The block's logits, with the cache advanced; None if the graph failed (nothing was written)."""
-        model, t = self.model, input_ids.shape[1]
-        cache.check_room(t)
-        slots = torch.arange(cache.length, cache.length + t, device=input_ids.device)
-        masks = model._encoder_masks(cache, slots, None)
-        keys, values = cached_prefixes(model, cache)
-        positions = cache.row_positions(slots)
-        # Any block length and cache length: every tensor whose size follows them is marked (one left static
-        # would pin the block length to the first one seen, and each new prompt length would compile again).
+        out = self.tentatively(input_ids, cache, logits)
+        if out is None:
+            return None
+        block_logits, keep = out
+        keep(input_ids.shape[1])
+        return block_logits
+
+    def tentatively(self, input_ids: torch.Tensor, cache: KVCache,
+                    logits: str = "all") -> tuple[torch.Tensor, Callable[[int], None]] | None:
+        """The block's logits and `keep(n)`, which writes the block's first n tokens into the cache (nothing is
+        written before: a verification keeps only what it accepts); None if the graph failed."""
+        cache.check_room(input_ids.shape[1])
+        # Any block length: one left static would pin it to the first one seen, and each new prompt length would
+        # compile again.
         torch._dynamo.maybe_mark_dynamic(input_ids, 1)
-        torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
-        for mask in (masks.full, masks.sliding):
-            if mask is not None:
-                torch._dynamo.maybe_mark_dynamic(mask, 2)
-                torch._dynamo.maybe_mark_dynamic(mask, 3)
-        out = self._run(input_ids, positions, keys, values, masks.full, masks.sliding, logits == "last")
+        out = self._run(input_ids, *_cache_inputs(cache), logits == "last")
         if out is None:
             return None
         block_logits, new_keys, new_values = out
-        for index, (k, v) in enumerate(zip(new_keys, new_values)):
-            cache.write(index, k, v)
-        cache.advance(t, None)
-        return block_logits
+        return block_logits, lambda n: _store(cache, new_keys, new_values, n)
 
 
 # -- the decoder pass -------------------------------------------------------------------------------------------

@@ -212,7 +212,8 @@ def static_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     elif (code := ROUTED_ACTIVATIONS.get(act)) is not None and fast.routed_experts_wanted(x, weights, gate_up_proj,
                                                                                           down_proj):
         # Each expert on its own tokens (printpress/kernels/rows_linear.cpp): half the products of the dense path.
-        return torch.ops.printpress_fast.routed_experts(x, weights, experts, gate_up_proj, down_proj, code)
+        return torch.ops.printpress_fast.routed_experts(x, weights, experts, gate_up_proj, down_proj, code,
+                                                          fast.ROWS_LINEAR_MAX_ROWS)
     else:
         gate, up = torch.matmul(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # (E, n, I) each
         every = torch.matmul(act(gate) * up, down_proj.transpose(1, 2))  # (E, n, H)
@@ -543,6 +544,23 @@ class DiffusionGemma(nn.Module):
         if logits == "none":
             return None
         return self.logits(hidden[:, -1:] if logits == "last" else hidden)
+
+    def encode_tentatively(self, input_ids: torch.Tensor,
+                           cache: KVCache) -> tuple[torch.Tensor, Callable[[int], None]]:
+        """A causal pass over a block (B, T) of which only a leading part is kept, decided from its logits (a
+        speculative verification): returns float32 logits for every position and `keep(n)`, which leaves the cache
+        holding the block's first n tokens after what it held, as if only they had been encoded.
+
+        The exact path encodes the whole block and rolls the cache back (`KVCache.snapshot` / `truncate`); a
+        compiled encoder block (`printpress.fast`) writes only the kept tokens."""
+        block = self.compiled_encoder
+        if block is not None and block.covers(input_ids, cache, None, "all"):
+            out = block.tentatively(input_ids, cache)
+            if out is not None:
+                return out
+        snapshot = cache.snapshot(input_ids.shape[1])
+        logits = self.encode(input_ids, cache, logits="all")
+        return logits, lambda n: cache.truncate(snapshot.length + n, snapshot)
 
     def _has(self, sliding: bool) -> bool:
         return any(spec.sliding == sliding for spec in self.specs)

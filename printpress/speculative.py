@@ -15,8 +15,9 @@ to decide, so the output is the AR model's:
    standard speculative-sampling rule (accept `d_i` with probability min(1, p/q), else draw from
    norm(max(0, p - q)); a bonus draw from p when every draft is accepted), which makes the output follow the
    AR distribution exactly whatever the draft is.
-3. The cache is rolled back to the accepted tokens (`KVCache.snapshot` / `truncate` restore the sliding-window
-   ring slots the rejected drafts overwrote), so it holds what AR decoding would hold.
+3. The cache keeps only the accepted tokens (`DiffusionGemma.encode_tentatively`: the exact path rolls it back,
+   `KVCache.snapshot` / `truncate` restoring the sliding-window ring slots the rejected drafts overwrote; a
+   compiled block writes only the kept ones), so it holds what AR decoding would hold.
 
 The same `t`-first layout makes the prefill's last logits give the first token, exactly as in `mode="ar"`.
 Requests are served one after another (not batched): each verification accepts a different number of tokens,
@@ -58,7 +59,7 @@ tokens committed per verification, the correction/bonus token included (>= 1).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -326,9 +327,8 @@ def _verify(
 ) -> list[int]:
     """One causal pass over `[last, *draft]`; returns the tokens AR decoding commits, rolls the cache back."""
     block = torch.cat([torch.tensor([last], dtype=torch.long, device=draft.device), draft])[None]
-    snapshot = cache.snapshot(block.shape[1])
-    logits = model.encode(block, cache, logits="all")[0]  # logits[i]: the AR model's view after block[i]
-    return _accept(cache, state, snapshot, draft, q, logits)
+    logits, keep = model.encode_tentatively(block, cache)  # logits[0, i]: the AR model's view after block[i]
+    return _accept(keep, state, draft, q, logits[0])
 
 
 def _verify_and_draft(
@@ -344,14 +344,15 @@ def _verify_and_draft(
                           device=draft.device)  # drawn before the verification: independent of its outcome
     snapshot = cache.snapshot(block.shape[1])
     logits, hidden = model.verify_and_draft(block, noise, cache)
-    new = _accept(cache, state, snapshot, draft, q, logits)
+    new = _accept(lambda n: cache.truncate(snapshot.length + n, snapshot), state, draft, q, logits)
     outcome = len(new) - 1  # drafts accepted
     return new, hidden[outcome : outcome + 1] if outcome < outcomes else None
 
 
-def _accept(cache, state: _State, snapshot, draft: torch.Tensor, q: torch.Tensor | None,
+def _accept(keep: Callable[[int], None], state: _State, draft: torch.Tensor, q: torch.Tensor | None,
             logits: torch.Tensor) -> list[int]:
-    """The verification's decision from its logits (m + 1, V) (one pass counted), and the cache rolled back."""
+    """The verification's decision from its logits (m + 1, V) (one pass counted); `keep(n)` leaves the block's
+    first n tokens (the last committed one and the accepted drafts) in the cache."""
     state.forward_passes += 1
     state.verifications += 1
     if state.settings.temperature == 0:
@@ -360,7 +361,7 @@ def _accept(cache, state: _State, snapshot, draft: torch.Tensor, q: torch.Tensor
         q = logits.new_empty(0, logits.shape[-1]) if q is None else q  # no draft: the bonus draw only
         new = sampled_accept(draft, q, next_token_probs(logits, state.settings), state.generator)
     accepted = len(new) - 1
-    cache.truncate(snapshot.length + 1 + accepted, snapshot)
+    keep(1 + accepted)
     state.drafted += int(draft.numel())
     state.accepted += accepted
     return new
@@ -379,10 +380,10 @@ def _canvas_draft(model: torch.nn.Module, state: _State, hidden: torch.Tensor,
 
 def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> list[int]:
     """The drafts (m,) that match the AR argmax of `logits` (m + 1, V), then the AR argmax after them."""
-    targets = torch.argmax(logits, dim=-1)
-    matches = (draft == targets[: draft.numel()]).long()
-    kept = int(matches.cumprod(dim=0).sum())
-    return draft[:kept].tolist() + [int(targets[kept])]
+    targets = torch.argmax(logits, dim=-1).tolist()  # a few lists of ints: cheaper than tensor ops this small
+    tokens = draft.tolist()
+    kept = next((i for i, (token, target) in enumerate(zip(tokens, targets)) if token != target), len(tokens))
+    return tokens[:kept] + [targets[kept]]
 
 
 def sampled_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator) -> list[int]:

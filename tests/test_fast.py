@@ -345,6 +345,52 @@ def test_the_encoder_block_is_one_graph_and_computes_the_exact_paths_logits_and_
         assert (exact_layer.values - fast_layer.values).abs().max() < 1e-5
 
 
+def tentative_blocks(model, tentative: bool):
+    """A 7-token prompt, then blocks of 5 tokens (as long as the sliding ring) of which only the first 2, 5, 1 and 4
+    are kept (the ring wraps): each through `encode_tentatively` then `keep(n)`, or (not `tentative`) its first n tokens encoded
+    alone. Each block's logits over its kept tokens, and the final cache."""
+    generator = torch.Generator().manual_seed(9)
+    vocab = model.config.vocab_size
+    cache = model.new_cache(1, 40)
+    out = []
+    with torch.no_grad():
+        model.encode(torch.randint(3, vocab, (1, 7), generator=generator), cache, logits="last")
+        for n in (2, 5, 1, 4):
+            block = torch.randint(3, vocab, (1, 5), generator=generator)
+            if tentative:
+                logits, keep = model.encode_tentatively(block, cache)
+                keep(n)
+            else:
+                logits = model.encode(block[:, :n], cache, logits="all")
+            out.append(logits[:, :n])
+    return out, cache
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_tentative_block_leaves_only_its_kept_tokens_in_the_cache(model, compiled):
+    """What a speculative verification relies on: after `keep(n)` the cache is what encoding the block's first n
+    tokens alone leaves, and the block's logits over them are theirs (the compiled block writes only the kept
+    tokens; the exact path writes all and rolls the ring back)."""
+    expected, expected_cache = tentative_blocks(model, tentative=False)
+    if compiled:
+        compile_ar_step(model, backend="eager")
+    block = model.compiled_encoder
+    try:
+        got, cache = tentative_blocks(model, tentative=True)
+    finally:
+        remove_compiled_ar_step(model)
+    assert block is None or block.failure is None
+    assert cache.length == expected_cache.length == 19
+    assert torch.equal(cache.slot_positions, expected_cache.slot_positions)
+    assert torch.equal(cache.pad_mask, expected_cache.pad_mask)
+    for a, b in zip(expected, got, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-4
+    for expected_layer, layer in zip(expected_cache.layers, cache.layers, strict=True):
+        read = slice(None) if layer.sliding else slice(0, cache.length)  # a full layer's later slots are never read
+        assert (expected_layer.keys[:, :, read] - layer.keys[:, :, read]).abs().max() < 1e-5
+        assert (expected_layer.values[:, :, read] - layer.values[:, :, read]).abs().max() < 1e-5
+
+
 def test_padded_one_token_and_failing_blocks_run_the_exact_path(model, caplog):
     exact, _ = encoder_blocks(model)
     compile_ar_step(model, backend="eager")
@@ -518,15 +564,16 @@ def routed_inputs(tokens: int = 7, hidden: int = 12, inner: int = 6, experts: in
 
 @pytest.mark.parametrize("code, act", [(0, lambda x: torch.nn.functional.gelu(x, approximate="tanh")),
                                        (1, torch.nn.functional.gelu), (2, torch.nn.functional.silu)])
-def test_the_routed_experts_kernel_runs_each_expert_on_its_own_tokens(rows_kernel, code, act):
-    x, weights, chosen, gate_up, down = routed_inputs()
+@pytest.mark.parametrize("tokens, max_rows", [(7, 8), (7, 0), (12, 8)])  # experts of 2-9 rows: ours, MKL's, both
+def test_the_routed_experts_kernel_runs_each_expert_on_its_own_tokens(rows_kernel, code, act, tokens, max_rows):
+    x, weights, chosen, gate_up, down = routed_inputs(tokens)
     expected = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):  # token by token, in float64
         for slot in range(2):
             e = int(chosen[t, slot])
             gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
             expected[t] += weights[t, slot].double() * (down[e].double() @ (act(gate) * up))
-    got = torch.ops.printpress_fast.routed_experts(x, weights, chosen, gate_up, down, code)
+    got = torch.ops.printpress_fast.routed_experts(x, weights, chosen, gate_up, down, code, max_rows)
     assert got.shape == x.shape and got.dtype == torch.float32
     assert torch.allclose(got.double(), expected, atol=1e-5)
 
@@ -539,7 +586,7 @@ def test_the_routed_experts_kernel_runs_bf16_and_sums_the_experts_in_float32(row
     every = torch.matmul(torch.nn.functional.gelu(gate, approximate="tanh") * up, down.double().transpose(1, 2))
     expected = (every[chosen, torch.arange(x.shape[0])[:, None]] * weights.double()[..., None]).sum(dim=1)
     for router_weights in (weights, weights.float()):
-        got = torch.ops.printpress_fast.routed_experts(x, router_weights, chosen, gate_up, down, 0)
+        got = torch.ops.printpress_fast.routed_experts(x, router_weights, chosen, gate_up, down, 0, 8)
         assert got.shape == x.shape and got.dtype == torch.bfloat16
         assert torch.allclose(got.double(), expected, atol=0.02, rtol=0.02)
 
@@ -548,15 +595,15 @@ def test_the_routed_experts_kernel_refuses_bad_experts_activations_and_shapes(ro
     x, weights, chosen, gate_up, down = routed_inputs()
     op = torch.ops.printpress_fast.routed_experts
     with pytest.raises(RuntimeError, match=r"expert 4 is not in \[0, 4\)"):
-        op(x, weights, chosen.clone().fill_(4), gate_up, down, 0)
+        op(x, weights, chosen.clone().fill_(4), gate_up, down, 0, 8)
     with pytest.raises(RuntimeError, match=r"activation 3 is not 0 \(GELU, tanh\), 1 \(GELU\) or 2 \(SiLU\)"):
-        op(x, weights, chosen, gate_up, down, 3)
+        op(x, weights, chosen, gate_up, down, 3, 8)
     with pytest.raises(RuntimeError, match=r"expects x \(T, H\), weights and experts \(T, k\)"):
-        op(x, weights, chosen, gate_up, down[:, :5], 0)
+        op(x, weights, chosen, gate_up, down[:, :5], 0, 8)
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
-        op(x.double(), weights, chosen, gate_up, down, 0)
+        op(x.double(), weights, chosen, gate_up, down, 0, 8)
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
-        op(x.bfloat16(), weights, chosen, gate_up, down, 0)  # weights of another dtype than x's
+        op(x.bfloat16(), weights, chosen, gate_up, down, 0, 8)  # weights of another dtype than x's
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
