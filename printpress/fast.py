@@ -139,6 +139,13 @@ def _cache_inputs(cache: KVCache) -> tuple:
             [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
 
 
+def _unaliased(ids: torch.Tensor) -> torch.Tensor:
+    """The token ids as a tensor of their own with row-major strides (a copy of a few ints): dynamo guards a view's
+    base and its strides, so a graph first called with a view (speculative's `torch.cat(...)[None]`, a slice of a
+    longer row) would otherwise compile again for ids that are not one, or that view a base of another shape."""
+    return ids.clone(memory_format=torch.contiguous_format)
+
+
 def _store(cache: KVCache, new_keys: list[torch.Tensor], new_values: list[torch.Tensor], n: int | None = None) -> None:
     """Write a block's new keys and values (the first `n` tokens of it, or all) into the cache and advance it."""
     for index, (k, v) in enumerate(zip(new_keys, new_values)):
@@ -372,7 +379,7 @@ class CompiledARStep(CompiledGraph):
         """The step's logits (B, 1, V), with the cache advanced; None if the graph failed (nothing was written:
         the caller runs the eager path)."""
         cache.check_room(1)
-        out = self._run(input_ids, *_cache_inputs(cache))
+        out = self._run(_unaliased(input_ids), *_cache_inputs(cache))
         if out is None:
             return None
         logits, new_keys, new_values = out
@@ -463,7 +470,7 @@ class CompiledEncoderBlock(CompiledGraph):
         # Any block length: one left static would pin it to the first one seen, and each new prompt length would
         # compile again.
         torch._dynamo.maybe_mark_dynamic(input_ids, 1)
-        out = self._run(input_ids, *_cache_inputs(cache), logits == "last")
+        out = self._run(_unaliased(input_ids), *_cache_inputs(cache), logits == "last")
         if out is None:
             return None
         block_logits, new_keys, new_values = out

@@ -21,7 +21,7 @@ from printpress.catalog import DEFAULT_MODEL, default_model_path  # noqa: F401 -
 from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
-from printpress.request import Request, check_logprobs, check_prompts
+from printpress.request import Request, check_logprobs, check_prompts, model_device
 from printpress.runtime_options import check_canvas_length, check_compile, check_dtype, check_quantize
 from printpress.settings import (
     BY_NAME,
@@ -296,7 +296,7 @@ class Pipeline:
         a minute on a CPU), so that they run at the compiled passes' speed: requests of one and of two prompts, by
         diffusion with the checkpoint's sampler (past a commit: a sliding canvas reaches its fused pass) and by AR
         decoding, with short prompts and with prompts past the sliding window (the ring is read in place until it
-        wraps, reordered after), and short AR requests. Requests of other shapes may still compile a variant of
+        wraps, reordered after), short AR requests, and speculative verifications. Requests of other shapes may still compile a variant of
         their own. The outputs are thrown away; seeds are fixed, so nothing else's random stream moves. Returns
         whether there was anything to compile (False for the exact passes)."""
         model = self.model
@@ -313,6 +313,14 @@ class Pipeline:
                     for rows in (1, 2) for mode in ("diffusion", "ar")]
         for batch, mode, new_tokens in requests + [(prompts(short)[:1], "ar", 3)]:
             self.generate(batch, seed=0, mode=mode, max_new_tokens=new_tokens, eos_token_ids=[])
+        if model.compiled_encoder is not None:  # speculative verifications: blocks of 2 tokens, and of more
+            first = torch.tensor(prompts(short)[:1], device=model_device(model))
+            with torch.no_grad():
+                cache = model.new_cache(1, 3 * first.shape[1])
+                model.encode(first, cache, logits="last")
+                for n in (2, first.shape[1]):
+                    _, keep = model.encode_tentatively(first[:, :n], cache)
+                    keep(1)
         return True
 
     def stream(

@@ -417,8 +417,8 @@ def test_padded_one_token_and_failing_blocks_run_the_exact_path(model, caplog):
 @pytest.mark.parametrize("sliding", [False, True])
 def test_warm_up_compiles_what_typical_requests_then_run(folder, sliding):
     """After `Pipeline.warm_up`, requests of other prompt lengths and lengths, one or two prompts, by diffusion
-    (whole or sliding canvases) and AR decoding, compile nothing more (dynamo refuses to recompile here, which
-    would show as a failed graph); an exact model has nothing to warm up."""
+    (whole or sliding canvases), AR and speculative decoding, compile nothing more (dynamo refuses to recompile
+    here, which would show as a failed graph); an exact model has nothing to warm up."""
     from printpress.fast import compile_decoder
 
     pipe = printpress.load(folder)
@@ -434,7 +434,15 @@ def test_warm_up_compiles_what_typical_requests_then_run(folder, sliding):
             for batch in (prompts[:1], prompts):
                 pipe.generate(batch, seed=1, max_new_tokens=new_tokens, eos_token_ids=[])
                 pipe.generate(batch, seed=1, mode="ar", max_new_tokens=new_tokens, eos_token_ids=[])
-    model = pipe.model
+            for temperature in (0.0, 0.8):
+                pipe.generate(prompts, seed=1, mode="speculative", temperature=temperature, max_new_tokens=new_tokens,
+                              eos_token_ids=[])
+        model = pipe.model
+        cache = model.new_cache(1, 30)
+        with torch.no_grad():
+            model.encode(torch.tensor(prompts[:1]), cache, logits="last")
+            for n in (2, 4):  # verification blocks of 2 tokens (their experts gathered) and of more (routed)
+                model.encode_tentatively(torch.tensor(prompts[:1])[:, :n], cache)[1](1)
     assert [getattr(model, name).failure for name in ("compiled_ar_step", "compiled_encoder", "compiled_decoder",
                                                       "compiled_fused_pass")] == [None] * 4
 
