@@ -296,8 +296,8 @@ class Pipeline:
         a minute on a CPU), so that they run at the compiled passes' speed: requests of one and of two prompts, by
         diffusion with the checkpoint's sampler (past a commit: a sliding canvas reaches its fused pass) and by AR
         decoding, with short prompts and with prompts past the sliding window (the ring is read in place until it
-        wraps, reordered after), short AR requests, and speculative verifications. Requests of other shapes may still compile a variant of
-        their own. The outputs are thrown away; seeds are fixed, so nothing else's random stream moves. Returns
+        wraps, reordered after), short AR requests, and speculative verifications (blocks of 2 tokens and of more).
+        Requests of other shapes may still compile a variant of their own. The outputs are thrown away; seeds are fixed, so nothing else's random stream moves. Returns
         whether there was anything to compile (False for the exact passes)."""
         model = self.model
         if all(getattr(model, name) is None for name in ("compiled_ar_step", "compiled_encoder", "compiled_decoder")):

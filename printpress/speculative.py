@@ -325,7 +325,8 @@ def _token_draft(tokens: list[int], settings: SamplerSettings, vocab: int,
 def _verify(
     model: torch.nn.Module, cache, state: _State, last: int, draft: torch.Tensor, q: torch.Tensor | None
 ) -> list[int]:
-    """One causal pass over `[last, *draft]`; returns the tokens AR decoding commits, rolls the cache back."""
+    """One causal pass over `[last, *draft]`; returns the tokens AR decoding commits, the cache keeping `last` and
+    the accepted drafts."""
     block = torch.cat([torch.tensor([last], dtype=torch.long, device=draft.device), draft])[None]
     logits, keep = model.encode_tentatively(block, cache)  # logits[0, i]: the AR model's view after block[i]
     return _accept(keep, state, draft, q, logits[0])

@@ -347,8 +347,8 @@ def test_the_encoder_block_is_one_graph_and_computes_the_exact_paths_logits_and_
 
 def tentative_blocks(model, tentative: bool):
     """A 7-token prompt, then blocks of 5 tokens (as long as the sliding ring) of which only the first 2, 5, 1 and 4
-    are kept (the ring wraps): each through `encode_tentatively` then `keep(n)`, or (not `tentative`) its first n tokens encoded
-    alone. Each block's logits over its kept tokens, and the final cache."""
+    are kept (the ring wraps): each through `encode_tentatively` then `keep(n)`, or (not `tentative`) its first n
+    tokens encoded alone. Each block's logits over its kept tokens, and the final cache."""
     generator = torch.Generator().manual_seed(9)
     vocab = model.config.vocab_size
     cache = model.new_cache(1, 40)

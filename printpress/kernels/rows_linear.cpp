@@ -267,7 +267,8 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
     if (n) expert_product(gathered.narrow(0, first[e], n), wg[e], both.narrow(0, first[e], n), max_rows);
   }
   const auto gate = both.narrow(1, 0, I), up = both.narrow(1, I, I);
-  const auto hidden = (activation == 0 ? at::gelu(gate, "tanh") : activation == 1 ? at::gelu(gate) : at::silu(gate)) * up;
+  const auto act = activation == 0 ? at::gelu(gate, "tanh") : activation == 1 ? at::gelu(gate) : at::silu(gate);
+  const auto hidden = act * up;  // (P, I), contiguous
   auto products = torch::empty({P, H}, x.options());
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = first[e + 1] - first[e];
