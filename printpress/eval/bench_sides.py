@@ -147,9 +147,9 @@ class Trace:
 
 class MeteredModel:
     """A model whose network passes are counted and timed into `trace`: `encode` (the prefill, AR steps, the pass
-    that caches a committed canvas, speculative verifications) and `denoise` (decoder passes), and the passes that
-    do both at once as one decoder pass each (`verify_and_draft`: a fused speculative round; `encode_and_denoise`:
-    a sliding canvas's step after a commit). Every other attribute is the model's own, so a `Pipeline` built on it
+    that caches a committed canvas) and `encode_tentatively` (speculative verifications) as encoder passes, `denoise`
+    as decoder passes, and the passes that do both at once as one decoder pass each (`verify_and_draft`: a fused
+    speculative round; `encode_and_denoise`: a sliding canvas's step after a commit). Every other attribute is the model's own, so a `Pipeline` built on it
     decodes exactly as on the model.
 
     Recording is two counters and a clock read per pass, next to nothing beside a forward.
@@ -163,26 +163,30 @@ class MeteredModel:
         return getattr(self.model, name)
 
     def encode(self, *args, **kwargs):
-        start = time.perf_counter()
-        out = self.model.encode(*args, **kwargs)
-        self.trace.encoder_calls += 1
-        self.trace.encoder_s += time.perf_counter() - start
-        return out
+        return self._pass("encoder", self.model.encode, *args, **kwargs)
+
+    def encode_tentatively(self, *args, **kwargs):  # a speculative verification
+        return self._pass("encoder", self.model.encode_tentatively, *args, **kwargs)
 
     def denoise(self, *args, **kwargs):
-        return self._decoder_pass(self.model.denoise, *args, **kwargs)
+        return self._pass("decoder", self.model.denoise, *args, **kwargs)
 
     def verify_and_draft(self, *args, **kwargs):
-        return self._decoder_pass(self.model.verify_and_draft, *args, **kwargs)
+        return self._pass("decoder", self.model.verify_and_draft, *args, **kwargs)
 
     def encode_and_denoise(self, *args, **kwargs):
-        return self._decoder_pass(self.model.encode_and_denoise, *args, **kwargs)
+        return self._pass("decoder", self.model.encode_and_denoise, *args, **kwargs)
 
-    def _decoder_pass(self, method, *args, **kwargs):
+    def _pass(self, kind: str, method, *args, **kwargs):
         start = time.perf_counter()
         out = method(*args, **kwargs)
-        self.trace.decoder_calls += 1
-        self.trace.decoder_s += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if kind == "encoder":
+            self.trace.encoder_calls += 1
+            self.trace.encoder_s += seconds
+        else:
+            self.trace.decoder_calls += 1
+            self.trace.decoder_s += seconds
         return out
 
 
