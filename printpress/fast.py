@@ -63,7 +63,9 @@ def ar_step_graph(
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One AR step as a pure function of tensors (what `torch.compile` captures): the next-token logits (B, 1, V)
     and each layer's new key and value, which the caller writes into the cache. The inputs are
-    `_causal_block`'s, with `ids` (B, 1)."""
+    `_causal_block`'s, with `ids` (B, 1). A function of its own rather than `encoder_block_graph(..., last=True)`:
+    dynamo keeps graphs and guards per function, so an AR step's call checks only the step's few variants, not
+    every block length and logits mode as well."""
     hidden, new_keys, new_values = _causal_block(model, ids, position, offsets, pad_mask, slot_positions, keys, values)
     return model.logits(hidden), new_keys, new_values
 
@@ -147,10 +149,11 @@ def _unaliased(ids: torch.Tensor) -> torch.Tensor:
 
 
 def _store(cache: KVCache, new_keys: list[torch.Tensor], new_values: list[torch.Tensor], n: int | None = None) -> None:
-    """Write a block's new keys and values (the first `n` tokens of it, or all) into the cache and advance it."""
+    """Write a block's new keys and values into the cache (its first `n` tokens; all when None) and advance it."""
+    n = new_keys[0].shape[2] if n is None else n
     for index, (k, v) in enumerate(zip(new_keys, new_values)):
-        cache.write(index, k if n is None else k[:, :, :n], v if n is None else v[:, :, :n])
-    cache.advance(new_keys[0].shape[2] if n is None else n, None)
+        cache.write(index, k[:, :, :n], v[:, :, :n])
+    cache.advance(n, None)
 
 
 def input_and_code_guards(entries) -> list[bool]:
@@ -609,9 +612,7 @@ class CompiledFusedPass(CompiledGraph):
         if out is None:
             return None
         block_logits, canvas_out, new_keys, new_values = out
-        for index, (k, v) in enumerate(zip(new_keys, new_values)):
-            cache.write(index, k, v)
-        cache.advance(block.shape[1], None)
+        _store(cache, new_keys, new_values)  # the block's rows only (`_appended` keeps the first m)
         return block_logits, canvas_out
 
 
