@@ -1,24 +1,26 @@
-"""The per-call cost of torch.compile's entry, measured: a compiled pass called through dynamo (what printpress's
-compiled paths do) against the same graph compiled ahead of time with AOTInductor (`torch.export` +
-`torch._inductor.aoti_compile_and_package`) and called through its runner. Both run the same inductor kernels (the
-outputs are compared); the difference is dynamo's guards and frame handling and the wrapper's Python entry.
+"""Compiled passes with and without dynamo's entry, against the exact path: the AR step, a speculative verification
+block and a self-conditioned decoder pass, timed through the model's own calls (`encode`, `encode_tentatively`,
+`denoise`), so each side's time includes what it does around its graph.
 
-The package is built without the weights (`aot_inductor.package_constants_in_so` off) and reads the live model's
-parameters (`load_constants(..., user_managed=True)`), as a dynamo graph does: one package could serve any model of
-the same shapes, and an in-place change of a weight reaches it (checked here: `live_weights`).
+Three copies of the model with the same weights, one thread:
+- exact: the default eager passes;
+- dynamo: `compile_ar_step` / `compile_decoder` with `ahead_of_time=False`, each call through `torch.compile`;
+- ahead of time: the default, the same graphs as AOTInductor packages (`printpress.aot`), called from their runner.
 
-Workloads on the given model after a 60-token prompt: the AR step (1 token) and a speculative verification block
-(8 tokens, logits for every row). One thread; the two calls of a workload alternate in rounds, medians reported.
+Workloads after a 64-token prompt, rolled back after each call so every call sees the same cache (what the
+roll-back of an AR step costs is timed too: it is in every side's AR step row); the sides alternate in rounds,
+medians of the rounds' medians. Also reported: the compiled sides' largest logit difference from the exact path, how long building and then loading the packages took, and that a package reads the model's
+live weights (a router's per-expert scale, which inductor would otherwise write into the package, changed in
+place).
 
     OMP_NUM_THREADS=1 python bench/aot_graphs.py [--model models/shakespeare-joint] [--out docs/results/aot_graphs.json]
-
-A measurement, not a feature: printpress's compiled paths still call through dynamo (docs/benchmarks.md §6).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -28,27 +30,55 @@ from pathlib import Path
 import torch
 
 import printpress
-from printpress import fast
+from printpress.fast import compile_ar_step, compile_decoder
+
+CONTEXT = 64
 
 
-class _Graph(torch.nn.Module):
-    """A graph function of printpress.fast with the model bound, as `torch.export` wants a module."""
-
-    def __init__(self, graph, model, *constants) -> None:
-        super().__init__()
-        self.graph, self.model, self.constants = graph, model, constants
-
-    def forward(self, *tensors):
-        return self.graph(self.model, *tensors, *self.constants)
-
-
-def median_ms(call, rounds: int) -> float:
+def median_ms(call, calls: int) -> float:
     times = []
-    for _ in range(rounds):
+    for _ in range(calls):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def workloads(model) -> dict:
+    """name -> (call, logits of one call) on `model`, each after the same 64-token prompt."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(3, vocab, (1, CONTEXT), generator=generator)
+    token, block = torch.randint(3, vocab, (1, 1), generator=generator), torch.randint(3, vocab, (1, 8),
+                                                                                        generator=generator)
+    canvas = torch.randint(3, vocab, (1, 32), generator=generator)
+    cache = model.new_cache(1, CONTEXT + 16)
+    model.encode(prompt, cache, logits="none")
+    probs = torch.softmax(model.denoise(canvas, cache) / 0.8, dim=-1)
+
+    def rolled_back(call, written: int):
+        def run():
+            snapshot = cache.snapshot(written)
+            out = call()
+            cache.truncate(CONTEXT, snapshot)
+            return out
+        return run
+
+    def verification():
+        logits, keep = model.encode_tentatively(block, cache)
+        keep(4)  # as a verification that accepts half its drafts
+        return logits
+
+    def rollback_alone():
+        snapshot = cache.snapshot(1)
+        cache.advance(1, None)
+        cache.truncate(CONTEXT, snapshot)
+
+    return {"the AR step's roll-back alone (in each AR step row)": rollback_alone,
+            "AR step": rolled_back(lambda: model.encode(token, cache, logits="last"), 1),
+            "verification block (8 tokens)": rolled_back(verification, 4),
+            "decoder pass, canvas 32, self-conditioned": lambda: model.denoise(canvas, cache,
+                                                                              self_conditioning_probs=probs)}
 
 
 def main() -> None:
@@ -59,61 +89,58 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    pipe = printpress.load(args.model, compile="ar")
-    model = pipe.model
-    if not fast.rows_linear_ready():
-        raise SystemExit("printpress's kernels did not build here (no compiler?): nothing to compare")
-    fast._routed_experts = True  # as CompiledGraph._run sets it: a block's experts through the routed kernel
-    cache = model.new_cache(1, 124)
-    model.encode(torch.randint(5, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0)), cache,
-                 logits="last")
-    length, window = torch.export.Dim("length", min=2, max=4096), torch.export.Dim("window", min=2, max=4096)
-    per_layer = [{2: window if spec.sliding else length} for spec in model.specs]
-    cache_dims = ({}, {}, {1: length}, {0: window}, per_layer, per_layer)  # _cache_inputs' tensors
-    block = torch.export.Dim("block", min=3, max=64)
-    workloads = {
-        "AR step": (fast.ar_step_graph, model.compiled_ar_step, torch.ones(1, 1, dtype=torch.long), (), {}),
-        "verification block (8 tokens)": (fast.encoder_block_graph, model.compiled_encoder,
-                                           torch.ones(1, 8, dtype=torch.long), (False,), {1: block}),
-    }
-    rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for name, (graph, compiled, ids, constants, ids_dims) in workloads.items():
-            inputs = (ids, *fast._cache_inputs(cache))
+        os.environ["PRINTPRESS_CACHE"] = folder  # packages built here, then loaded by a second copy
+        models = {side: printpress.load(args.model).model for side in ("exact", "dynamo", "ahead of time")}
+        compile_ar_step(models["dynamo"], ahead_of_time=False)
+        compile_decoder(models["dynamo"], ahead_of_time=False)
+        compile_ar_step(models["ahead of time"])
+        compile_decoder(models["ahead of time"])
+        calls = {side: workloads(model) for side, model in models.items()}
+        outputs = {}
+        for side, side_calls in calls.items():
             start = time.perf_counter()
-            exported = torch.export.export(_Graph(graph, model, *constants), inputs,
-                                           dynamic_shapes=((ids_dims, *cache_dims),), strict=False)
-            package = torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(Path(folder) / f"{len(rows)}.pt2"),
-                inductor_configs={"post_grad_custom_post_pass": fast.FewRowLinears(),
-                                  "aot_inductor.package_constants_in_so": False})
-            runner = torch._inductor.aoti_load_package(package)
-            live = {**dict(_Graph(graph, model).named_parameters()), **dict(_Graph(graph, model).named_buffers())}
-            runner.load_constants({name: live[name] for name in runner.get_constant_fqns()}, check_full_update=True,
-                                  user_managed=True)  # the live model's tensors, not copies
-            compile_s = time.perf_counter() - start
-            ahead, through_dynamo = runner(*inputs), compiled._run(*inputs, *constants)
-            difference = max((a - b).abs().max().item() for a, b in zip(torch.utils._pytree.tree_leaves(ahead),
-                                                                      torch.utils._pytree.tree_leaves(through_dynamo)))
-            model.norm.weight.mul_(2.0)  # an in-place change of a weight must reach the package
-            live_weights = not torch.equal(runner(*inputs)[0], ahead[0])
-            model.norm.weight.div_(2.0)
-            for _ in range(20):
-                runner(*inputs), compiled._run(*inputs, *constants)
-            times = {"dynamo": [], "aoti": []}
-            for _ in range(args.rounds):
-                times["dynamo"].append(median_ms(lambda: compiled._run(*inputs, *constants), 40))
-                times["aoti"].append(median_ms(lambda: runner(*inputs), 40))
-            row = {"workload": name, "dynamo_ms": statistics.median(times["dynamo"]),
-                   "aoti_ms": statistics.median(times["aoti"]), "max_abs_difference": difference,
-                   "live_weights": live_weights, "aoti_compile_s": compile_s}
-            row["saved_ms"] = row["dynamo_ms"] - row["aoti_ms"]
-            rows.append(row)
-            print(f"{name}: through dynamo {row['dynamo_ms']:.3f} ms, AOTInductor {row['aoti_ms']:.3f} ms "
-                  f"(saves {row['saved_ms']:.3f} ms; outputs differ by {difference:.1e}; reads the live weights: "
-                  f"{live_weights}; compiled in {compile_s:.0f} s)")
+            outputs[side] = {name: call() for name, call in side_calls.items() if "alone" not in name}
+            build_s = time.perf_counter() - start  # (the last side's) first calls build every package
+        loader = printpress.load(args.model).model
+        start = time.perf_counter()
+        compile_ar_step(loader)
+        compile_decoder(loader)
+        for call in workloads(loader).values():
+            call()
+        load_s = time.perf_counter() - start  # the same calls, the packages now on disk
+
+        expert_scale = models["ahead of time"].layers[0].router.per_expert_scale
+        expert_scale.mul_(2.0)  # an in-place change of a small weight must reach the package
+        live_weights = not torch.equal(calls["ahead of time"]["AR step"](), outputs["ahead of time"]["AR step"])
+        expert_scale.div_(2.0)
+
+        for side_calls in calls.values():
+            for call in side_calls.values():
+                for _ in range(10):
+                    call()
+        times = {side: {name: [] for name in calls["exact"]} for side in calls}
+        for _ in range(args.rounds):
+            for name in calls["exact"]:
+                for side in calls:
+                    times[side][name].append(median_ms(calls[side][name], 40))
+    rows = []
+    for name in calls["exact"]:
+        row = {"workload": name, **{f"{side}_ms": statistics.median(times[side][name]) for side in calls}}
+        row["exact / ahead of time"] = row["exact_ms"] / row["ahead of time_ms"]
+        row["exact / dynamo"] = row["exact_ms"] / row["dynamo_ms"]
+        row["dynamo / ahead of time"] = row["dynamo_ms"] / row["ahead of time_ms"]
+        for side in ("dynamo", "ahead of time") if name in outputs["exact"] else ():
+            row[f"{side} max abs logit difference"] = (outputs[side][name] - outputs["exact"][name]).abs().max().item()
+        rows.append(row)
+        print(f"{name}: exact {row['exact_ms']:.3f} ms, dynamo {row['dynamo_ms']:.3f} ms, ahead of time "
+              f"{row['ahead of time_ms']:.3f} ms (exact / ahead {row['exact / ahead of time']:.2f}x, dynamo / ahead "
+              f"{row['dynamo / ahead of time']:.2f}x)")
+    print(f"packages built in {build_s:.0f} s, loaded in {load_s:.2f} s; a package reads the live weights: "
+          f"{live_weights}")
     meta = {"model": args.model, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-            "threads": 1, "command": "OMP_NUM_THREADS=1 python bench/aot_graphs.py " + " ".join(
+            "threads": 1, "context": CONTEXT, "build_s": build_s, "load_s": load_s, "live_weights": live_weights,
+            "command": "OMP_NUM_THREADS=1 python bench/aot_graphs.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -141,6 +141,18 @@ def _cache_inputs(cache: KVCache) -> tuple:
             [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
 
 
+def _causal_block_sizes(model: DiffusionGemma, tensors: tuple) -> tuple | None:
+    """`_causal_block`'s inputs' sizes that vary between calls (for `CompiledGraph.dynamic_sizes`): the cache's
+    length and the ring's, and the block's length from 3 tokens on (a step and a block of 2 are variants of their
+    own: their products and experts are chosen for so few rows). One row only: batches (the server's) leave
+    dynamo's entry a smaller share of a call, and the graph specialises on the batch size anyway."""
+    ids = tensors[0]
+    if ids.shape[0] != 1:
+        return None
+    layers = [{2: "window" if spec.sliding else "length"} for spec in model.specs]
+    return {1: "block"} if ids.shape[1] >= 3 else {}, {}, {}, {1: "length"}, {0: "window"}, layers, layers
+
+
 def _unaliased(ids: torch.Tensor) -> torch.Tensor:
     """The token ids as a tensor of their own with row-major strides (a copy of a few ints): dynamo guards a view's
     base and its strides, so a graph first called with a view (speculative's `torch.cat(...)[None]`, a slice of a
@@ -325,24 +337,44 @@ class CompiledGraph:
     what = "compiled graph"  # the words of the warning
 
     graph: Callable = None  # the pure function of tensors a subclass compiles
+    python_arguments = 0  # how many of the graph's trailing arguments are Python values (part of a variant)
 
     def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
-                 routed_experts: bool = True) -> None:
+                 routed_experts: bool = True, ahead_of_time: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.routed_experts = routed_experts
         self.failure: str | None = None
         options = {"guard_filter_fn": input_and_code_guards}
+        inductor_configs = {}
         if backend == "inductor":
             options["cpp_wrapper"] = True  # the kernels are called from C++, not one Python call each
             if rows_kernel:  # the kernel is built when the first graph is compiled, not here
-                options["post_grad_custom_post_pass"] = FewRowLinears()
+                inductor_configs["post_grad_custom_post_pass"] = FewRowLinears()
+        # The same graph compiled ahead of time where a variant can be (`printpress.aot`: no dynamo entry per call).
+        self.ahead = None
+        if ahead_of_time and backend == "inductor":
+            from printpress.aot import AheadOfTimeGraphs
+
+            self.ahead = AheadOfTimeGraphs(type(self).graph, model, self.dynamic_sizes, inductor_configs,
+                                           tag=f"rows_kernel={rows_kernel} routed_experts={routed_experts}",
+                                           before_export=self._set_routing)
+        options.update(inductor_configs)
         graph = torch.compile(type(self).graph, backend=backend, fullgraph=True, options=options)
         # Each variant a model meets is a graph of its own (a canvas length, self-conditioned or not, batch 1 or
         # more, padded rows or not, a block of 1 token or more): bench/compiled_decoder.py's three canvas lengths
         # with sliding canvases went past dynamo's default limit of 8 per function, and the pass went eager.
         self._graph = torch._dynamo.config.patch(recompile_limit=GRAPH_VARIANTS)(graph)
         self._parameters = [(p, p.dtype, p.device, p.shape) for p in model.parameters()]
+
+    def _set_routing(self) -> None:
+        global _routed_experts
+        _routed_experts = self.routed_experts and rows_linear_ready()
+
+    def dynamic_sizes(self, tensors: tuple):
+        """For `printpress.aot`: which sizes of the graph's tensor inputs vary between calls (the structure of
+        `tensors`, a {dim: name} dict per tensor), or None where this graph is not compiled ahead of time."""
+        return None
 
     def _parameters_unchanged(self) -> bool:
         """Whether every parameter keeps the dtype, device and shape the graph was made for (the guards that
@@ -357,8 +389,17 @@ class CompiledGraph:
             logger.warning("%s unavailable (%s); running the exact eager path (compile it again)", self.what,
                            self.failure)
             return None
-        global _routed_experts
-        _routed_experts = self.routed_experts and rows_linear_ready()
+        self._set_routing()
+        if self.ahead is not None:
+            split = len(args) - self.python_arguments
+            try:
+                out = self.ahead(args[:split], args[split:])
+            except Exception as error:  # noqa: BLE001 - a package that fails to run: dynamo's graph from now on
+                logger.warning("%s: its ahead-of-time package failed (%s: %s); calling it through dynamo", self.what,
+                               type(error).__name__, error)
+                self.ahead, out = None, None
+            if out is not None:
+                return out
         try:
             return self._graph(self.model, *args)
         except Exception as error:  # noqa: BLE001 - any compiler failure means "use the eager path"
@@ -372,6 +413,9 @@ class CompiledARStep(CompiledGraph):
 
     what = "compiled AR step"
     graph = staticmethod(ar_step_graph)
+
+    def dynamic_sizes(self, tensors: tuple):
+        return _causal_block_sizes(self.model, tensors)
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is an AR step the graph runs (else the eager path runs it)."""
@@ -391,16 +435,16 @@ class CompiledARStep(CompiledGraph):
 
 
 def compile_ar_step(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
-                    routed_experts: bool = True) -> CompiledARStep:
+                    routed_experts: bool = True, ahead_of_time: bool = True) -> CompiledARStep:
     """Run this model's encoder passes through compiled graphs from now on (opt-in, not bit-exact): AR steps (one
     token per row) and unpadded blocks (speculative verifications, prompts: `CompiledEncoderBlock`). Returns the
     step object (`.failure` says why it fell back, if it did; `model.compiled_encoder` is the block's).
     `remove_compiled_ar_step` undoes both. `rows_kernel=False` keeps MKL's GEMM for the few-row products
     (`FewRowLinears`); `routed_experts=False` runs a block's experts densely (every expert on every token) instead
     of each on its own tokens (`printpress_fast::routed_experts`)."""
-    step = CompiledARStep(model, backend, rows_kernel, routed_experts)
+    step = CompiledARStep(model, backend, rows_kernel, routed_experts, ahead_of_time)
     model.compiled_ar_step = step
-    model.compiled_encoder = CompiledEncoderBlock(model, backend, rows_kernel, routed_experts)
+    model.compiled_encoder = CompiledEncoderBlock(model, backend, rows_kernel, routed_experts, ahead_of_time)
     return step
 
 
@@ -449,6 +493,8 @@ class CompiledEncoderBlock(CompiledGraph):
 
     what = "compiled encoder block"
     graph = staticmethod(encoder_block_graph)
+    python_arguments = 1  # `last`
+    dynamic_sizes = CompiledARStep.dynamic_sizes
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
         """Whether this call is a block the graph runs: more than one token, none of them padding, logits wanted."""
@@ -518,6 +564,13 @@ class CompiledDecoderPass(CompiledGraph):
 
     what = "compiled decoder pass"
     graph = staticmethod(decoder_pass_graph)
+
+    def dynamic_sizes(self, tensors: tuple):
+        """The cached prefix's lengths (full layers', sliding ones'), for one row (see `_causal_block_sizes`)."""
+        if tensors[0].shape[0] != 1:
+            return None
+        layers = [{2: "window" if spec.sliding else "length"} for spec in self.model.specs]
+        return {}, {}, {}, {}, layers, layers, {1: "length"}, {1: "window"}
 
     def covers(self) -> bool:
         """Whether the graph runs this pass (inference only, and only while it has not failed)."""
@@ -617,7 +670,7 @@ class CompiledFusedPass(CompiledGraph):
 
 
 def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
-                    routed_experts: bool = True) -> CompiledDecoderPass:
+                    routed_experts: bool = True, ahead_of_time: bool = True) -> CompiledDecoderPass:
     """Run this model's decoder passes (diffusion steps, speculative drafts, edits) through one compiled graph
     from now on: opt-in and not bit-exact, like `compile_ar_step` (fused kernels sum in another order; tanh is
     computed from exp). A canvas's experts run each on its own tokens through `printpress_fast::routed_experts`
@@ -626,7 +679,7 @@ def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kerne
     `remove_compiled_decoder` undoes it. The fused passes (a sliding canvas's pass after a commit, a fused
     speculative round: a block encoded beside canvas rows) run through their own graphs from then on too
     (`model.compiled_fused_pass`)."""
-    compiled = CompiledDecoderPass(model, backend, rows_kernel, routed_experts)
+    compiled = CompiledDecoderPass(model, backend, rows_kernel, routed_experts, ahead_of_time)
     model.compiled_decoder = compiled
     model.compiled_fused_pass = CompiledFusedPass(model, backend, rows_kernel, routed_experts)
     return compiled

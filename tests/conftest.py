@@ -19,6 +19,15 @@ os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def package_cache(tmp_path_factory) -> Path:
+    """Where compiled graphs' ahead-of-time packages go during the tests (`printpress.aot.cache_folder`): a folder
+    of this session's, not the user's cache; subprocesses inherit it."""
+    folder = tmp_path_factory.mktemp("printpress-cache")
+    os.environ["PRINTPRESS_CACHE"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def reference_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Each tiny config saved by transformers' save_pretrained."""
