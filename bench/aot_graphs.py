@@ -5,13 +5,16 @@ block and a self-conditioned decoder pass, timed through the model's own calls (
 Three copies of the model with the same weights, one thread:
 - exact: the default eager passes;
 - dynamo: `compile_ar_step` / `compile_decoder` with `ahead_of_time=False`, each call through `torch.compile`;
-- ahead of time: the default, the same graphs as AOTInductor packages (`printpress.aot`), called from their runner.
+- ahead of time: the default, the same graphs as AOTInductor packages (`printpress.aot`), called from their runner;
+- ahead of time with bfloat16 weights: `compile_ar_step(..., weights="bfloat16")`, whose AR step reads bfloat16
+  copies of the weights (not the float32 model's numbers; blocks of 3 or more tokens and decoder passes as above).
 
 Workloads after a 64-token prompt, rolled back after each call so every call sees the same cache (what the
 roll-back of an AR step costs is timed too: it is in every side's AR step row); the sides alternate in rounds,
-medians of the rounds' medians. Also reported: the compiled sides' largest logit difference from the exact path, how long building and then loading the packages took, and that a package reads the model's
-live weights (a router's per-expert scale, which inductor would otherwise write into the package, changed in
-place).
+medians of the rounds' medians. Also reported: the compiled sides' largest logit difference from the exact path,
+how long building and then loading the packages took, that a package reads the model's live weights (a router's
+per-expert scale, which inductor would otherwise write into the package, changed in place) and that the bfloat16
+copies follow an in-place change of their weight.
 
     OMP_NUM_THREADS=1 python bench/aot_graphs.py [--model models/shakespeare-joint] [--out docs/results/aot_graphs.json]
 """
@@ -33,6 +36,8 @@ import printpress
 from printpress.fast import compile_ar_step, compile_decoder
 
 CONTEXT = 64
+BF16 = "ahead of time, bfloat16 weights"
+SIDES = ("exact", "dynamo", "ahead of time", BF16)
 
 
 def median_ms(call, calls: int) -> float:
@@ -91,11 +96,12 @@ def main() -> None:
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as folder:
         os.environ["PRINTPRESS_CACHE"] = folder  # packages built here, then loaded by a second copy
-        models = {side: printpress.load(args.model).model for side in ("exact", "dynamo", "ahead of time")}
+        models = {side: printpress.load(args.model).model for side in SIDES}
         compile_ar_step(models["dynamo"], ahead_of_time=False)
         compile_decoder(models["dynamo"], ahead_of_time=False)
-        compile_ar_step(models["ahead of time"])
-        compile_decoder(models["ahead of time"])
+        for side, weights in (("ahead of time", "float32"), (BF16, "bfloat16")):
+            compile_ar_step(models[side], weights=weights)
+            compile_decoder(models[side])
         calls = {side: workloads(model) for side, model in models.items()}
         outputs = {}
         for side, side_calls in calls.items():
@@ -114,6 +120,10 @@ def main() -> None:
         expert_scale.mul_(2.0)  # an in-place change of a small weight must reach the package
         live_weights = not torch.equal(calls["ahead of time"]["AR step"](), outputs["ahead of time"]["AR step"])
         expert_scale.div_(2.0)
+        down = models[BF16].layers[0].mlp.down_proj.weight
+        down.mul_(2.0)  # and an in-place change of a weight must reach its bfloat16 copy (its version counter)
+        live_copies = not torch.equal(calls[BF16]["AR step"](), outputs[BF16]["AR step"])
+        down.div_(2.0)
 
         for side_calls in calls.values():
             for call in side_calls.values():
@@ -130,16 +140,19 @@ def main() -> None:
         row["exact / ahead of time"] = row["exact_ms"] / row["ahead of time_ms"]
         row["exact / dynamo"] = row["exact_ms"] / row["dynamo_ms"]
         row["dynamo / ahead of time"] = row["dynamo_ms"] / row["ahead of time_ms"]
-        for side in ("dynamo", "ahead of time") if name in outputs["exact"] else ():
+        row["exact / bfloat16 weights"] = row["exact_ms"] / row[f"{BF16}_ms"]
+        for side in SIDES[1:] if name in outputs["exact"] else ():
             row[f"{side} max abs logit difference"] = (outputs[side][name] - outputs["exact"][name]).abs().max().item()
         rows.append(row)
         print(f"{name}: exact {row['exact_ms']:.3f} ms, dynamo {row['dynamo_ms']:.3f} ms, ahead of time "
               f"{row['ahead of time_ms']:.3f} ms (exact / ahead {row['exact / ahead of time']:.2f}x, dynamo / ahead "
-              f"{row['dynamo / ahead of time']:.2f}x)")
+              f"{row['dynamo / ahead of time']:.2f}x); with bfloat16 weights {row[f'{BF16}_ms']:.3f} ms "
+              f"({row['exact / bfloat16 weights']:.2f}x)")
     print(f"packages built in {build_s:.0f} s, loaded in {load_s:.2f} s; a package reads the live weights: "
-          f"{live_weights}")
+          f"{live_weights}; the bfloat16 copies follow an in-place change: {live_copies}")
     meta = {"model": args.model, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "threads": 1, "context": CONTEXT, "build_s": build_s, "load_s": load_s, "live_weights": live_weights,
+            "live_bf16_copies": live_copies,
             "command": "OMP_NUM_THREADS=1 python bench/aot_graphs.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

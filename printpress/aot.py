@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -207,12 +208,14 @@ class AheadOfTimeGraphs:
                                        spec_of_dims)
         logger.info("compiling %s ahead of time (once; kept in %s)", self.graph.__name__, path.parent)
         self.before_export()
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # torch's own deprecation notice from pickling its tree specs, nothing a user can act on
+            warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
             exported = torch.export.export(_Bound(self.graph, self.model, constants), tuple(tensors),
                                            dynamic_shapes=(tuple(shapes),), strict=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-            built = torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(Path(scratch) / path.name),
-                inductor_configs={**self.inductor_configs, **PACKAGE_CONFIGS})
-            os.replace(built, path)  # atomic: another process sees the whole package or none
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+                built = torch._inductor.aoti_compile_and_package(
+                    exported, package_path=str(Path(scratch) / path.name),
+                    inductor_configs={**self.inductor_configs, **PACKAGE_CONFIGS})
+                os.replace(built, path)  # atomic: another process sees the whole package or none

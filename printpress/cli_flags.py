@@ -16,11 +16,14 @@ from printpress.runtime_options import (
     CANVAS_HELP,
     COMPILE,
     COMPILE_HELP,
+    COMPILE_WEIGHTS,
+    COMPILE_WEIGHTS_HELP,
     DTYPE_HELP,
     QUANTIZE,
     QUANTIZE_HELP,
     check_canvas_length,
     check_compile,
+    check_compile_weights,
     check_dtype,
     check_quantize,
 )
@@ -54,6 +57,8 @@ def add_runtime_arguments(runtime) -> None:
     runtime.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     runtime.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE), help=QUANTIZE_HELP)
     runtime.add_argument("--compile", default=None, metavar="|".join(COMPILE), help=COMPILE_HELP)
+    runtime.add_argument("--compile-weights", default="float32", metavar="|".join(COMPILE_WEIGHTS),
+                         help=COMPILE_WEIGHTS_HELP)
     runtime.add_argument("--canvas-length", type=int, default=None, metavar="TOKENS", help=CANVAS_HELP)
 
 
@@ -63,9 +68,10 @@ def load_options(args: argparse.Namespace) -> dict:
     check_dtype(args.dtype)
     check_quantize(args.quantize)
     check_compile(args.compile)
+    check_compile_weights(args.compile_weights, args.compile)
     check_canvas_length(args.canvas_length)
     return {"dtype": args.dtype, "device": args.device, "quantize": args.quantize, "compile": args.compile,
-            "canvas_length": args.canvas_length}
+            "compile_weights": args.compile_weights, "canvas_length": args.canvas_length}
 
 
 def warm_up(pipe, args: argparse.Namespace) -> None:
@@ -112,6 +118,8 @@ def sampler_flags_given(args: argparse.Namespace) -> list[str]:
         words += ["--dtype", args.dtype]
     if args.device != "cpu":
         words += ["--device", args.device]
+    if getattr(args, "compile_weights", "float32") != "float32":
+        words += ["--compile-weights", args.compile_weights]
     for flag in ("quantize", "compile", "canvas_length"):
         if getattr(args, flag) is not None:
             words += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

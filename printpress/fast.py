@@ -185,6 +185,10 @@ def input_and_code_guards(entries) -> list[bool]:
 # (weights streamed past each row), 1.1-1.8x at 5-8 rows (3 x 4 register tiles); from 12 rows MKL is as fast or
 # faster (docs/benchmarks.md §6, "Few-row linears").
 ROWS_LINEAR_MAX_ROWS = 8
+# The weights the few-row products read: the model's own, or (opt-in, not the float32 model's numbers) a bfloat16
+# copy of each for products of up to BF16_MAX_ROWS rows, where reading the weights is what costs.
+WEIGHT_COPIES = ("float32", "bfloat16")
+BF16_MAX_ROWS = 4
 
 
 def rows_linear_ready() -> bool:
@@ -205,6 +209,14 @@ def _register_rows_linear_fake() -> None:
     @torch.library.register_fake("printpress_fast::routed_experts")
     def _(x, weights, experts, gate_up, down, activation, max_rows):
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("printpress_fast::rows_linear_bf16")
+    def _(x, weight):
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("printpress_fast::expert_rows_bf16")
+    def _(x, weight, index):
+        return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 # Whether the graph being called may run a canvas's experts through printpress_fast::routed_experts (each expert on
@@ -232,9 +244,23 @@ class FewRowLinears(CustomGraphPass):
 
     Another summation order than MKL's, so only the compiled paths (not exact anyway) use it; where the kernel
     cannot be built, the pass leaves the graph as it is. `replaced` counts the products replaced in this process.
+
+    `weights="bfloat16"` (opt-in): products of at most `BF16_MAX_ROWS` rows known when compiling (an AR step of a
+    few sequences, their chosen experts) read a bfloat16 copy of each weight instead (`rows_linear_bf16`,
+    `expert_rows_bf16`: half the bytes, the weights rounded to bfloat16, the sums in float32).
     """
 
     replaced = 0
+
+    def __init__(self, weights: str = "float32") -> None:
+        if weights not in WEIGHT_COPIES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_COPIES)}, not {weights!r}")
+        self.weights = weights
+
+    def _bf16(self, rows) -> bool:
+        """Whether a product of these rows (a fake tensor's) reads the weights' bfloat16 copies."""
+        count = rows.shape[0] if isinstance(rows, torch.Tensor) else None
+        return self.weights == "bfloat16" and isinstance(count, int) and count <= BF16_MAX_ROWS
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if not rows_linear_ready():
@@ -253,8 +279,11 @@ class FewRowLinears(CustomGraphPass):
         if weight is None or not _few_float_rows(x.meta.get("val")):
             return
         with graph.inserting_before(node):
-            fused = graph.call_function(torch.ops.printpress_fast.rows_linear.default,
-                                        (x, weight, ROWS_LINEAR_MAX_ROWS))
+            if self._bf16(x.meta.get("val")):
+                fused = graph.call_function(torch.ops.printpress_fast.rows_linear_bf16.default, (x, weight))
+            else:
+                fused = graph.call_function(torch.ops.printpress_fast.rows_linear.default,
+                                            (x, weight, ROWS_LINEAR_MAX_ROWS))
         fused.meta = dict(node.meta)
         _replace(graph, node, fused, transposed)
 
@@ -275,7 +304,9 @@ class FewRowLinears(CustomGraphPass):
                 or not _few_float_rows(rows.meta.get("val"), limit=None)):
             return
         with graph.inserting_before(node):
-            products = graph.call_function(torch.ops.printpress_fast.expert_rows.default, (rows, weight, indices[0]))
+            op = torch.ops.printpress_fast.expert_rows_bf16 if self._bf16(rows.meta.get("val")) else \
+                torch.ops.printpress_fast.expert_rows
+            products = graph.call_function(op.default, (rows, weight, indices[0]))
             products.meta = {"val": node.meta["val"].squeeze(-1)}
             fused = graph.call_function(aten.unsqueeze.default, (products, -1))
         fused.meta = dict(node.meta)
@@ -283,7 +314,7 @@ class FewRowLinears(CustomGraphPass):
 
     def uuid(self) -> bytes:
         """Inductor's cache key for the pass: this file, the kernel, the row limit and whether the kernel loads."""
-        digest = hashlib.sha256(f"{ROWS_LINEAR_MAX_ROWS} {rows_linear_ready()}".encode())
+        digest = hashlib.sha256(f"{ROWS_LINEAR_MAX_ROWS} {rows_linear_ready()} {self.weights}".encode())
         for path in (Path(__file__), native.KERNELS / "rows_linear.cpp"):
             digest.update(path.read_bytes())
         return digest.digest()
@@ -340,24 +371,26 @@ class CompiledGraph:
     python_arguments = 0  # how many of the graph's trailing arguments are Python values (part of a variant)
 
     def __init__(self, model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
-                 routed_experts: bool = True, ahead_of_time: bool = False) -> None:
+                 routed_experts: bool = True, ahead_of_time: bool = False, weights: str = "float32") -> None:
         self.model = model
         self.backend = backend
         self.routed_experts = routed_experts
+        self.weights = weights
         self.failure: str | None = None
         options = {"guard_filter_fn": input_and_code_guards}
         inductor_configs = {}
         if backend == "inductor":
             options["cpp_wrapper"] = True  # the kernels are called from C++, not one Python call each
             if rows_kernel:  # the kernel is built when the first graph is compiled, not here
-                inductor_configs["post_grad_custom_post_pass"] = FewRowLinears()
+                inductor_configs["post_grad_custom_post_pass"] = FewRowLinears(weights)
         # The same graph compiled ahead of time where a variant can be (`printpress.aot`: no dynamo entry per call).
         self.ahead = None
         if ahead_of_time and backend == "inductor":
             from printpress.aot import AheadOfTimeGraphs
 
             self.ahead = AheadOfTimeGraphs(type(self).graph, model, self.dynamic_sizes, inductor_configs,
-                                           tag=f"rows_kernel={rows_kernel} routed_experts={routed_experts}",
+                                           tag=f"rows_kernel={rows_kernel} routed_experts={routed_experts} "
+                                               f"weights={weights}",
                                            before_export=self._set_routing)
         options.update(inductor_configs)
         graph = torch.compile(type(self).graph, backend=backend, fullgraph=True, options=options)
@@ -435,22 +468,32 @@ class CompiledARStep(CompiledGraph):
 
 
 def compile_ar_step(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
-                    routed_experts: bool = True, ahead_of_time: bool = True) -> CompiledARStep:
+                    routed_experts: bool = True, ahead_of_time: bool = True,
+                    weights: str = "float32") -> CompiledARStep:
     """Run this model's encoder passes through compiled graphs from now on (opt-in, not bit-exact): AR steps (one
     token per row) and unpadded blocks (speculative verifications, prompts: `CompiledEncoderBlock`). Returns the
     step object (`.failure` says why it fell back, if it did; `model.compiled_encoder` is the block's).
     `remove_compiled_ar_step` undoes both. `rows_kernel=False` keeps MKL's GEMM for the few-row products
     (`FewRowLinears`); `routed_experts=False` runs a block's experts densely (every expert on every token) instead
-    of each on its own tokens (`printpress_fast::routed_experts`)."""
-    step = CompiledARStep(model, backend, rows_kernel, routed_experts, ahead_of_time)
+    of each on its own tokens (`printpress_fast::routed_experts`); `ahead_of_time=False` calls every graph through
+    dynamo (`printpress.aot`). `weights="bfloat16"` (opt-in, another model's numbers: its weights rounded to
+    bfloat16) has the products of AR steps of up to `BF16_MAX_ROWS` sequences read bfloat16 copies of the weights,
+    made on first use and kept beside them (half their bytes again in memory)."""
+    if weights not in WEIGHT_COPIES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_COPIES)}, not {weights!r}")
+    step = CompiledARStep(model, backend, rows_kernel, routed_experts, ahead_of_time, weights)
     model.compiled_ar_step = step
-    model.compiled_encoder = CompiledEncoderBlock(model, backend, rows_kernel, routed_experts, ahead_of_time)
+    model.compiled_encoder = CompiledEncoderBlock(model, backend, rows_kernel, routed_experts, ahead_of_time, weights)
     return step
 
 
 def remove_compiled_ar_step(model: DiffusionGemma) -> None:
+    """Back to the exact encoder passes; the bfloat16 weight copies of `weights="bfloat16"` (every model's) are
+    dropped (a model still compiled so makes its own again)."""
     model.compiled_ar_step = None
     model.compiled_encoder = None
+    if native.loaded("rows_linear.cpp"):
+        torch.ops.printpress_fast.forget_bf16_copies()
 
 
 # -- a block of the encoder (a verification, a prompt) ----------------------------------------------------------

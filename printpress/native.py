@@ -41,6 +41,11 @@ def load(source: str, fallback: str, register_fakes: Callable[[], None]) -> bool
         return _loaded[source]
 
 
+def loaded(source: str) -> bool:
+    """Whether printpress/kernels/`source` is loaded in this process (without building it)."""
+    return _loaded.get(source, False)
+
+
 def _build(source: str, fallback: str) -> bool:
     from torch.utils import cpp_extension
 

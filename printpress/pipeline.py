@@ -22,7 +22,8 @@ from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
 from printpress.request import Request, check_logprobs, check_prompts, model_device
-from printpress.runtime_options import check_canvas_length, check_compile, check_dtype, check_quantize
+from printpress.runtime_options import (check_canvas_length, check_compile, check_compile_weights, check_dtype,
+                                       check_quantize)
 from printpress.settings import (
     BY_NAME,
     SETTINGS,
@@ -126,19 +127,22 @@ class Pipeline:
         device: str | torch.device = "cpu",
         quantize: str | None = None,
         compile: str | None = None,
+        compile_weights: str = "float32",
         canvas_length: int | None = None,
     ) -> Pipeline:
         """`dtype`: float32 (the default; exact), bfloat16, float16, "auto" (measured: `printpress.precision`) or
         "checkpoint" (as saved). `quantize`: None (exact weights) or "int8" / "int8-head" (`printpress.quantize`;
         not exact). `compile`: None (the exact eager passes), "ar", "decoder" or "all" (`printpress.fast`: those
-        passes as torch.compile graphs; not exact). `canvas_length`: the diffusion canvas to decode with instead of
-        the checkpoint's (exact: the reference decodes the same with that value in config.json; `save_pretrained`
+        passes as torch.compile graphs; not exact); `compile_weights` "bfloat16" has the compiled AR steps read
+        bfloat16 copies of the weights (`printpress.fast.compile_ar_step`: faster, the weights rounded).
+        `canvas_length`: the diffusion canvas to decode with instead of the checkpoint's (exact: the reference decodes the same with that value in config.json; `save_pretrained`
         writes it). Bad values are refused before anything is read."""
         from printpress.checkpoint import load_model
 
         check_dtype(dtype)
         check_quantize(quantize)
         check_compile(compile)
+        check_compile_weights(compile_weights, compile)
         check_canvas_length(canvas_length)
         device = check_device(device)
         if path_or_id is None:
@@ -150,7 +154,7 @@ class Pipeline:
             from printpress.fast import compile_ar_step, compile_decoder
 
             if compile in ("ar", "all"):
-                compile_ar_step(model)
+                compile_ar_step(model, weights=compile_weights)
             if compile in ("decoder", "all"):
                 compile_decoder(model)
         return cls(model, config, generation_config, tokenizer)

@@ -208,6 +208,8 @@ def test_serve_refuses_an_unavailable_device(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--quantize", "int4"], "printpress: error: quantize 'int4' is not supported"),
     (["--compile", "yes"], "printpress: error: compile 'yes' is not supported; use ar, decoder, all"),
+    (["--compile-weights", "bfloat16"], "printpress: error: compile_weights bfloat16 applies to compiled AR steps"),
+    (["--compile", "ar", "--compile-weights", "int8"], "printpress: error: compile_weights 'int8' is not supported"),
     (["--canvas-length", "0"], "printpress: error: canvas_length 0 is not supported; give a positive number"),
     (["--dtype", "float8"], "printpress: error: "),
 ])
@@ -442,6 +444,9 @@ def test_the_runtime_flags_given_are_spelled_back_for_a_reproducing_command():
     args = parser.parse_args(["--steps", "8", "--compile", "ar", "--canvas-length", "16"])
     assert sampler_flags_given(args) == ["--steps", "8", "--compile", "ar", "--canvas-length", "16"]
     assert load_options(args)["canvas_length"] == 16
+    weights = parser.parse_args(["--compile", "ar", "--compile-weights", "bfloat16"])
+    assert sampler_flags_given(weights) == ["--compile-weights", "bfloat16", "--compile", "ar"]
+    assert load_options(weights)["compile_weights"] == "bfloat16"
     none = parser.parse_args([])
     assert sampler_flags_given(none) == [] and load_options(none)["canvas_length"] is None
     flags = parser.parse_args(["--no-sliding", "--sample-accepted-only"])  # a flag a checkpoint may default to on

@@ -459,6 +459,20 @@ def test_load_compiles_the_passes_it_is_asked_to(folder, choice, ar, decoder):
                for graph in (loaded.compiled_ar_step, loaded.compiled_decoder))
 
 
+def test_load_gives_compiled_ar_steps_bf16_weights_only_with_them(folder, tmp_path):
+    from printpress.errors import CheckpointError
+
+    loaded = printpress.load(folder, compile="all", compile_weights="bfloat16").model
+    assert loaded.compiled_ar_step.weights == loaded.compiled_encoder.weights == "bfloat16"
+    assert loaded.compiled_decoder.weights == "float32"  # canvases are not bound by reading the weights
+    assert printpress.load(folder, compile="ar").model.compiled_ar_step.weights == "float32"
+    with pytest.raises(CheckpointError, match="compile_weights bfloat16 applies to compiled AR steps: give compile ar "
+                                              "or all too"):
+        printpress.load(tmp_path / "no such folder", compile="decoder", compile_weights="bfloat16")
+    with pytest.raises(CheckpointError, match="compile_weights 'int8' is not supported; use float32 or bfloat16"):
+        printpress.load(tmp_path / "no such folder", compile="ar", compile_weights="int8")
+
+
 def test_load_refuses_an_unknown_compile_choice_before_reading_anything(tmp_path):
     from printpress.errors import CheckpointError
 
@@ -537,6 +551,84 @@ def test_the_expert_kernel_reads_each_rows_expert_in_place(rows_kernel):
         torch.ops.printpress_fast.expert_rows(x, stack, torch.tensor([0, 1, 2, 3, 4]))
     with pytest.raises(RuntimeError, match=r"expects x \(R, K\), weight \(E, N, K\) and index \(R,\)"):
         torch.ops.printpress_fast.expert_rows(x, stack, index[:3])
+
+
+def rounded(tensor: torch.Tensor) -> torch.Tensor:
+    """The float64 value of each float32 weight rounded to bfloat16 (what the bf16 kernels multiply by)."""
+    return tensor.to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (5, 9), (17, 33), (64, 192), (6, 37)])
+def test_the_bf16_kernels_multiply_by_the_weights_rounded_to_bfloat16(rows_kernel, rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(rows * 10 + in_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    got = torch.ops.printpress_fast.rows_linear_bf16(x, weight)
+    scale = (x.abs().double() @ weight.abs().double().T)
+    exact = x.double() @ rounded(weight).T  # the rounded weights, summed exactly
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    assert bool(((got.double() - exact).abs() <= 4e-7 * in_features * scale + 1e-30).all())
+    if in_features >= 9:  # and not the float32 weights' product (bfloat16 keeps 8 bits of mantissa)
+        assert (got.double() - x.double() @ weight.double().T).abs().max() > 1e-4 * scale.max()
+    stack = torch.randn(3, out_features, in_features, generator=generator)
+    index = torch.randint(0, 3, (rows,), generator=generator)
+    chosen = torch.ops.printpress_fast.expert_rows_bf16(x, stack, index)
+    expected = torch.einsum("rk,rnk->rn", x.double(), rounded(stack)[index])
+    assert (chosen.double() - expected).abs().max() <= 4e-7 * in_features * scale.max() + 1e-30
+
+
+def test_a_bf16_copy_follows_its_weight_and_the_ops_refuse_bad_input(rows_kernel):
+    ops = torch.ops.printpress_fast
+    generator = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(2, 16, generator=generator), torch.randn(8, 16, generator=generator)
+    first = ops.rows_linear_bf16(x, weight)
+    weight.mul_(2.0)  # in place: the version counter moves, so the copy is made again
+    assert torch.equal(ops.rows_linear_bf16(x, weight), 2 * first)
+    weight.div_(2.0)
+    ops.forget_bf16_copies()
+    assert torch.equal(ops.rows_linear_bf16(x, weight), first)
+    with pytest.raises(RuntimeError, match="takes float32 x and weight"):
+        ops.rows_linear_bf16(x, weight.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"expects x \(M, K\) and weight \(N, K\)"):
+        ops.rows_linear_bf16(x, weight[:, :5])
+    with pytest.raises(RuntimeError, match=r"expert 3 is not in \[0, 3\)"):
+        ops.expert_rows_bf16(x, torch.randn(3, 8, 16), torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("rows, op", [(1, "rows_linear_bf16"), (4, "rows_linear_bf16"), (5, "rows_linear")])
+def test_bf16_weights_take_the_products_of_a_few_rows_known_when_compiling(rows_kernel, rows, op):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from printpress.fast import FewRowLinears
+
+    graph_module, inputs = traced_linears(rows)
+    FewRowLinears("bfloat16")(graph_module.graph)
+    assert getattr(torch.ops.printpress_fast, op).default in targets(graph_module)
+    symbolic = make_fx(torch.nn.functional.linear, tracing_mode="symbolic")(torch.randn(3, 8), torch.randn(5, 8))
+    FewRowLinears("bfloat16")(symbolic.graph)  # rows known only at run time: the float32 weights
+    assert torch.ops.printpress_fast.rows_linear.default in targets(symbolic)
+    with pytest.raises(ValueError, match="weights must be one of float32, bfloat16, not 'int8'"):
+        FewRowLinears("int8")
+
+
+def test_compile_ar_step_refuses_unknown_weights_before_compiling(model):
+    with pytest.raises(ValueError, match="weights must be one of float32, bfloat16, not 'float16'"):
+        compile_ar_step(model, weights="float16")
+    assert model.compiled_ar_step is None
+
+
+@pytest.mark.slow  # compiles the step with inductor
+def test_a_step_with_bf16_weights_moves_the_logits_by_the_rounding_only(model, rows_kernel):
+    batch, _ = padded_prompts(model.config.vocab_size)
+    exact, _ = run_steps(model, batch[:1], None, 3)
+    compile_ar_step(model, weights="bfloat16", ahead_of_time=False)
+    try:
+        low, _ = run_steps(model, batch[:1], None, 3)
+    finally:
+        remove_compiled_ar_step(model)
+    differences = [(a - b).abs().max().item() for a, b in zip(exact, low)]
+    assert all(1e-5 < d < 0.05 for d in differences), differences  # bfloat16's rounding, and no more
 
 
 def test_the_pass_reads_the_chosen_experts_in_place(rows_kernel):
@@ -702,7 +794,7 @@ def test_the_compiled_step_runs_the_kernel_and_stays_close_to_the_exact_path(mod
     batch, _ = padded_prompts(model.config.vocab_size)
     exact, _ = run_steps(model, batch[:1], None, 3)
     before = FewRowLinears.replaced
-    compile_ar_step(model)
+    compile_ar_step(model, ahead_of_time=False)  # (a package already on disk would run no pass)
     try:
         with torch._inductor.config.patch(fx_graph_cache=False):  # run the pass, not a cached graph
             fast, _ = run_steps(model, batch[:1], None, 3)

@@ -12,6 +12,9 @@
 // Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it.
 #include <torch/extension.h>
 
+#include <mutex>
+#include <unordered_map>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -24,34 +27,73 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Eight weights as float32: float32 as they are, bfloat16 widened exactly (its bits are a float32's upper half).
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const at::BFloat16* w) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // Four output channels (w0..w3, K each) against one row x: out[0..3].
-inline void four_dots(const float* x, const float* w0, const float* w1, const float* w2, const float* w3,
-                      int64_t K, float* out) {
+template <typename W>
+inline void four_dots(const float* x, const W* w0, const W* w1, const W* w2, const W* w3, int64_t K, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     const __m256 xv = _mm256_loadu_ps(x + k);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, a3);
+    a0 = _mm256_fmadd_ps(load8(w0 + k), xv, a0);
+    a1 = _mm256_fmadd_ps(load8(w1 + k), xv, a1);
+    a2 = _mm256_fmadd_ps(load8(w2 + k), xv, a2);
+    a3 = _mm256_fmadd_ps(load8(w3 + k), xv, a3);
   }
   float s0 = horizontal_sum(a0), s1 = horizontal_sum(a1), s2 = horizontal_sum(a2), s3 = horizontal_sum(a3);
   for (; k < K; ++k) {
-    s0 += w0[k] * x[k];
-    s1 += w1[k] * x[k];
-    s2 += w2[k] * x[k];
-    s3 += w3[k] * x[k];
+    s0 += static_cast<float>(w0[k]) * x[k];
+    s1 += static_cast<float>(w1[k]) * x[k];
+    s2 += static_cast<float>(w2[k]) * x[k];
+    s3 += static_cast<float>(w3[k]) * x[k];
   }
   out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
-inline float one_dot(const float* x, const float* w, int64_t K) {
+#if defined(__AVX512F__)
+// bfloat16 weights on AVX-512: sixteen at a time (widening costs two instructions per vector, half as many here).
+inline __m512 load16(const at::BFloat16* w) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <>
+inline void four_dots(const float* x, const at::BFloat16* w0, const at::BFloat16* w1, const at::BFloat16* w2,
+                      const at::BFloat16* w3, int64_t K, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    a0 = _mm512_fmadd_ps(load16(w0 + k), xv, a0);
+    a1 = _mm512_fmadd_ps(load16(w1 + k), xv, a1);
+    a2 = _mm512_fmadd_ps(load16(w2 + k), xv, a2);
+    a3 = _mm512_fmadd_ps(load16(w3 + k), xv, a3);
+  }
+  float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1), s2 = _mm512_reduce_add_ps(a2),
+        s3 = _mm512_reduce_add_ps(a3);
+  for (; k < K; ++k) {
+    s0 += static_cast<float>(w0[k]) * x[k];
+    s1 += static_cast<float>(w1[k]) * x[k];
+    s2 += static_cast<float>(w2[k]) * x[k];
+    s3 += static_cast<float>(w3[k]) * x[k];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+#endif
+
+template <typename W>
+inline float one_dot(const float* x, const W* w, int64_t K) {
   __m256 a = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+  for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a);
   float s = horizontal_sum(a);
-  for (; k < K; ++k) s += w[k] * x[k];
+  for (; k < K; ++k) s += static_cast<float>(w[k]) * x[k];
   return s;
 }
 
@@ -124,11 +166,12 @@ static void tiled_linear(const float* x, const float* w, float* y, int64_t M, in
   }
 }
 
-static void rows_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename W>
+static void rows_linear(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   float four[4];
   int64_t n = 0;
   for (; n + 4 <= N; n += 4) {
-    const float* w0 = w + n * K;
+    const W* w0 = w + n * K;
     for (int64_t m = 0; m < M; ++m) {
       four_dots(x + m * K, w0, w0 + K, w0 + 2 * K, w0 + 3 * K, K, four);
       for (int j = 0; j < 4; ++j) y[m * N + n + j] = four[j];
@@ -140,11 +183,12 @@ static void rows_linear(const float* x, const float* w, float* y, int64_t M, int
 
 #else  // a portable loop where AVX2/FMA is missing (the compiler vectorises what it can)
 
-static void rows_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename W>
+static void rows_linear(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   for (int64_t n = 0; n < N; ++n)
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += w[n * K + k] * x[m * K + k];
+      for (int64_t k = 0; k < K; ++k) s += static_cast<float>(w[n * K + k]) * x[m * K + k];
       y[m * N + n] = s;
     }
 }
@@ -170,8 +214,9 @@ torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t 
   const auto xc = x.contiguous();
   const auto wc = weight.contiguous();
   auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
-  (x.size(0) <= kStreamRows ? rows_linear : tiled_linear)(xc.data_ptr<float>(), wc.data_ptr<float>(),
-                                                          y.data_ptr<float>(), x.size(0), weight.size(0), x.size(1));
+  (x.size(0) <= kStreamRows ? rows_linear<float> : tiled_linear)(xc.data_ptr<float>(), wc.data_ptr<float>(),
+                                                                 y.data_ptr<float>(), x.size(0), weight.size(0),
+                                                                 x.size(1));
   return y;
 }
 
@@ -203,8 +248,8 @@ torch::Tensor expert_rows(const torch::Tensor& x, const torch::Tensor& weight, c
 static void expert_product(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor y, int64_t max_rows) {
   const int64_t n = x.size(0);
   if (x.scalar_type() == torch::kFloat && n <= max_rows) {
-    (n <= kStreamRows ? rows_linear : tiled_linear)(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), n,
-                                                    w.size(0), w.size(1));
+    (n <= kStreamRows ? rows_linear<float> : tiled_linear)(x.data_ptr<float>(), w.data_ptr<float>(),
+                                                           y.data_ptr<float>(), n, w.size(0), w.size(1));
   } else {
     at::mm_out(y, x, w.t());
   }
@@ -281,15 +326,94 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
   return out.to(dtype);
 }
 
+// -- bfloat16 copies of float32 weights (`rows_linear_bf16`, `expert_rows_bf16`) --------------------------------
+// A compiled AR step is bound by reading its weights (docs/benchmarks.md §6); a bfloat16 copy is half the bytes.
+// The products are then those of the weights rounded to bfloat16 (widened exactly, summed in float32 with the
+// float32 rows of x): not the float32 model's numbers, so an opt-in (`compile_ar_step(model, weights="bfloat16")`).
+// A weight's copy is made on its first use and kept, together with the weight itself (so that its memory cannot
+// be another tensor's while the copy exists), until the weight changes in place (its version counter moves) or
+// `forget_bf16_copies()` drops every copy.
+
+namespace {
+
+struct Copy {
+  torch::Tensor source;
+  int64_t version = -1;
+  torch::Tensor copy;
+};
+std::mutex copies_mutex;
+std::unordered_map<const void*, Copy> copies;  // by the weight's data pointer
+
+torch::Tensor bf16_copy(const torch::Tensor& w) {
+  const int64_t version = w.is_inference() ? 0 : w._version();
+  std::lock_guard<std::mutex> lock(copies_mutex);
+  Copy& entry = copies[w.data_ptr()];
+  if (!entry.copy.defined() || entry.version != version || entry.copy.sizes() != w.sizes()) {
+    entry.source = w;
+    entry.version = version;
+    entry.copy = w.to(torch::kBFloat16).contiguous();
+  }
+  return entry.copy;
+}
+
+}  // namespace
+
+void forget_bf16_copies() {
+  std::lock_guard<std::mutex> lock(copies_mutex);
+  copies.clear();
+}
+
+// `rows` with the weight's bfloat16 copy: x (M, K) float32, weight (N, K) float32 -> (M, N) float32. The weights
+// stream past every row (meant for the few rows of an AR step).
+torch::Tensor rows_bf16(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "printpress_fast::rows_linear_bf16 expects x (M, K) and weight (N, K)");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
+              "printpress_fast::rows_linear_bf16 takes float32 x and weight (it reads the weight's bfloat16 copy)");
+  const auto xc = x.contiguous();
+  const auto copy = bf16_copy(weight);
+  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
+  rows_linear(xc.data_ptr<float>(), copy.data_ptr<at::BFloat16>(), y.data_ptr<float>(), x.size(0), weight.size(0),
+              x.size(1));
+  return y;
+}
+
+// `expert_rows` with the experts' bfloat16 copy.
+torch::Tensor expert_rows_bf16(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& index) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && index.dim() == 1 && x.size(0) == index.size(0) &&
+                  x.size(1) == weight.size(2),
+              "printpress_fast::expert_rows_bf16 expects x (R, K), weight (E, N, K) and index (R,)");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
+              "printpress_fast::expert_rows_bf16 takes float32 x and weight (it reads the weight's bfloat16 copy)");
+  const auto xc = x.contiguous();
+  const auto copy = bf16_copy(weight);
+  const auto ic = index.to(torch::kLong).contiguous();
+  const int64_t R = x.size(0), E = weight.size(0), N = weight.size(1), K = weight.size(2);
+  auto y = torch::empty({R, N}, x.options());
+  const int64_t* chosen = ic.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(chosen[r] >= 0 && chosen[r] < E, "printpress_fast::expert_rows_bf16: expert ", chosen[r],
+                " is not in [0, ", E, ")");
+    rows_linear(xc.data_ptr<float>() + r * K, copy.data_ptr<at::BFloat16>() + chosen[r] * N * K,
+                y.data_ptr<float>() + r * N, 1, N, K);
+  }
+  return y;
+}
+
 TORCH_LIBRARY(printpress_fast, m) {
   m.def("rows_linear(Tensor x, Tensor weight, int max_rows) -> Tensor");
   m.def("expert_rows(Tensor x, Tensor weight, Tensor index) -> Tensor");
   m.def("routed_experts(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, int activation, "
         "int max_rows) -> Tensor");
+  m.def("rows_linear_bf16(Tensor x, Tensor weight) -> Tensor");
+  m.def("expert_rows_bf16(Tensor x, Tensor weight, Tensor index) -> Tensor");
+  m.def("forget_bf16_copies", &forget_bf16_copies);
 }
 
 TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
   m.impl("rows_linear", &rows);
   m.impl("expert_rows", &expert_rows);
   m.impl("routed_experts", &routed_experts);
+  m.impl("rows_linear_bf16", &rows_bf16);
+  m.impl("expert_rows_bf16", &expert_rows_bf16);
 }
