@@ -82,7 +82,8 @@ def warm_up(pipe, args: argparse.Namespace) -> None:
     import time
 
     print(f"printpress: compiling the passes (--compile {args.compile}) before the first request; "
-          "a minute or two the first time, less once inductor's cache holds them", file=sys.stderr, flush=True)
+          "a minute or two the first time on this machine, less once they are on disk", file=sys.stderr,
+          flush=True)
     start = time.perf_counter()
     pipe.warm_up()
     print(f"printpress: compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)

@@ -25,6 +25,10 @@ the reference's stream. The exact path stays the default; this one is enabled pe
     compile_ar_step(pipe.model)            # AR steps of this model now run compiled (the first call compiles)
     pipe.generate("ROMEO:", mode="ar", temperature=0)
 
+Where it can, each graph is also compiled ahead of time and called without dynamo (`printpress.aot`: one package per
+variant of one row, kept on disk). `compile_ar_step(model, weights="bfloat16")` has an AR step's products read
+bfloat16 copies of the weights (`FewRowLinears`): faster again, and no longer the float32 model's numbers.
+
 Anything the graph does not cover (several tokens at once, padding masks in the new block, `logits` other than
 "last") runs the exact eager path. If compiling or running the graph fails (no compiler, an unsupported op), a
 warning is logged once and every later step runs the exact eager path: the caller sees no error.

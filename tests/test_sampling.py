@@ -354,7 +354,8 @@ def test_flags_and_http_fields_are_derived_from_the_settings():
         parser = argparse.ArgumentParser()
         add_sampler_arguments(parser, **kwargs)
         # how the model loads
-        runtime = {"-h", "--help", "--dtype", "--device", "--quantize", "--compile", "--canvas-length"}
+        runtime = {"-h", "--help", "--dtype", "--device", "--quantize", "--compile", "--compile-weights",
+                   "--canvas-length"}
         return {option for action in parser._actions for option in action.option_strings} - runtime
 
     off = {"--no-" + s.flag[2:] for s in SETTINGS if s.kind is bool}  # an on/off flag can be turned off too
