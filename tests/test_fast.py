@@ -588,6 +588,9 @@ def test_a_bf16_copy_follows_its_weight_and_the_ops_refuse_bad_input(rows_kernel
     weight.div_(2.0)
     ops.forget_bf16_copies()
     assert torch.equal(ops.rows_linear_bf16(x, weight), first)
+    square = torch.randn(16, 16, generator=generator)
+    ops.rows_linear_bf16(x, square)  # a transposed view starts at the same address, with other strides
+    assert torch.allclose(ops.rows_linear_bf16(x, square.T), x @ square.to(torch.bfloat16).float(), atol=1e-5)
     with pytest.raises(RuntimeError, match="takes float32 x and weight"):
         ops.rows_linear_bf16(x, weight.to(torch.bfloat16))
     with pytest.raises(RuntimeError, match=r"expects x \(M, K\) and weight \(N, K\)"):

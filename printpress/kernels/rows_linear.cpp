@@ -348,7 +348,8 @@ torch::Tensor bf16_copy(const torch::Tensor& w) {
   const int64_t version = w.is_inference() ? 0 : w._version();
   std::lock_guard<std::mutex> lock(copies_mutex);
   Copy& entry = copies[w.data_ptr()];
-  if (!entry.copy.defined() || entry.version != version || entry.copy.sizes() != w.sizes()) {
+  if (!entry.copy.defined() || entry.version != version || entry.source.sizes() != w.sizes() ||
+      entry.source.strides() != w.strides()) {  // (a transposed view starts where its weight does)
     entry.source = w;
     entry.version = version;
     entry.copy = w.to(torch::kBFloat16).contiguous();
