@@ -153,8 +153,13 @@ def _causal_block_sizes(model: DiffusionGemma, tensors: tuple) -> tuple | None:
     ids = tensors[0]
     if ids.shape[0] != 1:
         return None
-    layers = [{2: "window" if spec.sliding else "length"} for spec in model.specs]
+    layers = _cached_lengths(model)
     return {1: "block"} if ids.shape[1] >= 3 else {}, {}, {}, {1: "length"}, {0: "window"}, layers, layers
+
+
+def _cached_lengths(model: DiffusionGemma) -> list[dict]:
+    """Each layer's cached keys' (or values') dynamic size: the full layers' length, the sliding ones' window."""
+    return [{2: "window" if spec.sliding else "length"} for spec in model.specs]
 
 
 def _unaliased(ids: torch.Tensor) -> torch.Tensor:
@@ -616,7 +621,7 @@ class CompiledDecoderPass(CompiledGraph):
         """The cached prefix's lengths (full layers', sliding ones'), for one row (see `_causal_block_sizes`)."""
         if tensors[0].shape[0] != 1:
             return None
-        layers = [{2: "window" if spec.sliding else "length"} for spec in self.model.specs]
+        layers = _cached_lengths(self.model)
         return {}, {}, {}, {}, layers, layers, {1: "length"}, {1: "window"}
 
     def covers(self) -> bool:

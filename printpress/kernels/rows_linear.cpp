@@ -203,44 +203,118 @@ static void tiled_linear(const float* x, const float* w, float* y, int64_t M, in
 // register tiles (bound by the FMAs: a canvas, a prompt block).
 constexpr int64_t kStreamRows = 4;
 
+// -- bfloat16 copies of float32 weights (`rows_linear_bf16`, `expert_rows_bf16`) --------------------------------
+// A compiled AR step is bound by reading its weights (docs/benchmarks.md §6); a bfloat16 copy is half the bytes.
+// The products are then those of the weights rounded to bfloat16 (widened exactly, summed in float32 with the
+// float32 rows of x): not the float32 model's numbers, so an opt-in (`compile_ar_step(model, weights="bfloat16")`).
+// A weight's copy is made on its first use and kept, together with the weight itself (so that its memory cannot
+// be another tensor's while the copy exists), until the weight changes in place (its version counter moves) or
+// `forget_bf16_copies()` drops every copy.
+
+namespace {
+
+struct Copy {
+  torch::Tensor source;
+  int64_t version = -1;
+  torch::Tensor copy;
+};
+std::mutex copies_mutex;
+std::unordered_map<const void*, Copy> copies;  // by the weight's data pointer
+
+torch::Tensor bf16_copy(const torch::Tensor& w) {
+  const int64_t version = w.is_inference() ? 0 : w._version();
+  std::lock_guard<std::mutex> lock(copies_mutex);
+  Copy& entry = copies[w.data_ptr()];
+  if (!entry.copy.defined() || entry.version != version || entry.source.sizes() != w.sizes() ||
+      entry.source.strides() != w.strides()) {  // (a transposed view starts where its weight does)
+    entry.source = w;
+    entry.version = version;
+    entry.copy = w.to(torch::kBFloat16).contiguous();
+  }
+  return entry.copy;
+}
+
+}  // namespace
+
+void forget_bf16_copies() {
+  std::lock_guard<std::mutex> lock(copies_mutex);
+  copies.clear();
+}
+
+// Both float32 (the `bf16` ops read the weight's bfloat16 copy, made from the float32 weight); `op` names the op.
+static void check_float(const char* op, const torch::Tensor& x, const torch::Tensor& weight, bool bf16) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "printpress_fast::", op,
+              bf16 ? " takes float32 x and weight (it reads the weight's bfloat16 copy)" : " is float32 only");
+}
+
 // x (M, K) float32, weight (N, K) float32 -> (M, N); any strides in, contiguous out. More than `max_rows` rows
-// (a graph compiled for any batch size meets them) go to ATen's linear, MKL's GEMM, which is faster there.
-torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t max_rows) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "printpress_fast::rows_linear expects x (M, K) and weight (N, K)");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
-              "printpress_fast::rows_linear is float32 only");
-  if (x.size(0) > max_rows) return at::linear(x, weight);
+// (a graph compiled for any batch size meets them) go to ATen's linear, MKL's GEMM, which is faster there. With
+// `bf16` the weight's bfloat16 copy streams past every row instead (meant for the few rows of an AR step).
+static torch::Tensor linear_rows(const char* op, const torch::Tensor& x, const torch::Tensor& weight,
+                                 int64_t max_rows, bool bf16) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "printpress_fast::", op,
+              " expects x (M, K) and weight (N, K)");
+  check_float(op, x, weight, bf16);
+  if (!bf16 && x.size(0) > max_rows) return at::linear(x, weight);
   const auto xc = x.contiguous();
-  const auto wc = weight.contiguous();
   auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
-  (x.size(0) <= kStreamRows ? rows_linear<float> : tiled_linear)(xc.data_ptr<float>(), wc.data_ptr<float>(),
-                                                                 y.data_ptr<float>(), x.size(0), weight.size(0),
-                                                                 x.size(1));
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  if (bf16) {
+    rows_linear(xc.data_ptr<float>(), bf16_copy(weight).data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, N, K);
+  } else {
+    (M <= kStreamRows ? rows_linear<float> : tiled_linear)(xc.data_ptr<float>(), weight.contiguous().data_ptr<float>(),
+                                                           y.data_ptr<float>(), M, N, K);
+  }
   return y;
 }
 
+torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t max_rows) {
+  return linear_rows("rows_linear", x, weight, max_rows, false);
+}
+
+torch::Tensor rows_bf16(const torch::Tensor& x, const torch::Tensor& weight) {
+  return linear_rows("rows_linear_bf16", x, weight, 0, true);
+}
+
 // Row r of x (R, K) through expert index[r] of weight (E, N, K) -> (R, N): what a gather of the chosen experts'
-// weights followed by a batched product computes (the compiled AR step's experts), without copying the weights.
-torch::Tensor expert_rows(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& index) {
+// weights followed by a batched product computes (the compiled AR step's experts), without copying the weights
+// (`bf16`: through the experts' bfloat16 copy).
+template <typename W>
+static void each_row_through_its_expert(const float* x, const W* w, const int64_t* chosen, float* y, int64_t R,
+                                        int64_t E, int64_t N, int64_t K, const char* op) {
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(chosen[r] >= 0 && chosen[r] < E, "printpress_fast::", op, ": expert ", chosen[r], " is not in [0, ",
+                E, ")");
+    rows_linear(x + r * K, w + chosen[r] * N * K, y + r * N, 1, N, K);
+  }
+}
+
+static torch::Tensor chosen_experts(const char* op, const torch::Tensor& x, const torch::Tensor& weight,
+                                    const torch::Tensor& index, bool bf16) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && index.dim() == 1 && x.size(0) == index.size(0) &&
                   x.size(1) == weight.size(2),
-              "printpress_fast::expert_rows expects x (R, K), weight (E, N, K) and index (R,)");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
-              "printpress_fast::expert_rows is float32 only");
+              "printpress_fast::", op, " expects x (R, K), weight (E, N, K) and index (R,)");
+  check_float(op, x, weight, bf16);
   const auto xc = x.contiguous();
-  const auto wc = weight.contiguous();
   const auto ic = index.to(torch::kLong).contiguous();
   const int64_t R = x.size(0), E = weight.size(0), N = weight.size(1), K = weight.size(2);
   auto y = torch::empty({R, N}, x.options());
-  const int64_t* chosen = ic.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(chosen[r] >= 0 && chosen[r] < E, "printpress_fast::expert_rows: expert ", chosen[r],
-                " is not in [0, ", E, ")");
-    rows_linear(xc.data_ptr<float>() + r * K, wc.data_ptr<float>() + chosen[r] * N * K,
-                y.data_ptr<float>() + r * N, 1, N, K);
+  if (bf16) {
+    each_row_through_its_expert(xc.data_ptr<float>(), bf16_copy(weight).data_ptr<at::BFloat16>(),
+                                ic.data_ptr<int64_t>(), y.data_ptr<float>(), R, E, N, K, op);
+  } else {
+    each_row_through_its_expert(xc.data_ptr<float>(), weight.contiguous().data_ptr<float>(), ic.data_ptr<int64_t>(),
+                                y.data_ptr<float>(), R, E, N, K, op);
   }
   return y;
+}
+
+torch::Tensor expert_rows(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& index) {
+  return chosen_experts("expert_rows", x, weight, index, false);
+}
+
+torch::Tensor expert_rows_bf16(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& index) {
+  return chosen_experts("expert_rows_bf16", x, weight, index, true);
 }
 
 // y (n, N) = x (n, K) @ w (N, K)^T for one expert's rows, x and y row-major and contiguous: printpress's kernel up
@@ -324,81 +398,6 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
   auto out = torch::zeros({T, H}, x.options().dtype(torch::kFloat));
   out.index_add_(0, token_index, products.to(torch::kFloat) * scale.unsqueeze(1));
   return out.to(dtype);
-}
-
-// -- bfloat16 copies of float32 weights (`rows_linear_bf16`, `expert_rows_bf16`) --------------------------------
-// A compiled AR step is bound by reading its weights (docs/benchmarks.md §6); a bfloat16 copy is half the bytes.
-// The products are then those of the weights rounded to bfloat16 (widened exactly, summed in float32 with the
-// float32 rows of x): not the float32 model's numbers, so an opt-in (`compile_ar_step(model, weights="bfloat16")`).
-// A weight's copy is made on its first use and kept, together with the weight itself (so that its memory cannot
-// be another tensor's while the copy exists), until the weight changes in place (its version counter moves) or
-// `forget_bf16_copies()` drops every copy.
-
-namespace {
-
-struct Copy {
-  torch::Tensor source;
-  int64_t version = -1;
-  torch::Tensor copy;
-};
-std::mutex copies_mutex;
-std::unordered_map<const void*, Copy> copies;  // by the weight's data pointer
-
-torch::Tensor bf16_copy(const torch::Tensor& w) {
-  const int64_t version = w.is_inference() ? 0 : w._version();
-  std::lock_guard<std::mutex> lock(copies_mutex);
-  Copy& entry = copies[w.data_ptr()];
-  if (!entry.copy.defined() || entry.version != version || entry.source.sizes() != w.sizes() ||
-      entry.source.strides() != w.strides()) {  // (a transposed view starts where its weight does)
-    entry.source = w;
-    entry.version = version;
-    entry.copy = w.to(torch::kBFloat16).contiguous();
-  }
-  return entry.copy;
-}
-
-}  // namespace
-
-void forget_bf16_copies() {
-  std::lock_guard<std::mutex> lock(copies_mutex);
-  copies.clear();
-}
-
-// `rows` with the weight's bfloat16 copy: x (M, K) float32, weight (N, K) float32 -> (M, N) float32. The weights
-// stream past every row (meant for the few rows of an AR step).
-torch::Tensor rows_bf16(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "printpress_fast::rows_linear_bf16 expects x (M, K) and weight (N, K)");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
-              "printpress_fast::rows_linear_bf16 takes float32 x and weight (it reads the weight's bfloat16 copy)");
-  const auto xc = x.contiguous();
-  const auto copy = bf16_copy(weight);
-  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
-  rows_linear(xc.data_ptr<float>(), copy.data_ptr<at::BFloat16>(), y.data_ptr<float>(), x.size(0), weight.size(0),
-              x.size(1));
-  return y;
-}
-
-// `expert_rows` with the experts' bfloat16 copy.
-torch::Tensor expert_rows_bf16(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& index) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && index.dim() == 1 && x.size(0) == index.size(0) &&
-                  x.size(1) == weight.size(2),
-              "printpress_fast::expert_rows_bf16 expects x (R, K), weight (E, N, K) and index (R,)");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
-              "printpress_fast::expert_rows_bf16 takes float32 x and weight (it reads the weight's bfloat16 copy)");
-  const auto xc = x.contiguous();
-  const auto copy = bf16_copy(weight);
-  const auto ic = index.to(torch::kLong).contiguous();
-  const int64_t R = x.size(0), E = weight.size(0), N = weight.size(1), K = weight.size(2);
-  auto y = torch::empty({R, N}, x.options());
-  const int64_t* chosen = ic.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(chosen[r] >= 0 && chosen[r] < E, "printpress_fast::expert_rows_bf16: expert ", chosen[r],
-                " is not in [0, ", E, ")");
-    rows_linear(xc.data_ptr<float>() + r * K, copy.data_ptr<at::BFloat16>() + chosen[r] * N * K,
-                y.data_ptr<float>() + r * N, 1, N, K);
-  }
-  return y;
 }
 
 TORCH_LIBRARY(printpress_fast, m) {
