@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from printpress import native
 from printpress.config import TextConfig
 from printpress.errors import GenerationError
 
@@ -177,15 +178,46 @@ class KVCache:
         layer.keys.index_copy_(2, slots, keys[:, :, new - keep :])
         layer.values.index_copy_(2, slots, values[:, :, new - keep :])
 
+    def write_all(self, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
+        """`write` for every layer at once: the first `n` of each layer's block keys/values (B, KV, T >= n, D), as
+        one batched copy where each layer's slots are a contiguous run (always for full layers; for the ring unless
+        the block wraps around it). Call `advance(n, ...)` after it."""
+        keep = min(n, self.window)
+        first = (self.length + n - keep) % self.window if self.window else 0
+        contiguous_ring = first + keep <= self.window
+        targets, sources, starts, offsets, counts = [], [], [], [], []
+        for index, (layer, k, v) in enumerate(zip(self.layers, keys, values)):
+            if layer.sliding and not contiguous_ring:
+                self.write(index, k[:, :, :n], v[:, :, :n])
+                continue
+            start, offset, count = (first, n - keep, keep) if layer.sliding else (self.length, 0, n)
+            targets += [layer.keys, layer.values]
+            sources += [k, v]
+            starts += [start, start]
+            offsets += [offset, offset]
+            counts += [count, count]
+        if not targets:
+            return
+        if native.loaded("rows_linear.cpp"):
+            torch.ops.printpress_fast.write_rows(targets, sources, starts, offsets, counts)
+            return
+        pairs = [(t.narrow(2, s, c), f.narrow(2, o, c)) for t, f, s, o, c in zip(targets, sources, starts, offsets,
+                                                                               counts) if c]
+        if pairs:
+            torch._foreach_copy_(*map(list, zip(*pairs)))
+
     def advance(self, new_tokens: int, attention_mask: torch.Tensor | None) -> None:
         """Commit a block of `new_tokens` positions: record its pad mask and ring positions."""
         start = self.length
         if attention_mask is None:
-            self.pad_mask[:, start : start + new_tokens] = True
+            self.pad_mask.narrow(1, start, new_tokens).fill_(True)
         else:
             self.pad_mask[:, start : start + new_tokens] = attention_mask.to(torch.bool)
         keep = min(new_tokens, self.window)
-        if keep:
+        first = (start + new_tokens - keep) % self.window if keep else 0
+        if keep and first + keep <= self.window:  # the ring's slots in one run: written in place
+            torch.arange(start + new_tokens - keep, start + new_tokens, out=self.slot_positions.narrow(0, first, keep))
+        elif keep:
             self.slot_positions[self._ring_slots(new_tokens)] = torch.arange(
                 start + new_tokens - keep, start + new_tokens, device=self.device
             )

@@ -135,12 +135,15 @@ def _block_masks(position: torch.Tensor, t: int, pad_mask: torch.Tensor, slot_po
 
 def _cache_inputs(cache: KVCache) -> tuple:
     """What `_causal_block` reads of a cache, marked dynamic in every size that changes between requests (the
-    cache's length, and the ring's for a short one): the graphs compile once for any."""
-    torch._dynamo.maybe_mark_dynamic(cache.pad_mask, 1)
-    torch._dynamo.maybe_mark_dynamic(cache.slot_positions, 0)
-    for layer in cache.layers:
-        torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
-        torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+    cache's length, and the ring's for a short one): the graphs compile once for any. A cache's tensors are marked
+    once (the marks stay on them; a cache that replaces its tensors, dropping rows, gets new ones marked)."""
+    if not getattr(cache.pad_mask, "_printpress_marked_dynamic", False):
+        torch._dynamo.maybe_mark_dynamic(cache.pad_mask, 1)
+        torch._dynamo.maybe_mark_dynamic(cache.slot_positions, 0)
+        for layer in cache.layers:
+            torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+            torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        cache.pad_mask._printpress_marked_dynamic = True
     return (torch.tensor(cache.length, device=cache.device), cache.offsets, cache.pad_mask, cache.slot_positions,
             [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
 
@@ -172,9 +175,16 @@ def _unaliased(ids: torch.Tensor) -> torch.Tensor:
 def _store(cache: KVCache, new_keys: list[torch.Tensor], new_values: list[torch.Tensor], n: int | None = None) -> None:
     """Write a block's new keys and values into the cache (its first `n` tokens; all when None) and advance it."""
     n = new_keys[0].shape[2] if n is None else n
-    for index, (k, v) in enumerate(zip(new_keys, new_values)):
-        cache.write(index, k[:, :, :n], v[:, :, :n])
+    cache.write_all(new_keys, new_values, n)
     cache.advance(n, None)
+
+
+def _metadata_signature(tensors: list[torch.Tensor]) -> int | None:
+    """A number that changes with any of the tensors' dtypes, devices or sizes; None where printpress's kernel is not
+    loaded (then `CompiledGraph._parameters_unchanged` checks every parameter)."""
+    if not native.loaded("rows_linear.cpp"):
+        return None
+    return torch.ops.printpress_fast.metadata_signature(tensors)
 
 
 def input_and_code_guards(entries) -> list[bool]:
@@ -407,7 +417,9 @@ class CompiledGraph:
         # more, padded rows or not, a block of 1 token or more): bench/compiled_decoder.py's three canvas lengths
         # with sliding canvases went past dynamo's default limit of 8 per function, and the pass went eager.
         self._graph = torch._dynamo.config.patch(recompile_limit=GRAPH_VARIANTS)(graph)
-        self._parameters = [(p, p.dtype, p.device, p.shape) for p in model.parameters()]
+        self._parameter_list = list(model.parameters())
+        self._parameters = [(p, p.dtype, p.device, p.shape) for p in self._parameter_list]
+        self._signature: int | None = None  # see `_parameters_unchanged`
 
     def _set_routing(self) -> None:
         global _routed_experts
@@ -420,9 +432,15 @@ class CompiledGraph:
 
     def _parameters_unchanged(self) -> bool:
         """Whether every parameter keeps the dtype, device and shape the graph was made for (the guards that
-        would have checked it are dropped: `input_and_code_guards`)."""
-        return all(p.dtype == dtype and p.device == device and p.shape == shape
-                   for p, dtype, device, shape in self._parameters)
+        would have checked it are dropped: `input_and_code_guards`). Once that has held, a signature of them all
+        (`printpress_fast::metadata_signature`, one call where the kernel is loaded) stands for it until it moves."""
+        if self._signature is not None and self._signature == _metadata_signature(self._parameter_list):
+            return True
+        unchanged = all(p.dtype == dtype and p.device == device and p.shape == shape
+                        for p, dtype, device, shape in self._parameters)
+        if unchanged:
+            self._signature = _metadata_signature(self._parameter_list)
+        return unchanged
 
     def _run(self, *args):
         """The graph's outputs, or None if it failed (now or before)."""

@@ -845,3 +845,74 @@ def test_the_benchmark_times_mkl_and_the_kernel_at_each_shape_and_row_count(mode
     # lazy, so this only builds it).
     step = bench.MKLStep(model)
     assert step.graph is not CompiledARStep.graph and step.graph.__name__ == "ar_step_graph_copy"
+
+
+# -- the Python around a compiled call: cache writes, the parameters' check ---------------------------------------
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["write_rows", "foreach"])
+@pytest.mark.parametrize("start, n", [(0, 1), (4, 1), (5, 1), (11, 1), (3, 2), (4, 5), (2, 9), (3, 7), (0, 10)])
+def test_writing_every_layer_at_once_stores_what_writing_each_does(model, monkeypatch, kernel, start, n):
+    """`KVCache.write_all` (the compiled passes' store) leaves the cache bit for bit as `write` per layer does, the
+    ring (5 slots here) wrapped or not and blocks longer than it too, through the kernel's op or without it."""
+    from printpress import native
+    from printpress.fast import rows_linear_ready
+
+    if kernel and not rows_linear_ready():
+        pytest.skip("no C++ compiler for the kernel on this machine")
+    if not kernel:
+        monkeypatch.setattr(native, "loaded", lambda source: False)
+    generator = torch.Generator().manual_seed(start * 31 + n)
+    caches = [model.new_cache(2, 32) for _ in range(2)]
+    assert caches[0].window == 5  # the cases above wrap the ring, fill it whole, and overrun it
+    spare = 2  # a block's outputs may hold more tokens than are kept (a verification's)
+    blocks = [(torch.randn(layer.keys.shape[:2] + (n + spare, layer.keys.shape[3]), generator=generator),
+               torch.randn(layer.values.shape[:2] + (n + spare, layer.values.shape[3]), generator=generator))
+              for layer in caches[0].layers]
+    for cache in caches:
+        cache.advance(start, None) if start else None
+    for index, (k, v) in enumerate(blocks):
+        caches[0].write(index, k[:, :, :n], v[:, :, :n])
+    caches[1].write_all([k for k, _ in blocks], [v for _, v in blocks], n)
+    for cache in caches:
+        cache.advance(n, None)
+    assert torch.equal(caches[0].slot_positions, caches[1].slot_positions)
+    assert torch.equal(caches[0].pad_mask, caches[1].pad_mask)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_the_write_rows_op_copies_any_layout_and_refuses_rows_that_do_not_fit(rows_kernel):
+    target, source = torch.zeros(2, 3, 8, 4), torch.randn(2, 3, 5, 4)
+    strided = torch.randn(2, 5, 3, 4).transpose(1, 2)  # rows not contiguous: copied through ATen
+    torch.ops.printpress_fast.write_rows([target, target], [source, strided], [1, 6], [2, 0], [3, 2])
+    assert torch.equal(target[:, :, 1:4], source[:, :, 2:5]) and torch.equal(target[:, :, 6:8], strided[:, :, 0:2])
+    assert not target[:, :, [0, 4, 5]].any()
+    with pytest.raises(RuntimeError, match=r"rows 3\.\.6 of a \[2, 3, 5, 4\] block do not fit at 0"):
+        torch.ops.printpress_fast.write_rows([target], [source], [0], [3], [3])
+    with pytest.raises(RuntimeError, match="as many sources, starts, offsets and counts as targets"):
+        torch.ops.printpress_fast.write_rows([target], [source], [0, 1], [0], [1])
+
+
+def test_the_metadata_signature_moves_with_a_dtype_or_a_shape_only(rows_kernel):
+    tensors = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.bfloat16)]
+    signature = torch.ops.printpress_fast.metadata_signature(tensors)
+    assert torch.ops.printpress_fast.metadata_signature([torch.ones(3, 4), tensors[1].clone()]) == signature
+    assert torch.ops.printpress_fast.metadata_signature([tensors[0].double(), tensors[1]]) != signature
+    assert torch.ops.printpress_fast.metadata_signature([torch.zeros(4, 3), tensors[1]]) != signature
+    assert torch.ops.printpress_fast.metadata_signature(tensors[:1]) != signature
+
+
+def test_a_model_changed_between_compiled_steps_runs_the_exact_path(folder, rows_kernel, caplog):
+    """After steps that ran through the graph, the parameters' check stands on their signature; a change of dtype
+    after them still sends the next step to the exact path."""
+    model = printpress.load(folder).model
+    step = compile_ar_step(model, backend="eager")
+    batch, _ = padded_prompts(model.config.vocab_size)
+    run_steps(model, batch, None, steps=2)
+    assert step.failure is None and step._signature is not None
+    model.to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="printpress.fast"):
+        logits, _ = run_steps(model, batch, None, steps=2)
+    assert "changed dtype, device or shape" in step.failure
+    assert torch.isfinite(logits[-1]).all()
