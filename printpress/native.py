@@ -46,12 +46,20 @@ def loaded(source: str) -> bool:
     return _loaded.get(source, False)
 
 
+def library_name(path: Path) -> str:
+    """The name (and build folder) of the library built from the source at `path`. -march=native: the library is
+    built for this CPU, so its name carries the CPU's flags and torch's version; and the source's digest, so that
+    checkouts of other versions (a worktree, another venv) never share a build folder: torch rebuilds a folder whose
+    sources changed, and a process could then load the other version's operators."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    key = f"{path.name} {digest} {platform.machine()} {sorted(cpu_flags(read_cpuinfo()))} {torch.__version__}"
+    return f"printpress_{path.stem}_" + hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
 def _build(source: str, fallback: str) -> bool:
     from torch.utils import cpp_extension
 
-    # -march=native: the library is built for this CPU, so its name carries the CPU's flags and torch's version.
-    key = f"{source} {platform.machine()} {sorted(cpu_flags(read_cpuinfo()))} {torch.__version__}"
-    name = f"printpress_{Path(source).stem}_" + hashlib.sha256(key.encode()).hexdigest()[:10]
+    name = library_name(KERNELS / source)
     logger.info("loading the kernel %s (compiled on first use, then cached)", name)
     try:
         cpp_extension.load(name=name, sources=[str(KERNELS / source)], extra_cflags=["-O3", "-march=native"],

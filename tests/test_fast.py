@@ -916,3 +916,16 @@ def test_a_model_changed_between_compiled_steps_runs_the_exact_path(folder, rows
         logits, _ = run_steps(model, batch, None, steps=2)
     assert "changed dtype, device or shape" in step.failure
     assert torch.isfinite(logits[-1]).all()
+
+
+def test_a_kernel_s_library_is_named_by_its_source_s_contents(tmp_path):
+    """Two versions of a kernel (another checkout, a worktree) build into folders of their own: a shared one would
+    be rebuilt under the other process, which could then load operators of another schema."""
+    from printpress import native
+
+    source = tmp_path / "rows_linear.cpp"
+    source.write_bytes((native.KERNELS / "rows_linear.cpp").read_bytes())
+    first = native.library_name(source)
+    assert first == native.library_name(native.KERNELS / "rows_linear.cpp") and first.startswith("printpress_rows_")
+    source.write_bytes(source.read_bytes() + b"// another version\n")
+    assert native.library_name(source) != first
