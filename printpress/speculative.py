@@ -68,7 +68,8 @@ from printpress.canvas import denoise, denoise_step, step_event
 from printpress.errors import GenerationError
 from printpress.events import CommitEvent, Decode, Event, SpeculativeStats, StepEvent
 from printpress.request import Request, RequestState, model_device
-from printpress.sampling import SamplerSettings, multinomial_one, next_token_probs, sample_canvas, sample_next_token
+from printpress.sampling import (SamplerSettings, multinomial_one, next_token_probs, row_argmax, sample_canvas,
+                                 sample_next_token)
 
 DEFAULT_CANVAS = 32  # the shipped models' canvas, used when the caller does not pass the checkpoint's
 # Canvas length of each outcome's draft in a fused pass (fused_draft). It caps the drafts per round at
@@ -281,7 +282,7 @@ def _draft(
             yield step_event(state, round_index, outcome, 0, stopped=False)
     tail = logits[0, 1 : m + 1]
     if settings.temperature == 0:
-        draft, q = torch.argmax(tail, dim=-1), None
+        draft, q = row_argmax(tail), None
     else:
         q = next_token_probs(tail, settings)
         draft = sample_canvas(q, state.generator)
@@ -374,14 +375,14 @@ def _canvas_draft(model: torch.nn.Module, state: _State, hidden: torch.Tensor,
     committed), their argmax, or a draw from `next_token_probs` of their logits (returned as q), as `_draft` does."""
     logits = model.logits(hidden[0, 1 : m + 1])
     if state.settings.temperature == 0:
-        return torch.argmax(logits, dim=-1), None
+        return row_argmax(logits), None
     q = next_token_probs(logits, state.settings)
     return sample_canvas(q, state.generator), q
 
 
 def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> list[int]:
     """The drafts (m,) that match the AR argmax of `logits` (m + 1, V), then the AR argmax after them."""
-    targets = torch.argmax(logits, dim=-1).tolist()  # a few lists of ints: cheaper than tensor ops this small
+    targets = row_argmax(logits).tolist()  # a few lists of ints: cheaper than tensor ops this small
     tokens = draft.tolist()
     kept = next((i for i, (token, target) in enumerate(zip(tokens, targets)) if token != target), len(tokens))
     return tokens[:kept] + [targets[kept]]
