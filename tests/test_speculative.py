@@ -368,6 +368,31 @@ def test_the_draft_replay_counts_the_engines_verifications_exactly(name):
     del model.draft_table
 
 
+def test_the_draft_length_replay_drafts_and_counts_as_the_engine_does():
+    """bench/draft_length.py prices rules for a draft's length by replaying greedy rounds: its drafts are the
+    table's (`DraftTable.draft`) and, at the engine's cap, its counts of verifications and tokens the engine's."""
+    bench = bench_module("draft_length")
+    model = tiny_model("ring6")
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(8)
+    prefixes = [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(12)]
+    rows = np.array([p + ar_tokens(model, p, max_new_tokens=16) for p in prefixes])
+    table = model.draft_table = DraftTable.from_rows(rows, first=4, longest=3, sampled_rows=rows)
+    drafts = min(7, model.new_cache(1, 32).window - 1)
+    for seed in range(4):
+        prompt = torch.randint(3, vocab, (5,), generator=g).tolist()
+        (result,) = collect(speculative(model, [Request(prompt, settings(max_new_tokens=24, draft_source="table"),
+                                                        seed)], canvas_length=8))[1]
+        lookup = ContextLookup(prompt + result.token_ids[:1])
+        assert [d[0] for d in bench.drafted(table, prompt + result.token_ids[:1], lookup)[:drafts]] == \
+            table.draft(prompt + result.token_ids[:1], drafts, lookup)
+        tokens, rounds, spent = bench.replay(table, [(prompt, result.token_ids)], lambda full: drafts,
+                                             lambda t: float(t), 0.5)
+        assert (tokens, rounds) == (len(result.token_ids) - 1, result.stats.verifications)
+        assert spent > rounds * 1.5  # a block of at least one token and the time beside it, each round
+    del model.draft_table
+
+
 def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_drawn_from(monkeypatch):
     """When sampling, a table draft is drawn from its counts and the acceptance rule gets exactly that q (row i: the
     distribution token i was drawn from, zero elsewhere); where no context has counts the greedy chain drafts."""
