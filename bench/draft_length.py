@@ -37,7 +37,6 @@ import torch
 
 import printpress
 from printpress import aot
-from printpress.draft_table import longest_entry
 from printpress.eval.bench import heldout_prompts
 from printpress.fast import compile_ar_step
 
@@ -126,27 +125,18 @@ def outside_the_graphs(pipe, prompts: list[list[int]], tokens: int) -> dict:
 
 
 def drafted(table, text: list[int], lookup) -> list[tuple[int, int, str, float]]:
-    """The table's draft after `text` as `DraftTable.draft` makes it (the longer context, the table's or the
+    """The table's draft after `text` (`DraftTable.chain`: each token from the longer context, the table's or the
     text's), up to LONGEST_DRAFT tokens, each with its context's length, source and the sampled probability of the
     token (-1 where the counts know no context)."""
-    text = list(text[-max(table.longest, lookup.longest):])
     out = []
-    while len(out) < LONGEST_DRAFT:
-        n, token = longest_entry(table.maps, text)
-        found, from_text = lookup.match(text)
-        source = "table"
-        if found and found >= n:
-            n, token, source = found, from_text, "text"
-        if not n:
-            break
+    for token, n, source in table.chain(text, LONGEST_DRAFT, lookup):
         probability = -1.0
-        distribution = table.distribution(text)
+        distribution = table.distribution(text + [t for t, *_ in out])
         if distribution is not None:
             next_tokens, probabilities = distribution
             hit = np.nonzero(next_tokens == token)[0]
             probability = float(probabilities[hit[0]]) if len(hit) else 0.0
         out.append((token, n, source, probability))
-        text.append(token)
     return out
 
 

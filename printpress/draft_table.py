@@ -115,17 +115,23 @@ class DraftTable:
         model writes anywhere, the text what it wrote here (an identifier, a line pattern of this file), and the
         longer context is the better guess: 2.95 -> 4.01 tokens per verification on the code model's held-out
         prompts, 3.82 -> 3.95 on Shakespeare's (docs/benchmarks-speculative.md, "Drafts from the longer context")."""
+        return [token for token, _, _ in self.chain(tokens, m, context)]
+
+    def chain(self, tokens: Sequence[int], m: int, context: TextMatch | None = None) -> list[tuple[int, int, str]]:
+        """`draft`'s tokens, each with the length of the context it came from and whose it was ("table" or
+        "text"): what a rule for a draft's length can read (bench/draft_length.py)."""
         text = list(tokens[-max(self.longest, context.longest if context else 0):])
-        out: list[int] = []
+        out: list[tuple[int, int, str]] = []
         while len(out) < m:
             n, token = longest_entry(self.maps, text)
+            source = "table"
             if context is not None:
                 found, from_text = context.match(text)
                 if found and found >= n:
-                    n, token = found, from_text
+                    n, token, source = found, from_text, "text"
             if not n:
                 break
-            out.append(token)
+            out.append((token, n, source))
             text.append(token)
         return out
 

@@ -39,6 +39,19 @@ inline __m256 load8(const at::BFloat16* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+// The last k..K of four dot products whose vector parts summed to s0..s3, written to out[0..3].
+template <typename W>
+inline void four_tails(const float* x, const W* w0, const W* w1, const W* w2, const W* w3, int64_t k, int64_t K,
+                       float s0, float s1, float s2, float s3, float* out) {
+  for (; k < K; ++k) {
+    s0 += static_cast<float>(w0[k]) * x[k];
+    s1 += static_cast<float>(w1[k]) * x[k];
+    s2 += static_cast<float>(w2[k]) * x[k];
+    s3 += static_cast<float>(w3[k]) * x[k];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
 // Four output channels (w0..w3, K each) against one row x: out[0..3].
 template <typename W>
 inline void four_dots(const float* x, const W* w0, const W* w1, const W* w2, const W* w3, int64_t K, float* out) {
@@ -52,13 +65,7 @@ inline void four_dots(const float* x, const W* w0, const W* w1, const W* w2, con
     a3 = _mm256_fmadd_ps(load8(w3 + k), xv, a3);
   }
   float s0 = horizontal_sum(a0), s1 = horizontal_sum(a1), s2 = horizontal_sum(a2), s3 = horizontal_sum(a3);
-  for (; k < K; ++k) {
-    s0 += static_cast<float>(w0[k]) * x[k];
-    s1 += static_cast<float>(w1[k]) * x[k];
-    s2 += static_cast<float>(w2[k]) * x[k];
-    s3 += static_cast<float>(w3[k]) * x[k];
-  }
-  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+  four_tails(x, w0, w1, w2, w3, k, K, s0, s1, s2, s3, out);
 }
 
 #if defined(__AVX512F__)
@@ -82,13 +89,7 @@ inline void four_dots(const float* x, const at::BFloat16* w0, const at::BFloat16
   }
   float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1), s2 = _mm512_reduce_add_ps(a2),
         s3 = _mm512_reduce_add_ps(a3);
-  for (; k < K; ++k) {
-    s0 += static_cast<float>(w0[k]) * x[k];
-    s1 += static_cast<float>(w1[k]) * x[k];
-    s2 += static_cast<float>(w2[k]) * x[k];
-    s3 += static_cast<float>(w3[k]) * x[k];
-  }
-  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+  four_tails(x, w0, w1, w2, w3, k, K, s0, s1, s2, s3, out);
 }
 #endif
 
