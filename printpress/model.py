@@ -559,7 +559,8 @@ class DiffusionGemma(nn.Module):
             if out is not None:
                 return out
         snapshot = cache.snapshot(input_ids.shape[1])
-        logits = self.encode(input_ids, cache, logits="all")
+        # One token's "all" is its "last", which a compiled AR step runs (a verification with no draft).
+        logits = self.encode(input_ids, cache, logits="last" if input_ids.shape[1] == 1 else "all")
         return logits, lambda n: cache.truncate(snapshot.length + n, snapshot)
 
     def _has(self, sliding: bool) -> bool:
