@@ -515,12 +515,12 @@ def compile_ar_step(model: DiffusionGemma, backend: str = "inductor", rows_kerne
 
 
 def remove_compiled_ar_step(model: DiffusionGemma) -> None:
-    """Back to the exact encoder passes; the bfloat16 weight copies of `weights="bfloat16"` (every model's) are
-    dropped (a model still compiled so makes its own again)."""
+    """Back to the exact encoder passes; the kernel's weight copies (the bfloat16 ones of `weights="bfloat16"`, the
+    packed panels of few-row products: every model's) are dropped (a model still compiled makes its own again)."""
     model.compiled_ar_step = None
     model.compiled_encoder = None
     if native.loaded("rows_linear.cpp"):
-        torch.ops.printpress_fast.forget_bf16_copies()
+        torch.ops.printpress_fast.forget_weight_copies()
 
 
 # -- a block of the encoder (a verification, a prompt) ----------------------------------------------------------

@@ -526,7 +526,8 @@ def rows_kernel():
     return lambda x, weight: torch.ops.printpress_fast.rows_linear(x, weight, 64)  # the kernel itself, to 64 rows
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 31])  # streamed to 4 rows, register tiles from 5
+# Streamed to 4 rows, register tiles from 5; with AVX-512, packed panels from 2 (9 and 31: blocks of 8 and the rest).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 31])
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (3, 7), (4, 8), (5, 9), (17, 33), (64, 192),
                                                        (6, 1031)])  # K sliced by 512 in the tiles
 def test_the_rows_kernel_computes_a_linear(rows_kernel, rows, out_features, in_features):
@@ -552,9 +553,23 @@ def test_the_rows_kernel_reads_strided_inputs_and_refuses_other_dtypes_and_shape
         rows_kernel(x, weight[:, :5])
 
 
+def test_a_packed_copy_follows_its_weight(rows_kernel):
+    """From 2 rows on (AVX-512) a product reads a copy of the weight packed in panels: made again when the weight
+    changes in place, and a transposed view, which starts at the same address, gets its own."""
+    generator = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(3, 40, generator=generator), torch.randn(40, 40, generator=generator)
+    first = rows_kernel(x, weight)
+    weight.mul_(2.0)  # scaling by 2 is exact: the same sums, doubled
+    assert torch.equal(rows_kernel(x, weight), 2 * first)
+    assert torch.allclose(rows_kernel(x, weight.T), x @ weight, atol=1e-4)
+    torch.ops.printpress_fast.forget_weight_copies()
+    assert torch.equal(rows_kernel(x, weight), 2 * first)
+
+
 def test_more_rows_than_the_kernels_limit_go_to_aten_bit_for_bit(rows_kernel):
     generator = torch.Generator().manual_seed(3)
-    x, weight = torch.randn(5, 33, generator=generator), torch.randn(17, 33, generator=generator)
+    # K long enough that the kernels' summation order is not MKL's (at 33 the packed panels' can be).
+    x, weight = torch.randn(5, 200, generator=generator), torch.randn(17, 200, generator=generator)
     assert torch.equal(torch.ops.printpress_fast.rows_linear(x, weight, 4), torch.nn.functional.linear(x, weight))
     assert not torch.equal(torch.ops.printpress_fast.rows_linear(x, weight, 5), torch.nn.functional.linear(x, weight))
 
@@ -620,7 +635,7 @@ def test_a_bf16_copy_follows_its_weight_and_the_ops_refuse_bad_input(rows_kernel
     weight.mul_(2.0)  # in place: the version counter moves, so the copy is made again
     assert torch.equal(ops.rows_linear_bf16(x, weight), 2 * first)
     weight.div_(2.0)
-    ops.forget_bf16_copies()
+    ops.forget_weight_copies()
     assert torch.equal(ops.rows_linear_bf16(x, weight), first)
     square = torch.randn(16, 16, generator=generator)
     ops.rows_linear_bf16(x, square)  # a transposed view starts at the same address, with other strides
