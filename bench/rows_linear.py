@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from printpress.eval.report import cpu_name
-from printpress.fast import ROWS_LINEAR_MAX_ROWS, CompiledARStep, ar_step_graph, rows_linear_ready
+from printpress.fast import CompiledARStep, ar_step_graph, rows_linear_max_rows, rows_linear_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_ar import own_copy  # noqa: E402
@@ -61,7 +61,7 @@ def weight_shapes(model) -> list[tuple[int, int]]:
 
 
 def ops(shapes: list[tuple[int, int]], rows: list[int], reps: int) -> list[dict]:
-    def kernel(x, w):  # the kernel itself at every row count (the pass hands it at most ROWS_LINEAR_MAX_ROWS)
+    def kernel(x, w):  # the kernel itself at every row count (the pass hands it at most rows_linear_max_rows())
         return torch.ops.printpress_fast.rows_linear(x, w, 1 << 30)
 
     out = []
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("bench/rows_linear.py: the kernel could not be built on this machine (see the warning above)")
     load_start = os.getloadavg()[0]
     shipped, large = shipped_model(), benchmark_model("large")
-    report: dict = {"max_rows": ROWS_LINEAR_MAX_ROWS,
+    report: dict = {"max_rows": rows_linear_max_rows(),
                     "command": "OMP_NUM_THREADS=1 python bench/rows_linear.py " + " ".join(sys.argv[1:]),
                     "cpu": cpu_name(), "torch": torch.__version__}
     if not args.skip_ops:

@@ -202,8 +202,11 @@ def input_and_code_guards(entries) -> list[bool]:
 # Up to this many rows, printpress_fast::rows_linear (printpress/kernels/rows_linear.cpp) beats MKL's GEMM on
 # this project's CPU at the weight shapes of the shipped and the 99.7M benchmark models: 1.1-2.3x at 1-4 rows
 # (weights streamed past each row), 1.1-1.8x at 5-8 rows (3 x 4 register tiles); from 12 rows MKL is as fast or
-# faster (docs/benchmarks.md §6, "Few-row linears").
+# faster (docs/benchmarks.md §6, "Few-row linears"). Where the CPU has AVX-512 the kernel multiplies 2 rows or
+# more through packed weight panels, 1.05-1.5x MKL's GEMM up to PANELS_MAX_ROWS (a canvas of 32 is such a product;
+# §6, "Packed panels"): `rows_linear_max_rows()` says which limit holds.
 ROWS_LINEAR_MAX_ROWS = 8
+PANELS_MAX_ROWS = 64
 # The weights the few-row products read: the model's own, or (opt-in, not the float32 model's numbers) a bfloat16
 # copy of each for products of up to BF16_MAX_ROWS rows, where reading the weights is what costs.
 WEIGHT_COPIES = ("float32", "bfloat16")
@@ -212,8 +215,15 @@ BF16_MAX_ROWS = 4
 
 def rows_linear_ready() -> bool:
     """Whether the few-row linear kernel is built and loaded (first use on a machine builds it: 10-20 s)."""
-    return native.load("rows_linear.cpp", "compiled graphs keep MKL's GEMM for their few-row linears",
-                       _register_rows_linear_fake)
+    global _max_rows
+    ready = native.load("rows_linear.cpp", "compiled graphs keep MKL's GEMM for their few-row linears",
+                        _register_rows_linear_fake)
+    if ready and _max_rows is None:
+        _max_rows = PANELS_MAX_ROWS if torch.ops.printpress_fast.packed_panels() else ROWS_LINEAR_MAX_ROWS
+    return ready
+
+
+_max_rows: int | None = None  # `rows_linear_max_rows()`, known once the kernel has loaded
 
 
 def _register_rows_linear_fake() -> None:
@@ -247,6 +257,13 @@ _routed_experts = False
 ROUTED_DTYPES = (torch.float32, torch.bfloat16)  # what printpress_fast::routed_experts computes in
 
 
+def rows_linear_max_rows() -> int:
+    """The most rows of a product the compiled graphs hand printpress's kernel (more go to MKL's GEMM):
+    `PANELS_MAX_ROWS` where it multiplies through packed panels (AVX-512), else `ROWS_LINEAR_MAX_ROWS` (also
+    before the kernel has loaded). A global read, so that a graph being traced may ask."""
+    return ROWS_LINEAR_MAX_ROWS if _max_rows is None else _max_rows
+
+
 def routed_experts_wanted(*tensors: torch.Tensor) -> bool:
     """Inside a graph being traced: whether `static_experts` runs a canvas's experts through the routed kernel."""
     return _routed_experts and all(t.dtype in ROUTED_DTYPES and t.device.type == "cpu" for t in tensors)
@@ -254,9 +271,9 @@ def routed_experts_wanted(*tensors: torch.Tensor) -> bool:
 
 class FewRowLinears(CustomGraphPass):
     """An inductor pass (run on the graph after autograd, before lowering). Every `mm(x, weight.t())` with a
-    contiguous 2-D weight and a float32 CPU x of at most `ROWS_LINEAR_MAX_ROWS` rows, or of rows known only at run
+    contiguous 2-D weight and a float32 CPU x of at most `rows_linear_max_rows()` rows, or of rows known only at run
     time (a graph compiled for any batch size: the kernel then hands more rows to MKL), becomes
-    `printpress_fast::rows_linear(x, weight, ROWS_LINEAR_MAX_ROWS)`. An AR step is such products only (one row per
+    `printpress_fast::rows_linear(x, weight, rows_linear_max_rows())`. An AR step is such products only (one row per
     sequence), bound by reading the weights; the kernel streams them at the memory's speed where MKL's GEMM reaches
     60-70% of it. Likewise the chosen experts of a few tokens (`static_experts`: their weights gathered, then a
     batched product) become `printpress_fast::expert_rows`, which reads each expert's weights in place.
@@ -295,14 +312,14 @@ class FewRowLinears(CustomGraphPass):
         """mm(x, weight.t()) -> rows_linear(x, weight)."""
         x, transposed = node.args
         weight = _transposed_weight(transposed)
-        if weight is None or not _few_float_rows(x.meta.get("val")):
+        if weight is None or not _few_float_rows(x.meta.get("val"), rows_linear_max_rows()):
             return
         with graph.inserting_before(node):
             if self._bf16(x.meta.get("val")):
                 fused = graph.call_function(torch.ops.printpress_fast.rows_linear_bf16.default, (x, weight))
             else:
                 fused = graph.call_function(torch.ops.printpress_fast.rows_linear.default,
-                                            (x, weight, ROWS_LINEAR_MAX_ROWS))
+                                            (x, weight, rows_linear_max_rows()))
         fused.meta = dict(node.meta)
         _replace(graph, node, fused, transposed)
 
@@ -333,7 +350,7 @@ class FewRowLinears(CustomGraphPass):
 
     def uuid(self) -> bytes:
         """Inductor's cache key for the pass: this file, the kernel, the row limit and whether the kernel loads."""
-        digest = hashlib.sha256(f"{ROWS_LINEAR_MAX_ROWS} {rows_linear_ready()} {self.weights}".encode())
+        digest = hashlib.sha256(f"{rows_linear_max_rows()} {rows_linear_ready()} {self.weights}".encode())
         for path in (Path(__file__), native.KERNELS / "rows_linear.cpp"):
             digest.update(path.read_bytes())
         return digest.digest()
@@ -367,7 +384,7 @@ def _transposed_weight(node) -> torch.fx.Node | None:
     return source
 
 
-def _few_float_rows(value, limit: int | None = ROWS_LINEAR_MAX_ROWS) -> bool:
+def _few_float_rows(value, limit: int | None) -> bool:
     """Whether a (fake) tensor is a float32 CPU matrix whose rows are at most `limit` (if any) or not known until
     it runs (a graph compiled for any batch size: the kernel hands more rows to MKL then)."""
     if not (isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype == torch.float32

@@ -828,12 +828,13 @@ def test_the_pass_puts_the_kernel_in_place_of_few_row_products_with_a_transposed
     assert torch.allclose(got[0], expected[0], atol=1e-5) and torch.equal(got[1], expected[1])
 
 
-@pytest.mark.parametrize("rows, dtype", [(9, torch.float32), (1, torch.float64)])
-def test_the_pass_leaves_more_rows_and_other_dtypes_to_the_gemm(rows_kernel, rows, dtype):
-    from printpress.fast import ROWS_LINEAR_MAX_ROWS, FewRowLinears
+@pytest.mark.parametrize("past_the_limit, dtype", [(True, torch.float32), (False, torch.float64)])
+def test_the_pass_leaves_more_rows_and_other_dtypes_to_the_gemm(rows_kernel, past_the_limit, dtype):
+    from printpress.fast import PANELS_MAX_ROWS, ROWS_LINEAR_MAX_ROWS, FewRowLinears, rows_linear_max_rows
 
-    assert ROWS_LINEAR_MAX_ROWS == 8
-    graph_module, _ = traced_linears(rows, dtype)
+    limit = rows_linear_max_rows()
+    assert limit == (PANELS_MAX_ROWS if torch.ops.printpress_fast.packed_panels() else ROWS_LINEAR_MAX_ROWS)
+    graph_module, _ = traced_linears(limit + 1 if past_the_limit else 1, dtype)
     before = targets(graph_module)
     FewRowLinears()(graph_module.graph)
     assert targets(graph_module) == before

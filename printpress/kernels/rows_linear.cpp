@@ -302,36 +302,40 @@ inline void panel_tile(const float* x, int64_t K, const float* panel, float* y, 
   }
 }
 
-template <int MR>
-void panel_rows(const float* x, const float* panels, float* y, int64_t N, int64_t K) {
-  for (int64_t n = 0; n < N; n += kPanel) panel_tile<MR>(x, K, panels + n * K, y + n, N, std::min(kPanel, N - n));
-}
-
 }  // namespace
 
-// y (M, N) = x (M, K) @ w (N, K)^T through w's packed panels; x and y row-major and contiguous. True where this CPU
-// runs them (AVX-512), else false and nothing written.
+// y (M, N) = x (M, K) @ w (N, K)^T through w's packed panels; x and y row-major and contiguous. Each panel (K x 32
+// weights: 24 KiB at K = 192) is read once and passes every row of x in blocks of 8, so more rows do not read the
+// weight again. True where this CPU runs them (AVX-512), else false and nothing written.
 static bool panel_linear(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t N, int64_t K) {
   const auto panels = cached_copy(w, Kind::panels, pack_panels);
-  const float* p = panels.data_ptr<float>();
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) panel_rows<8>(x + m * K, p, y + m * N, N, K);
-  x += m * K, y += m * N;
-  switch (M - m) {
-    case 7: panel_rows<7>(x, p, y, N, K); break;
-    case 6: panel_rows<6>(x, p, y, N, K); break;
-    case 5: panel_rows<5>(x, p, y, N, K); break;
-    case 4: panel_rows<4>(x, p, y, N, K); break;
-    case 3: panel_rows<3>(x, p, y, N, K); break;
-    case 2: panel_rows<2>(x, p, y, N, K); break;
-    case 1: panel_rows<1>(x, p, y, N, K); break;
-    default: break;
+  for (int64_t n = 0; n < N; n += kPanel) {
+    const float* panel = panels.data_ptr<float>() + n * K;
+    const int64_t cols = std::min(kPanel, N - n);
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) panel_tile<8>(x + m * K, K, panel, y + m * N + n, N, cols);
+    switch (M - m) {
+      case 7: panel_tile<7>(x + m * K, K, panel, y + m * N + n, N, cols); break;
+      case 6: panel_tile<6>(x + m * K, K, panel, y + m * N + n, N, cols); break;
+      case 5: panel_tile<5>(x + m * K, K, panel, y + m * N + n, N, cols); break;
+      case 4: panel_tile<4>(x + m * K, K, panel, y + m * N + n, N, cols); break;
+      case 3: panel_tile<3>(x + m * K, K, panel, y + m * N + n, N, cols); break;
+      case 2: panel_tile<2>(x + m * K, K, panel, y + m * N + n, N, cols); break;
+      case 1: panel_tile<1>(x + m * K, K, panel, y + m * N + n, N, cols); break;
+      default: break;
+    }
   }
   return true;
 }
+constexpr bool kPanels = true;
 #else
 static bool panel_linear(const float*, const torch::Tensor&, float*, int64_t, int64_t, int64_t) { return false; }
+constexpr bool kPanels = false;
 #endif
+
+// Whether products of 2 rows or more go through packed panels on this CPU (printpress/fast.py hands the kernel up
+// to 64 rows then, 8 otherwise).
+bool packed_panels() { return kPanels; }
 
 // A float32 product of a few rows by printpress's kernels: one row streams the weight past it (an AR step: bound
 // by reading the weight), more go through the packed panels where the CPU has AVX-512, else register tiles (or,
@@ -614,6 +618,7 @@ TORCH_LIBRARY(printpress_fast, m) {
   m.def("rows_linear_bf16(Tensor x, Tensor weight) -> Tensor");
   m.def("expert_rows_bf16(Tensor x, Tensor weight, Tensor index) -> Tensor");
   m.def("forget_weight_copies", &forget_weight_copies);
+  m.def("packed_panels", &packed_panels);
   m.def("metadata_signature(Tensor[] tensors) -> int", &metadata_signature);
   m.def("write_rows(Tensor(a!)[] targets, Tensor[] sources, int[] starts, int[] offsets, int[] counts) -> ()",
         &write_rows);
