@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from printpress import native
 from printpress.events import TokenLogprob
 
 # The settings are defined in printpress.settings (torch-free, so the CLI reads them without torch); these names are
@@ -109,7 +110,12 @@ _LOG1P_SLACK = 2.0**-50
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, dim=-1)`, the same indices (both are documented to return the first of equal maxima, and
     both take a NaN as the maximum), through `torch.max`, whose CPU reduction over many rows is about 3x faster
-    (32 x 4096 floats: 64 against 195 us on one thread; 192 x 4096: 0.41 against 1.17 ms)."""
+    (32 x 4096 floats: 64 against 195 us on one thread; 192 x 4096: 0.41 against 1.17 ms), or, for float32 on a
+    CPU once printpress's kernel is loaded (by a compiled pass), `printpress_fast::row_argmax`: the same indices
+    again, 3x faster than `torch.max` on a verification's 8 rows of 4096 (5 against 15 us)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() and x.shape[-1] \
+            and native.loaded("rows_linear.cpp"):
+        return torch.ops.printpress_fast.row_argmax(x)
     return torch.max(x, dim=-1).indices
 
 
