@@ -3,17 +3,20 @@
 // the weights, and MKL's one-row GEMM reads them at 60-70% of the bandwidth a plain streaming loop reaches on
 // this project's CPUs (docs/benchmarks.md §6, "Few-row linears"). Up to 4 rows, four weight rows stream side by
 // side through AVX2 FMAs, each weight read once from memory and reused from L1 for every row of x; from 5 rows
-// (a canvas of 8, a batch of AR steps) 3 x 4 register tiles keep the FMA units busy.
+// (a canvas of 8, a batch of AR steps) 3 x 4 register tiles keep the FMA units busy. Where the CPU has AVX-512,
+// 2 to 64 rows (a speculative verification, a canvas of 32) go through a copy of the weight packed in panels
+// instead (`panel_linear`).
 //
 // `expert_rows` does the same for a few rows each through its own expert's weights, read in place, and
 // `routed_experts` runs a canvas's experts each on the tokens routed to it (float32, or bfloat16 where a CPU has
 // native bf16 matmul: the weighted sum over experts is taken in float32 either way).
 //
-// Two helpers for the Python around a compiled call (printpress/fast.py, printpress/cache.py): `write_rows` stores
-// a block's keys and values in every layer's cache at once, `metadata_signature` stands for the parameters' dtypes,
-// devices and sizes in the check before each call.
+// Helpers for the Python around a compiled call (printpress/fast.py, printpress/cache.py, printpress/sampling.py):
+// `write_rows` stores a block's keys and values in every layer's cache at once, `metadata_signature` stands for the
+// parameters' dtypes, devices and sizes in the check before each call, `row_argmax` picks the greedy tokens.
 //
-// Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it.
+// Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it
+// (`row_argmax` is exact: the indices torch.max returns).
 #include <torch/extension.h>
 
 #include <cmath>
@@ -258,14 +261,15 @@ void forget_weight_copies() {
   copies.clear();
 }
 
-// -- packed panels of float32 weights, for 2-8 rows on AVX-512 (`panel_linear`) ---------------------------------
+// -- packed panels of float32 weights, for 2-64 rows on AVX-512 (`panel_linear`) --------------------------------
 // From two rows on, a product is bound by the FMAs, not by reading the weight, and the dot-product kernels above
 // spend much of it summing each output's vector across its lanes. Here a copy of the weight is packed once into
 // panels of 32 output channels, (ceil(N / 32), K, 32): for each k, the 32 weights of a panel lie side by side, so
 // every row of x is broadcast against two vectors of them, with MR rows x 32 channels of sums held in registers and
 // no horizontal sums at all (the broadcast form of a GEMM micro-kernel). 1.4-2x the tiles above at 2-8 rows on the
-// shipped model's shapes (its LM head at 8 rows: 228 -> 122 us). The copy doubles the memory of the weights that
-// meet such blocks (a compiled model's), and is dropped with the bfloat16 copies.
+// shipped model's shapes (its LM head at 8 rows: 228 -> 122 us), and 1.05-1.5x MKL's GEMM from 16 to 64 rows. The
+// copy doubles the memory of the weights that meet such blocks (a compiled model's), and is dropped with the
+// bfloat16 copies.
 
 #if defined(__AVX512F__)
 constexpr int64_t kPanel = 32;
@@ -435,14 +439,6 @@ static void expert_product(const torch::Tensor& x, const torch::Tensor& w, torch
   }
 }
 
-// A canvas's or a block's experts, each run only on the tokens routed to it (what the eager path's grouped GEMMs
-// compute; a compiled graph, whose shapes cannot depend on the routing, would otherwise run every expert on every
-// token). x (T, H), weights (T, k) and experts (T, k) from the router, gate_up (E, 2I, H), down (E, H, I);
-// activation 0: GELU (tanh approximation), 1: GELU, 2: SiLU. Returns sum_j weights[t, j] *
-// expert_{experts[t, j]}(x[t]), (T, H). The (token, slot) pairs are gathered once, grouped by expert; each
-// expert's two products write into slices of one buffer, and the activation and the weighted sum run once over
-// all pairs: a few ATen calls per layer instead of ten per expert, which is what a block of a few tokens (a
-// speculative verification: 8) paid most for.
 // y[first .. first + n) = x[first .. first + n) @ w^T for one expert's rows of x (P, K) and y (P, N), both float32
 // and contiguous: printpress's kernels up to `max_rows` rows, MKL's GEMM beyond.
 static void expert_block(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, int64_t first, int64_t n,
@@ -494,6 +490,14 @@ static torch::Tensor routed_float(const torch::Tensor& x, const torch::Tensor& w
   return out;
 }
 
+// A canvas's or a block's experts, each run only on the tokens routed to it (what the eager path's grouped GEMMs
+// compute; a compiled graph, whose shapes cannot depend on the routing, would otherwise run every expert on every
+// token). x (T, H), weights (T, k) and experts (T, k) from the router, gate_up (E, 2I, H), down (E, H, I);
+// activation 0: GELU (tanh approximation), 1: GELU, 2: SiLU. Returns sum_j weights[t, j] *
+// expert_{experts[t, j]}(x[t]), (T, H). The (token, slot) pairs are gathered once, grouped by expert; each
+// expert's two products write into slices of one buffer, and the activation and the weighted sum run once over
+// all pairs: a few ATen calls per layer instead of ten per expert, which is what a block of a few tokens (a
+// speculative verification: 8) paid most for.
 torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& experts,
                              const torch::Tensor& gate_up, const torch::Tensor& down, int64_t activation,
                              int64_t max_rows) {
@@ -562,8 +566,8 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
 
 // The index of the largest of v[0 .. V): the first of equal maxima, and a NaN counts as the largest (the first NaN),
 // as torch.max(x, -1).indices decides. Two vectorised passes: the maximum (and whether a NaN is there), then the
-// first position that holds it; ATen's reduction, which carries an index with every comparison, took ~5 us a row
-// of 4096 (a verification's 8 rows: 40 us).
+// first position that holds it: a verification's 8 rows of 4096 in 5 us, against 15 for ATen's reduction, which
+// carries an index with every comparison.
 static int64_t argmax_of(const float* v, int64_t V) {
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
