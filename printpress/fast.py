@@ -350,7 +350,8 @@ class FewRowLinears(CustomGraphPass):
 
     def uuid(self) -> bytes:
         """Inductor's cache key for the pass: this file, the kernel, the row limit and whether the kernel loads."""
-        digest = hashlib.sha256(f"{rows_linear_max_rows()} {rows_linear_ready()} {self.weights}".encode())
+        ready = rows_linear_ready()  # first: loading the kernel settles the row limit
+        digest = hashlib.sha256(f"{rows_linear_max_rows()} {ready} {self.weights}".encode())
         for path in (Path(__file__), native.KERNELS / "rows_linear.cpp"):
             digest.update(path.read_bytes())
         return digest.digest()

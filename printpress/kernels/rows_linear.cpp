@@ -278,7 +278,7 @@ namespace {
 
 torch::Tensor pack_panels(const torch::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
-  auto panels = torch::zeros({P, K, kPanel}, w.options().memory_format(at::MemoryFormat::Contiguous));
+  auto panels = torch::zeros({P, K, kPanel}, w.options());
   const auto wc = w.contiguous();
   const float* from = wc.data_ptr<float>();
   float* to = panels.data_ptr<float>();
@@ -315,8 +315,9 @@ inline void panel_tile(const float* x, int64_t K, const float* panel, float* y, 
 // weight again. True where this CPU runs them (AVX-512), else false and nothing written.
 static bool panel_linear(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t N, int64_t K) {
   const auto panels = cached_copy(w, Kind::panels, pack_panels);
+  const float* packed = panels.data_ptr<float>();
   for (int64_t n = 0; n < N; n += kPanel) {
-    const float* panel = panels.data_ptr<float>() + n * K;
+    const float* panel = packed + n * K;
     const int64_t cols = std::min(kPanel, N - n);
     int64_t m = 0;
     for (; m + 8 <= M; m += 8) panel_tile<8>(x + m * K, K, panel, y + m * N + n, N, cols);
@@ -428,22 +429,13 @@ torch::Tensor expert_rows_bf16(const torch::Tensor& x, const torch::Tensor& weig
   return chosen_experts("expert_rows_bf16", x, weight, index, true);
 }
 
-// y (n, N) = x (n, K) @ w (N, K)^T for one expert's rows, x and y row-major and contiguous: printpress's kernel up
-// to `max_rows` rows of float32 (where it beats MKL's GEMM, as in `rows`), MKL's GEMM otherwise.
-static void expert_product(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor y, int64_t max_rows) {
-  const int64_t n = x.size(0);
-  if (x.scalar_type() == torch::kFloat && n <= max_rows) {
-    few_rows(x.data_ptr<float>(), w, y.data_ptr<float>(), n);
-  } else {
-    at::mm_out(y, x, w.t());
-  }
-}
-
-// y[first .. first + n) = x[first .. first + n) @ w^T for one expert's rows of x (P, K) and y (P, N), both float32
-// and contiguous: printpress's kernels up to `max_rows` rows, MKL's GEMM beyond.
+// y[first .. first + n) = x[first .. first + n) @ w^T for one expert's rows of x (P, K) and y (P, N), both row-major
+// and contiguous: printpress's kernels up to `max_rows` rows of float32 (where they beat MKL's GEMM, as in `rows`),
+// MKL's GEMM otherwise; nothing for an expert without rows.
 static void expert_block(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, int64_t first, int64_t n,
                          int64_t max_rows) {
-  if (n <= max_rows) {
+  if (n == 0) return;
+  if (x.scalar_type() == torch::kFloat && n <= max_rows) {
     few_rows(x.data_ptr<float>() + first * x.size(1), w, y.data_ptr<float>() + first * y.size(1), n);
   } else {
     auto rows = y.narrow(0, first, n);
@@ -545,18 +537,12 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
                         max_rows);
   const auto gathered = x.index_select(0, token_index);  // (P, H), contiguous
   auto both = torch::empty({P, 2 * I}, x.options());
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = first[e + 1] - first[e];
-    if (n) expert_product(gathered.narrow(0, first[e], n), wg[e], both.narrow(0, first[e], n), max_rows);
-  }
+  for (int64_t e = 0; e < E; ++e) expert_block(gathered, wg[e], both, first[e], first[e + 1] - first[e], max_rows);
   const auto gate = both.narrow(1, 0, I), up = both.narrow(1, I, I);
   const auto act = activation == 0 ? at::gelu(gate, "tanh") : activation == 1 ? at::gelu(gate) : at::silu(gate);
   const auto hidden = act * up;  // (P, I), contiguous
   auto products = torch::empty({P, H}, x.options());
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = first[e + 1] - first[e];
-    if (n) expert_product(hidden.narrow(0, first[e], n), wd[e], products.narrow(0, first[e], n), max_rows);
-  }
+  for (int64_t e = 0; e < E; ++e) expert_block(hidden, wd[e], products, first[e], first[e + 1] - first[e], max_rows);
   // The weighted sum over a token's experts in float32 (as the dense path sums), then x's dtype.
   const auto scale = weights.to(torch::kFloat).reshape({P}).index_select(0, pair_index);
   auto out = torch::zeros({T, H}, x.options().dtype(torch::kFloat));
