@@ -123,9 +123,12 @@ def main() -> None:
         live_weights = not torch.equal(calls["ahead of time"]["AR step"](), outputs["ahead of time"]["AR step"])
         expert_scale.div_(2.0)
         down = models[BF16].layers[0].mlp.down_proj.weight
-        down.mul_(2.0)  # and an in-place change of a weight must reach its bfloat16 copy (its version counter)
+        kept = down.clone()
+        # and an in-place change of a weight must reach its bfloat16 copy (its version counter): one output channel
+        # doubled, as the norm after the MLP would undo the whole weight doubled
+        down[0].mul_(2.0)
         live_copies = not torch.equal(calls[BF16]["AR step"](), outputs[BF16]["AR step"])
-        down.div_(2.0)
+        down.copy_(kept)
 
         for side_calls in calls.values():
             for call in side_calls.values():

@@ -5,7 +5,9 @@ The decoder pass (`compile_decoder`) follows the same recipe as the AR step belo
 opaque operator of printpress's own (`printpress_fast::routed_experts`; without a compiler for it, every expert on
 every token, then the router's choice), and the rest of the pass is one graph; it covers every decoder pass of a
 model (diffusion steps, speculative drafts, edits), for any cache length and batch. Inside the graphs tanh (the
-logits' softcap, GELU) is computed from exp, 3x cheaper on CPU (`printpress.model.gelu_tanh`, `softcap`).
+logits' softcap, GELU) is computed from exp, 3x cheaper on CPU (`printpress.model.gelu_tanh`, `softcap`), and
+where the kernel has its AVX-512 code the attentions run through another of its operators
+(`printpress_fast::small_attention`: the cached keys and the block's read in place, not joined first).
 
 The exact engine runs an AR step as ~700 small eager kernels, each paying dispatch cost (docs/benchmarks.md,
 "Roofline"). Here one step (1 token per row after the cache, `logits="last"`) is a single graph, the way gpt-fast
@@ -91,25 +93,31 @@ def _causal_block(model: DiffusionGemma, ids: torch.Tensor, position: torch.Tens
     full_mask, sliding_mask = _block_masks(position, t, pad_mask, slot_positions, model.config.sliding_window)
     new_keys, new_values = [], []
     for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        # The block's keys go after every cached slot (`_appended`).
-        attended = layer.self_attn.attend(*layer.attention_inputs(x, (b, t), ropes[spec.sliding]),
-                                          sliding_mask if spec.sliding else full_mask,
-                                          _appended(keys[index], values[index], new_keys, new_values))
+        # The block's keys go after every cached slot.
+        attended = _attend_after(layer, layer.attention_inputs(x, (b, t), ropes[spec.sliding]),
+                                 sliding_mask if spec.sliding else full_mask, keys[index], values[index], new_keys,
+                                 new_values)
         x = layer.after_attention(x, attended, (b, t), True)
     return model.norm(x).view(b, t, -1), new_keys, new_values
 
 
-def _appended(past_k: torch.Tensor, past_v: torch.Tensor, new_keys: list, new_values: list, stored=None):
-    """The `kv_fn` of `Attention.attend` for an encoder pass: the block's keys and values after the cached ones,
-    and kept in `new_keys` / `new_values` for the caller to write into the cache (only the first `stored` rows, when
-    given: a fused pass's canvas rows follow its block and are never stored)."""
-
-    def joined(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_after(layer, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                  past_k: torch.Tensor, past_v: torch.Tensor, new_keys: list | None = None,
+                  new_values: list | None = None, stored: int | None = None) -> torch.Tensor:
+    """`Attention.attend` of a block's queries over the keys and values `past_k` / `past_v` (B, H_kv, S, D) and then
+    the block's own (`inputs`: `Layer.attention_inputs`), (B*T, heads*D). The block's keys and values are also kept
+    in `new_keys` / `new_values` when given, for the caller to write into the cache (only the first `stored` rows,
+    when given: a fused pass's canvas rows follow its block and are never stored). Inside a graph that may
+    (`small_attention_wanted`), printpress's kernel reads both segments in place instead of ATen's attention over
+    the two joined."""
+    q, k, v = inputs
+    if new_keys is not None:
         new_keys.append(k[:, :, :stored])
         new_values.append(v[:, :, :stored])
-        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-
-    return joined
+    attention = layer.self_attn
+    if small_attention_wanted(mask, q, past_k, past_v, k, v):
+        return torch.ops.printpress_fast.small_attention(q, past_k, past_v, k, v, mask, attention.scale)
+    return attention.attend(q, k, v, mask, lambda k, v: (torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)))
 
 
 def _block_masks(position: torch.Tensor, t: int, pad_mask: torch.Tensor, slot_positions: torch.Tensor, window: int):
@@ -247,6 +255,10 @@ def _register_rows_linear_fake() -> None:
     def _(x, weight, index):
         return x.new_empty((x.shape[0], weight.shape[1]))
 
+    @torch.library.register_fake("printpress_fast::small_attention")
+    def _(q, past_k, past_v, k, v, mask, scale):
+        return q.new_empty((q.shape[0] * q.shape[1], q.shape[2] * q.shape[3]))
+
 
 # Whether the graph being called may run a canvas's experts through printpress_fast::routed_experts (each expert on
 # its own tokens only) instead of every expert on every token: `CompiledGraph._run` sets it before each call, so
@@ -267,6 +279,20 @@ def rows_linear_max_rows() -> int:
 def routed_experts_wanted(*tensors: torch.Tensor) -> bool:
     """Inside a graph being traced: whether `static_experts` runs a canvas's experts through the routed kernel."""
     return _routed_experts and all(t.dtype in ROUTED_DTYPES and t.device.type == "cpu" for t in tensors)
+
+
+# Whether the graph being called may run its attentions through printpress_fast::small_attention: set with
+# `_routed_experts`, where the kernel has loaded with its AVX-512 code (elsewhere its plain loops are slower than
+# ATen's attention).
+_small_attention = False
+
+
+def small_attention_wanted(mask: torch.Tensor | None, *tensors: torch.Tensor) -> bool:
+    """Inside a graph being traced: whether `_attend_after` runs printpress_fast::small_attention on the queries,
+    keys and values `tensors` (float32 on the CPU, head_dim a multiple of 16: the kernel's vectors) under `mask`
+    (bool, or none)."""
+    return (_small_attention and tensors[0].shape[-1] % 16 == 0 and (mask is None or mask.dtype == torch.bool)
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
 
 
 class FewRowLinears(CustomGraphPass):
@@ -412,6 +438,7 @@ class CompiledGraph:
         self.model = model
         self.backend = backend
         self.routed_experts = routed_experts
+        self.rows_kernel = rows_kernel
         self.weights = weights
         self.failure: str | None = None
         options = {"guard_filter_fn": input_and_code_guards}
@@ -440,8 +467,9 @@ class CompiledGraph:
         self._signature: int | None = None  # see `_parameters_unchanged`
 
     def _set_routing(self) -> None:
-        global _routed_experts
+        global _routed_experts, _small_attention
         _routed_experts = self.routed_experts and rows_linear_ready()
+        _small_attention = self.rows_kernel and rows_linear_ready() and rows_linear_max_rows() == PANELS_MAX_ROWS
 
     def dynamic_sizes(self, tensors: tuple):
         """For `printpress.aot`: which sizes of the graph's tensor inputs vary between calls (the structure of
@@ -639,10 +667,8 @@ def decoder_pass_graph(
     masks = {sliding: None if valid is None else torch.cat([valid, valid.new_ones(b, c)], dim=1)[:, None, None, :]
              for sliding, valid in ((True, sliding_valid), (False, full_valid))}
     for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        past_k, past_v = prefix_keys[index], prefix_values[index]
-        attended = layer.self_attn.attend(
-            *layer.attention_inputs(x, (b, c), ropes[spec.sliding]), masks[spec.sliding],
-            lambda k, v: (torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)))
+        attended = _attend_after(layer, layer.attention_inputs(x, (b, c), ropes[spec.sliding]), masks[spec.sliding],
+                                 prefix_keys[index], prefix_values[index])
         x = layer.after_attention(x, attended, (b, c), False)
     return model.logits(model.norm(x).view(b, c, -1))
 
@@ -716,9 +742,9 @@ def fused_pass_graph(
     ropes = model.rope(positions)
     new_keys, new_values = [], []
     for index, (layer, spec) in enumerate(zip(model.layers, model.specs)):
-        attended = layer.self_attn.attend(*layer.attention_inputs(x, (1, m + rows), ropes[spec.sliding]),
-                                          sliding_mask if spec.sliding else full_mask,
-                                          _appended(prefix_keys[index], prefix_values[index], new_keys, new_values, m))
+        attended = _attend_after(layer, layer.attention_inputs(x, (1, m + rows), ropes[spec.sliding]),
+                                 sliding_mask if spec.sliding else full_mask, prefix_keys[index],
+                                 prefix_values[index], new_keys, new_values, m)
         x = layer.after_attention(x, attended, (1, m + rows), is_encoder)
     hidden = model.norm(x).view(1, m + rows, -1)
     if canvas_logits:
@@ -753,7 +779,7 @@ class CompiledFusedPass(CompiledGraph):
         if out is None:
             return None
         block_logits, canvas_out, new_keys, new_values = out
-        _store(cache, new_keys, new_values)  # the block's rows only (`_appended` keeps the first m)
+        _store(cache, new_keys, new_values)  # the block's rows only (`_attend_after` keeps the first m)
         return block_logits, canvas_out
 
 

@@ -249,6 +249,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 
 class Attention(nn.Module):
+    scale = 1.0  # of the attention logits: the q/k norms already set their scale
+
     def __init__(self, config: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
         h, heads, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
@@ -295,9 +297,8 @@ class Attention(nn.Module):
         before the output projection."""
         b, t = q.shape[:2]
         k, v = kv_fn(k, v)
-        # Scale 1.0: the q/k norms already set the logit scale.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, scale=1.0, enable_gqa=self.num_kv_heads != self.num_heads
+            q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads
         )
         return out.transpose(1, 2).reshape(b * t, -1)
 

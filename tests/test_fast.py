@@ -755,6 +755,25 @@ def test_the_routed_experts_kernel_runs_each_expert_on_its_own_tokens(rows_kerne
     assert torch.allclose(got.double(), expected, atol=1e-5)
 
 
+def test_the_routed_experts_kernel_s_gelu_holds_over_the_whole_range(rows_kernel):
+    """GELU (tanh form) inside the float32 routed experts, written through exp on AVX-512: each gate value through
+    one expert whose gate row copies an input, whose up row reads a constant 1 and whose down product is the
+    identity, so the kernel's output is GELU of the inputs itself (17 of them: a vector and a tail)."""
+    values = torch.cat([torch.linspace(-60, 60, 16), torch.tensor([-1e4])]).reshape(-1, 1)
+    values = torch.cat([values, torch.linspace(-4, 4, 17)[:, None]], dim=0)  # where the curve bends
+    inner = 17
+    x = torch.cat([values.reshape(-1, inner), torch.ones(2, 1)], dim=1)  # (2, 18): 17 values, then a 1
+    gate_up = torch.zeros(1, 2 * inner, inner + 1)
+    gate_up[0, :inner, :inner] = torch.eye(inner)
+    gate_up[0, inner:, inner] = 1.0
+    down = torch.eye(inner + 1, inner)[None]
+    got = torch.ops.printpress_fast.routed_experts(x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), gate_up,
+                                                   down, 0, 8)
+    expected = torch.nn.functional.gelu(x[:, :inner].double(), approximate="tanh").float()
+    assert torch.allclose(got[:, :inner], expected, atol=1e-6, rtol=1e-6), (got[:, :inner] - expected).abs().max()
+    assert torch.equal(got[:, inner], torch.zeros(2))
+
+
 def test_the_routed_experts_kernel_runs_bf16_and_sums_the_experts_in_float32(rows_kernel):
     x, weights, chosen, gate_up, down = (t.bfloat16() if t.is_floating_point() else t for t in routed_inputs())
     # The dense form on the same bf16 tensors, in float64 from there on: what the kernel computes, up to bf16's
@@ -819,6 +838,105 @@ def test_compiled_graphs_compute_tanh_from_exp_and_eager_passes_keep_aten_s():
     assert not torch.equal(compiled_gelu, reference_gelu)  # the exp form ran
     assert torch.allclose(compiled_gelu, reference_gelu, atol=1e-5, rtol=1e-5)
     assert torch.allclose(compiled_cap, torch.tanh(x / 30.0) * 30.0, atol=1e-5, rtol=0)
+
+
+def joined_attention(q, past_k, past_v, k, v, mask, scale=1.0):
+    """ATen's attention over the two key segments joined, (B*T, Hq*D) as `Attention.attend` returns it."""
+    b, t, heads, d = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), attn_mask=mask, scale=scale,
+        enable_gqa=True)
+    return out.transpose(1, 2).reshape(b * t, heads * d)
+
+
+# (B, T, Hq, Hkv, P, N, D): a canvas of 32 over a prefix, an AR step, grouped heads, no prefix, a head_dim of 16,
+# and one that is not a multiple of 16 (plain loops); lanes of 16 queries with a rest in most.
+ATTENTION_SHAPES = [(1, 32, 3, 1, 64, 32, 64), (1, 1, 3, 1, 80, 1, 64), (2, 5, 4, 2, 13, 5, 32), (3, 2, 2, 2, 0, 2, 64),
+                    (1, 40, 8, 1, 3, 40, 16), (1, 7, 3, 1, 20, 7, 24)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_attention_kernel_computes_aten_s_attention_over_both_segments(rows_kernel, shape, masked):
+    b, t, heads, kv_heads, past, new, d = shape
+    generator = torch.Generator().manual_seed(sum(shape))
+    q = torch.randn(b, t, heads, d, generator=generator)
+    past_k, past_v = (torch.randn(b, kv_heads, past, d, generator=generator) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads, new, d, generator=generator) for _ in range(2))
+    mask = None
+    if masked:  # random keys hidden, each query seeing at least one of the block's, and the last keys none sees
+        mask = torch.rand(b, 1, t, past + new, generator=generator) < 0.6
+        mask[..., past:] |= torch.eye(t, new, dtype=torch.bool)
+        mask[..., past + min(t, new):] = False
+    for scale in (1.0, 0.125):
+        got = torch.ops.printpress_fast.small_attention(q, past_k, past_v, k, v, mask, scale)
+        assert got.shape == (b * t, heads * d) and got.is_contiguous()
+        assert torch.allclose(got, joined_attention(q, past_k, past_v, k, v, mask, scale), atol=1e-5)
+
+
+def test_the_attention_kernel_reads_strided_inputs_broadcasts_a_mask_and_gives_a_query_that_sees_nothing_zeros(
+        rows_kernel):
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 20, 64, generator=generator).transpose(1, 2)  # (B, T, Hq, D), a view of (B, Hq, T, D)
+    past_k = torch.randn(2, 1, 40, 64, generator=generator)[:, :, ::3][:, :, :12]  # rows 3 * D apart
+    past_v = torch.randn(2, 1, 12, 64, generator=generator)
+    k = torch.randn(2, 1, 20, 128, generator=generator)[..., ::2]  # rows of D not contiguous (copied first)
+    v = torch.randn(2, 1, 64, 20, generator=generator).transpose(2, 3)
+    mask = torch.rand(1, 1, 1, 32, generator=generator) < 0.5  # one row of keys for every sequence and query
+    mask[..., 12] = True
+    got = torch.ops.printpress_fast.small_attention(q, past_k, past_v, k, v, mask, 1.0)
+    assert torch.allclose(got, joined_attention(q, past_k, past_v, k, v, mask), atol=1e-5)
+    blind = torch.ones(2, 1, 20, 32, dtype=torch.bool)
+    blind[1, 0, 7] = False  # query 7 of the second sequence sees nothing
+    got = torch.ops.printpress_fast.small_attention(q, past_k, past_v, k, v, blind, 1.0).view(2, 20, -1)
+    assert torch.equal(got[1, 7], torch.zeros(3 * 64))
+    assert torch.allclose(got.view(40, -1)[:20], joined_attention(q, past_k, past_v, k, v, None)[:20], atol=1e-5)
+
+
+def test_the_attention_kernel_refuses_other_dtypes_shapes_and_masks(rows_kernel):
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 1, 4, 16)
+    op = torch.ops.printpress_fast.small_attention
+    with pytest.raises(RuntimeError, match="float32 on the CPU only"):
+        op(q.double(), k, k, k, k, None, 1.0)
+    with pytest.raises(RuntimeError, match="with Hq a multiple of Hkv"):
+        op(q, torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
+           None, 1.0)
+    with pytest.raises(RuntimeError, match=r"a mask is bool and broadcasts to \(B, 1, T, P \+ N\) = \(1, 1, 4, 8\)"):
+        op(q, k, k, k, k, torch.ones(1, 1, 4, 7, dtype=torch.bool), 1.0)
+    with pytest.raises(RuntimeError, match="a mask is bool"):
+        op(q, k, k, k, k, torch.zeros(1, 1, 4, 8), 1.0)
+
+
+@pytest.mark.parametrize("wanted", [True, False])
+def test_compiled_graphs_attend_through_the_kernel_where_it_is_wanted(rows_kernel, monkeypatch, model, wanted):
+    from printpress import fast
+
+    index = next(i for i, spec in enumerate(model.specs) if not spec.sliding)  # head_dim 16 (the kernel's lanes)
+    layer = model.layers[index]
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(6, model.config.hidden_size, generator=generator)
+    inputs = layer.attention_inputs(x, (1, 6), model.rope(torch.arange(10, 16)[None])[False])
+    past_k, past_v = (torch.randn(1, inputs[1].shape[1], 10, inputs[1].shape[3], generator=generator)
+                      for _ in range(2))
+    mask = torch.rand(1, 1, 6, 16, generator=generator) < 0.7
+    mask[..., 10:] |= torch.eye(6, dtype=torch.bool)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    def attend(q, k, v, past_k, past_v, mask):
+        new_keys, new_values = [], []
+        out = fast._attend_after(layer, (q, k, v), mask, past_k, past_v, new_keys, new_values, 4)
+        return out, new_keys[0], new_values[0]
+
+    monkeypatch.setattr(fast, "_small_attention", wanted)  # as `CompiledGraph._run` sets it
+    got, kept_k, kept_v = torch.compile(attend, backend=backend, fullgraph=True)(*inputs, past_k, past_v, mask)
+    assert any("small_attention" in str(node.target) for node in graphs[0].graph.nodes) == wanted
+    expected = layer.self_attn.attend(*inputs, mask, lambda k, v: (torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)))
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.equal(kept_k, inputs[1][:, :, :4]) and torch.equal(kept_v, inputs[2][:, :, :4])
 
 
 def traced_linears(rows: int, dtype=torch.float32):

@@ -19,12 +19,14 @@
 // (`row_argmax` is exact: the indices torch.max returns).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -429,6 +431,54 @@ torch::Tensor expert_rows_bf16(const torch::Tensor& x, const torch::Tensor& weig
   return chosen_experts("expert_rows_bf16", x, weight, index, true);
 }
 
+// -- exp and GELU on AVX-512 -----------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+namespace {
+
+// exp of 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (truncated below 1.3e-7
+// relative), scaled by 2^n; inputs below -104 give 0 (or a subnormal), above 88.7 the largest it makes.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: n ln2_hi is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace
+#endif
+
+// hidden (P, I) = GELU(gate) * up for the rows of both (P, 2I) = [gate | up], GELU in its tanh form written through
+// exp as the compiled graphs' fused kernels write it: x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3).
+// One pass, 16 at a time, where ATen's GELU alone took 20 us on a canvas's 64 x 192. False (nothing written)
+// where the CPU lacks AVX-512.
+static bool gelu_tanh_times_up(const float* both, float* hidden, int64_t P, int64_t I) {
+#if defined(__AVX512F__)
+  const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f), c3 = _mm512_set1_ps(-2.f * 0.7978845608f * 0.044715f);
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t place = 0; place < P; ++place) {
+    const float* gate = both + place * 2 * I;
+    const float* up = gate + I;
+    float* out = hidden + place * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 lanes = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, gate + i);
+      const __m512 minus_2u = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), c3, c1));
+      const __m512 gelu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(minus_2u)));
+      _mm512_mask_storeu_ps(out + i, lanes, _mm512_mul_ps(gelu, _mm512_maskz_loadu_ps(lanes, up + i)));
+    }
+  }
+  return true;
+#else
+  (void)both, (void)hidden, (void)P, (void)I;
+  return false;
+#endif
+}
+
 // y[first .. first + n) = x[first .. first + n) @ w^T for one expert's rows of x (P, K) and y (P, N), both row-major
 // and contiguous: printpress's kernels up to `max_rows` rows of float32 (where they beat MKL's GEMM, as in `rows`),
 // MKL's GEMM otherwise; nothing for an expert without rows.
@@ -461,13 +511,16 @@ static torch::Tensor routed_float(const torch::Tensor& x, const torch::Tensor& w
   auto both = torch::empty({P, 2 * I}, x.options());
   for (int64_t e = 0; e < E; ++e) expert_block(gathered, wg[e], both, first[e], first[e + 1] - first[e], max_rows);
   const auto gate = both.narrow(1, 0, I);
-  const auto act = (activation == 0 ? at::gelu(gate, "tanh") : activation == 1 ? at::gelu(gate) : at::silu(gate))
-                       .contiguous();
   auto hidden = torch::empty({P, I}, x.options());
-  const float *ap = act.data_ptr<float>(), *bp = both.data_ptr<float>();
+  const float* bp = both.data_ptr<float>();
   float* hp = hidden.data_ptr<float>();
-  for (int64_t place = 0; place < P; ++place)
-    for (int64_t i = 0; i < I; ++i) hp[place * I + i] = ap[place * I + i] * bp[place * 2 * I + I + i];
+  if (!(activation == 0 && gelu_tanh_times_up(bp, hp, P, I))) {
+    const auto act = (activation == 0 ? at::gelu(gate, "tanh") : activation == 1 ? at::gelu(gate) : at::silu(gate))
+                         .contiguous();
+    const float* ap = act.data_ptr<float>();
+    for (int64_t place = 0; place < P; ++place)
+      for (int64_t i = 0; i < I; ++i) hp[place * I + i] = ap[place * I + i] * bp[place * 2 * I + I + i];
+  }
   auto products = torch::empty({P, H}, x.options());
   for (int64_t e = 0; e < E; ++e) expert_block(hidden, wd[e], products, first[e], first[e + 1] - first[e], max_rows);
   auto out = torch::zeros({T, H}, x.options());
@@ -548,6 +601,246 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
   auto out = torch::zeros({T, H}, x.options().dtype(torch::kFloat));
   out.index_add_(0, token_index, products.to(torch::kFloat) * scale.unsqueeze(1));
   return out.to(dtype);
+}
+
+// -- attention of a few queries over a cached prefix (`small_attention`) ------------------------------------------
+// softmax(scale q . k) v over two key segments read in place, a cached prefix (B, Hkv, P, D) and the block's own
+// keys (B, Hkv, N, D); queries (B, T, Hq, D), query head h reading key head h / (Hq / Hkv) (grouped-query
+// attention, as SDPA's enable_gqa). A bool mask broadcastable to (B, 1, T, P + N) says which keys each query sees;
+// a query that sees none gets zeros. Returns (B * T, Hq * D), each query's heads side by side: what the output
+// projection takes. The compiled passes' attentions are small (a canvas of 32 queries over ~100 keys, head_dim
+// 64), and ATen's flash kernel spent most of its ~50 us a layer there around the arithmetic, with the keys joined
+// into one tensor first. Here, on AVX-512, the queries that share a key head are taken 16 at a time, one per vector
+// lane, so the scores, their softmax and the weighted sum of the values are vectorised across queries with no sums
+// across lanes, and keys that every query of the 16 masks (an AR step's cache slots not yet written) are skipped.
+// Elsewhere a plain loop computes the same.
+
+namespace {
+
+struct Segments {  // the keys or the values of one (batch, key head): the prefix's P rows, then the block's
+  const float* past;
+  int64_t past_stride;
+  int64_t P;
+  const float* block;
+  int64_t block_stride;
+  const float* row(int64_t j) const { return j < P ? past + j * past_stride : block + (j - P) * block_stride; }
+};
+
+Segments segments(const torch::Tensor& past, const torch::Tensor& block, int64_t b, int64_t g) {
+  return {past.data_ptr<float>() + b * past.stride(0) + g * past.stride(1), past.stride(2), past.size(2),
+          block.data_ptr<float>() + b * block.stride(0) + g * block.stride(1), block.stride(2)};
+}
+
+struct KeyMask {  // mask[b, 0, t, j] by the mask's strides (0 along a dimension it is broadcast in); none: all
+  const bool* data = nullptr;
+  int64_t b_stride = 0, t_stride = 0, j_stride = 0;
+  bool sees(int64_t b, int64_t t, int64_t j) const {
+    return data == nullptr || data[b * b_stride + t * t_stride + j * j_stride];
+  }
+};
+
+// The first and one past the last key query t of batch b sees, of S (first == last: none).
+std::pair<int64_t, int64_t> key_span(const KeyMask& mask, int64_t b, int64_t t, int64_t S) {
+  int64_t first = 0, last = S;
+  while (first < S && !mask.sees(b, t, first)) ++first;
+  while (last > first && !mask.sees(b, t, last - 1)) --last;
+  return {first, last};
+}
+
+#if defined(__AVX512F__)
+// Scores of the 16 query lanes (transposed: qt[d * 16 + lane]) against NK keys from j: st[(j - lo) * 16 + lane].
+template <int NK>
+inline void lane_scores(const float* qt, const Segments& keys, int64_t j, int64_t lo, int64_t D, float* st) {
+  __m512 acc[NK];
+  const float* key[NK];
+  for (int n = 0; n < NK; ++n) acc[n] = _mm512_setzero_ps(), key[n] = keys.row(j + n);
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 q = _mm512_loadu_ps(qt + d * 16);
+    for (int n = 0; n < NK; ++n) acc[n] = _mm512_fmadd_ps(q, _mm512_set1_ps(key[n][d]), acc[n]);
+  }
+  for (int n = 0; n < NK; ++n) _mm512_storeu_ps(st + (j + n - lo) * 16, acc[n]);
+}
+
+// Lanes lane .. lane + RR - 1: out[lane + rr][d0 .. d0 + 16 NV) = inverse[lane + rr] sum_j pt[j][lane + rr] v_j[..].
+template <int RR, int NV>
+inline void lane_values(const float* pt, const Segments& values, int64_t lo, int64_t hi, int64_t lane, int64_t d0,
+                        const float* inverse, float* const* out) {
+  __m512 acc[RR][NV];
+  for (int rr = 0; rr < RR; ++rr)
+    for (int c = 0; c < NV; ++c) acc[rr][c] = _mm512_setzero_ps();
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* v = values.row(j) + d0;
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    const float* p = pt + (j - lo) * 16 + lane;
+    for (int rr = 0; rr < RR; ++rr) {
+      const __m512 pr = _mm512_set1_ps(p[rr]);
+      for (int c = 0; c < NV; ++c) acc[rr][c] = _mm512_fmadd_ps(pr, vv[c], acc[rr][c]);
+    }
+  }
+  for (int rr = 0; rr < RR; ++rr) {
+    const __m512 scale = _mm512_set1_ps(inverse[lane + rr]);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out[lane + rr] + d0 + 16 * c, _mm512_mul_ps(acc[rr][c], scale));
+  }
+}
+
+template <int NV>
+inline void values_for_lanes(const float* pt, const Segments& values, int64_t lo, int64_t hi, int64_t lanes,
+                             int64_t d0, const float* inverse, float* const* out) {
+  int64_t lane = 0;
+  for (; lane + 4 <= lanes; lane += 4) lane_values<4, NV>(pt, values, lo, hi, lane, d0, inverse, out);
+  switch (lanes - lane) {
+    case 3: lane_values<3, NV>(pt, values, lo, hi, lane, d0, inverse, out); break;
+    case 2: lane_values<2, NV>(pt, values, lo, hi, lane, d0, inverse, out); break;
+    case 1: lane_values<1, NV>(pt, values, lo, hi, lane, d0, inverse, out); break;
+    default: break;
+  }
+}
+
+// Up to 16 queries of batch b that share one key head: query lane l is (time tq[l], head hq[l]), its row of q at
+// query[l], its output at out[l] (D values each).
+void attend_lanes(const float* const* query, const Segments& keys, const Segments& values, const KeyMask& mask,
+                  int64_t b, const int64_t* tq, int64_t lanes, int64_t S, int64_t D, float scale, float* const* out,
+                  std::vector<float>& buffer, std::vector<__mmask16>& seen) {
+  int64_t lo = S, hi = 0;
+  for (int64_t l = 0; l < lanes; ++l) {
+    if (l > 0 && tq[l] == tq[l - 1]) continue;  // (the heads of one query time see the same keys)
+    const auto [first, last] = key_span(mask, b, tq[l], S);
+    if (first < last) lo = std::min(lo, first), hi = std::max(hi, last);
+  }
+  const int64_t span = std::max<int64_t>(hi - lo, 0);
+  buffer.resize(16 * (D + span + 1));
+  float* qt = buffer.data();
+  float* st = qt + 16 * D;
+  float* inverse = st + 16 * span;
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t l = 0; l < 16; ++l) qt[d * 16 + l] = l < lanes ? query[l][d] * scale : 0.f;
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8) lane_scores<8>(qt, keys, j, lo, D, st);
+  for (; j < hi; ++j) lane_scores<1>(qt, keys, j, lo, D, st);
+  // Masked keys to -inf, each lane's largest score (0 for a lane that sees nothing), then the exps and their sums.
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top = minus_inf;
+  seen.assign(mask.data ? span : 0, 0);
+  for (int64_t k = 0; k < span; ++k) {
+    __m512 s = _mm512_loadu_ps(st + k * 16);
+    if (mask.data) {
+      __mmask16 bits = 0;
+      for (int64_t l = 0; l < lanes; ++l) bits |= static_cast<__mmask16>(mask.sees(b, tq[l], lo + k)) << l;
+      seen[k] = bits;
+      s = _mm512_mask_blend_ps(bits, minus_inf, s);
+    }
+    top = _mm512_max_ps(top, s);
+  }
+  top = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(top, minus_inf, _CMP_EQ_OQ), top, _mm512_setzero_ps());
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < span; ++k) {
+    __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(st + k * 16), top));
+    if (mask.data) p = _mm512_maskz_mov_ps(seen[k], p);
+    _mm512_storeu_ps(st + k * 16, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  _mm512_storeu_ps(inverse, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                _mm512_set1_ps(1.f), sum));
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) values_for_lanes<4>(st, values, lo, hi, lanes, d0, inverse, out);
+  for (; d0 < D; d0 += 16) values_for_lanes<1>(st, values, lo, hi, lanes, d0, inverse, out);
+}
+#endif
+
+// One query (its row `query`, time t of batch b) over the keys it sees, in plain loops: out (D).
+void attend_one(const float* query, const Segments& keys, const Segments& values, const KeyMask& mask, int64_t b,
+                int64_t t, int64_t S, int64_t D, float scale, float* out, std::vector<float>& scores) {
+  const auto [lo, hi] = key_span(mask, b, t, S);
+  scores.assign(std::max<int64_t>(hi - lo, 0), 0.f);
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j < hi; ++j) {
+    if (!mask.sees(b, t, j)) continue;
+    const float* key = keys.row(j);
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s += query[d] * scale * key[d];
+    scores[j - lo] = s;
+    top = std::max(top, s);
+  }
+  float sum = 0.f;
+  for (int64_t j = lo; j < hi; ++j) sum += scores[j - lo] = mask.sees(b, t, j) ? std::exp(scores[j - lo] - top) : 0.f;
+  std::fill(out, out + D, 0.f);
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* value = values.row(j);
+    for (int64_t d = 0; d < D; ++d) out[d] += scores[j - lo] * value[d];
+  }
+  const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inverse;
+}
+
+}  // namespace
+
+torch::Tensor small_attention(const torch::Tensor& q, const torch::Tensor& past_k, const torch::Tensor& past_v,
+                              const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& mask,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 4 && past_k.dim() == 4 && past_v.sizes() == past_k.sizes() && k.dim() == 4 &&
+                  v.sizes() == k.sizes() && past_k.size(0) == q.size(0) && k.size(0) == q.size(0) &&
+                  past_k.size(1) == k.size(1) && past_k.size(3) == q.size(3) && k.size(3) == q.size(3) &&
+                  k.size(1) > 0 && q.size(2) % k.size(1) == 0,
+              "printpress_fast::small_attention expects q (B, T, Hq, D), past keys and values (B, Hkv, P, D) and "
+              "the block's (B, Hkv, N, D), with Hq a multiple of Hkv");
+  for (const auto* t : {&q, &past_k, &past_v, &k, &v})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu(),
+                "printpress_fast::small_attention is float32 on the CPU only");
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1),
+                S = past_k.size(2) + k.size(2), group = Hq / Hkv;
+  KeyMask keymask;
+  torch::Tensor mask_kept;
+  if (mask.has_value() && mask->defined()) {
+    const auto& m = *mask;
+    TORCH_CHECK(m.scalar_type() == torch::kBool && m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) &&
+                    m.size(1) == 1 && (m.size(2) == 1 || m.size(2) == T) && m.size(3) == S,
+                "printpress_fast::small_attention: a mask is bool and broadcasts to (B, 1, T, P + N) = (", B,
+                ", 1, ", T, ", ", S, "), not ", m.sizes());
+    mask_kept = m;
+    keymask.data = m.data_ptr<bool>();
+    keymask.b_stride = m.size(0) == 1 ? 0 : m.stride(0);
+    keymask.t_stride = m.size(2) == 1 ? 0 : m.stride(2);
+    keymask.j_stride = m.stride(3);
+  }
+  // Rows of D contiguous floats (their other strides are read as they are).
+  const auto rows = [](const torch::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  const auto qc = rows(q), pk = rows(past_k), pv = rows(past_v), kc = rows(k), vc = rows(v);
+  auto out = torch::empty({B * T, Hq * D}, q.options());
+  float* out_data = out.data_ptr<float>();
+  const float* q_data = qc.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale);
+  std::vector<float> buffer;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const Segments keys = segments(pk, kc, b, g), values = segments(pv, vc, b, g);
+      // This key head's queries, time-major: (t, head g * group + i).
+      const auto query_row = [&](int64_t t, int64_t h) {
+        return q_data + b * qc.stride(0) + t * qc.stride(1) + h * qc.stride(2);
+      };
+      const auto out_row = [&](int64_t t, int64_t h) { return out_data + (b * T + t) * Hq * D + h * D; };
+#if defined(__AVX512F__)
+      if (D % 16 == 0) {
+        std::vector<__mmask16> seen;
+        const float* query[16];
+        float* outs[16];
+        int64_t tq[16];
+        for (int64_t first = 0; first < T * group; first += 16) {
+          const int64_t lanes = std::min<int64_t>(16, T * group - first);
+          for (int64_t l = 0; l < lanes; ++l) {
+            const int64_t t = (first + l) / group, h = g * group + (first + l) % group;
+            tq[l] = t, query[l] = query_row(t, h), outs[l] = out_row(t, h);
+          }
+          attend_lanes(query, keys, values, keymask, b, tq, lanes, S, D, scale_f, outs, buffer, seen);
+        }
+        continue;
+      }
+#endif
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = g * group; h < (g + 1) * group; ++h)
+          attend_one(query_row(t, h), keys, values, keymask, b, t, S, D, scale_f, out_row(t, h), buffer);
+    }
+  return out;
 }
 
 // The index of the largest of v[0 .. V): the first of equal maxima, and a NaN counts as the largest (the first NaN),
@@ -662,6 +955,8 @@ TORCH_LIBRARY(printpress_fast, m) {
   m.def("forget_weight_copies", &forget_weight_copies);
   m.def("packed_panels", &packed_panels);
   m.def("row_argmax(Tensor x) -> Tensor");
+  m.def("small_attention(Tensor q, Tensor past_k, Tensor past_v, Tensor k, Tensor v, Tensor? mask, float scale) "
+        "-> Tensor");
   m.def("metadata_signature(Tensor[] tensors) -> int", &metadata_signature);
   m.def("write_rows(Tensor(a!)[] targets, Tensor[] sources, int[] starts, int[] offsets, int[] counts) -> ()",
         &write_rows);
@@ -674,4 +969,5 @@ TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
   m.impl("rows_linear_bf16", &rows_bf16);
   m.impl("expert_rows_bf16", &expert_rows_bf16);
   m.impl("row_argmax", &row_argmax);
+  m.impl("small_attention", &small_attention);
 }
