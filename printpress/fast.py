@@ -73,7 +73,7 @@ def ar_step_graph(
     dynamo keeps graphs and guards per function, so an AR step's call checks only the step's few variants, not
     every block length and logits mode as well."""
     hidden, new_keys, new_values = _causal_block(model, ids, position, offsets, pad_mask, slot_positions, keys, values)
-    return model.logits(hidden), new_keys, new_values
+    return _logits(model, hidden), new_keys, new_values
 
 
 def _causal_block(model: DiffusionGemma, ids: torch.Tensor, position: torch.Tensor, offsets: torch.Tensor,
@@ -255,6 +255,10 @@ def _register_rows_linear_fake() -> None:
     def _(x, weight, index):
         return x.new_empty((x.shape[0], weight.shape[1]))
 
+    @torch.library.register_fake("printpress_fast::rows_linear_capped")
+    def _(x, weight, cap, max_rows):
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
     @torch.library.register_fake("printpress_fast::small_attention")
     def _(q, past_k, past_v, k, v, mask, scale):
         return q.new_empty((q.shape[0] * q.shape[1], q.shape[2] * q.shape[3]))
@@ -281,18 +285,37 @@ def routed_experts_wanted(*tensors: torch.Tensor) -> bool:
     return _routed_experts and all(t.dtype in ROUTED_DTYPES and t.device.type == "cpu" for t in tensors)
 
 
-# Whether the graph being called may run its attentions through printpress_fast::small_attention: set with
-# `_routed_experts`, where the kernel has loaded with its AVX-512 code (elsewhere its plain loops are slower than
-# ATen's attention).
-_small_attention = False
+# Whether the graph being called may run its attentions and its logits through printpress's own operators
+# (printpress_fast::small_attention, rows_linear_capped) instead of ATen's: set with `_routed_experts`, where the
+# kernel has loaded with its AVX-512 code (elsewhere their plain loops are slower than ATen's), and whether its
+# few-row products read bfloat16 copies of the weights (`FewRowLinears`' option, which then keeps the logits').
+_own_operators = False
+_bf16_weights = False
 
 
 def small_attention_wanted(mask: torch.Tensor | None, *tensors: torch.Tensor) -> bool:
     """Inside a graph being traced: whether `_attend_after` runs printpress_fast::small_attention on the queries,
     keys and values `tensors` (float32 on the CPU, head_dim a multiple of 16: the kernel's vectors) under `mask`
     (bool, or none)."""
-    return (_small_attention and tensors[0].shape[-1] % 16 == 0 and (mask is None or mask.dtype == torch.bool)
+    return (_own_operators and tensors[0].shape[-1] % 16 == 0 and (mask is None or mask.dtype == torch.bool)
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
+
+
+def _logits(model: DiffusionGemma, hidden: torch.Tensor) -> torch.Tensor:
+    """`model.logits(hidden)` inside a compiled graph. Where the graph may use printpress's operators, a float32
+    model's product with its tied embedding and the softcap run as one (`printpress_fast::rows_linear_capped`: each
+    part of the product capped while it is in cache, not a pass of its own over the (rows, vocab) logits), unless
+    the product is one the graph reads through bfloat16 copies (a few rows known when compiling, `FewRowLinears`)
+    or the model has an LM head of its own (an int8 one, `printpress.quantize`)."""
+    cap, weight = model.config.final_logit_softcapping, model.embed_tokens.weight
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    rows = flat.shape[0]
+    bf16_product = _bf16_weights and isinstance(rows, int) and rows <= BF16_MAX_ROWS
+    if (not cap or not _own_operators or bf16_product or model.lm_head is not None
+            or not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (hidden, weight))):
+        return model.logits(hidden)
+    logits = torch.ops.printpress_fast.rows_linear_capped(flat, weight, cap, rows_linear_max_rows())
+    return logits.view(*hidden.shape[:-1], -1)
 
 
 class FewRowLinears(CustomGraphPass):
@@ -467,9 +490,10 @@ class CompiledGraph:
         self._signature: int | None = None  # see `_parameters_unchanged`
 
     def _set_routing(self) -> None:
-        global _routed_experts, _small_attention
+        global _routed_experts, _own_operators, _bf16_weights
         _routed_experts = self.routed_experts and rows_linear_ready()
-        _small_attention = self.rows_kernel and rows_linear_ready() and rows_linear_max_rows() == PANELS_MAX_ROWS
+        _own_operators = self.rows_kernel and rows_linear_ready() and rows_linear_max_rows() == PANELS_MAX_ROWS
+        _bf16_weights = self.weights == "bfloat16"
 
     def dynamic_sizes(self, tensors: tuple):
         """For `printpress.aot`: which sizes of the graph's tensor inputs vary between calls (the structure of
@@ -588,7 +612,7 @@ def encoder_block_graph(
     writes into the cache (all of them, or a speculative verification's kept ones). The inputs are
     `_causal_block`'s."""
     hidden, new_keys, new_values = _causal_block(model, ids, position, offsets, pad_mask, slot_positions, keys, values)
-    return model.logits(hidden[:, -1:] if last else hidden), new_keys, new_values
+    return _logits(model, hidden[:, -1:] if last else hidden), new_keys, new_values
 
 
 def cached_prefixes(model: DiffusionGemma, cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -670,7 +694,7 @@ def decoder_pass_graph(
         attended = _attend_after(layer, layer.attention_inputs(x, (b, c), ropes[spec.sliding]), masks[spec.sliding],
                                  prefix_keys[index], prefix_values[index])
         x = layer.after_attention(x, attended, (b, c), False)
-    return model.logits(model.norm(x).view(b, c, -1))
+    return _logits(model, model.norm(x).view(b, c, -1))
 
 
 class CompiledDecoderPass(CompiledGraph):
@@ -748,8 +772,8 @@ def fused_pass_graph(
         x = layer.after_attention(x, attended, (1, m + rows), is_encoder)
     hidden = model.norm(x).view(1, m + rows, -1)
     if canvas_logits:
-        return None, model.logits(hidden[:, m:]), new_keys, new_values
-    return model.logits(hidden[0, :m]), hidden[:, m:], new_keys, new_values
+        return None, _logits(model, hidden[:, m:]), new_keys, new_values
+    return _logits(model, hidden[0, :m]), hidden[:, m:], new_keys, new_values
 
 
 class CompiledFusedPass(CompiledGraph):

@@ -840,6 +840,40 @@ def test_compiled_graphs_compute_tanh_from_exp_and_eager_passes_keep_aten_s():
     assert torch.allclose(compiled_cap, torch.tanh(x / 30.0) * 30.0, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8, 31, 64, 65])  # streamed, panels (with a rest), past the limit: ATen's
+def test_the_capped_kernel_is_the_softcap_of_the_product(rows_kernel, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 40, generator=generator), torch.randn(70, 40, generator=generator)
+    got = torch.ops.printpress_fast.rows_linear_capped(x, weight, 3.0, 64)  # logits up to ~20: the cap bends them
+    expected = torch.tanh((x.double() @ weight.double().t()) / 3.0) * 3.0
+    assert got.shape == (rows, 70) and torch.allclose(got.double(), expected, atol=2e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="takes a positive cap, not 0"):
+        torch.ops.printpress_fast.rows_linear_capped(x, weight, 0.0, 64)
+
+
+@pytest.mark.parametrize("own, weights, rows, capped", [(True, "float32", 1, True), (True, "float32", 8, True),
+                                                        (True, "bfloat16", 1, False), (True, "bfloat16", 8, True),
+                                                        (False, "float32", 8, False)])
+def test_compiled_graphs_make_the_logits_and_their_softcap_in_one_kernel_call(rows_kernel, monkeypatch, model, own,
+                                                                                weights, rows, capped):
+    """Unless the graph reads the product through bfloat16 copies (a few rows: `FewRowLinears`), or may not use
+    printpress's operators."""
+    from printpress import fast
+
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    monkeypatch.setattr(fast, "_own_operators", own)  # as `CompiledGraph._run` sets them
+    monkeypatch.setattr(fast, "_bf16_weights", weights == "bfloat16")
+    hidden = torch.randn(1, rows, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    got = torch.compile(lambda h: fast._logits(model, h), backend=backend, fullgraph=True)(hidden)
+    assert any("rows_linear_capped" in str(node.target) for node in graphs[0].graph.nodes) == capped
+    assert torch.allclose(got, model.logits(hidden), atol=1e-5)
+
+
 def joined_attention(q, past_k, past_v, k, v, mask, scale=1.0):
     """ATen's attention over the two key segments joined, (B*T, Hq*D) as `Attention.attend` returns it."""
     b, t, heads, d = q.shape
@@ -931,7 +965,7 @@ def test_compiled_graphs_attend_through_the_kernel_where_it_is_wanted(rows_kerne
         out = fast._attend_after(layer, (q, k, v), mask, past_k, past_v, new_keys, new_values, 4)
         return out, new_keys[0], new_values[0]
 
-    monkeypatch.setattr(fast, "_small_attention", wanted)  # as `CompiledGraph._run` sets it
+    monkeypatch.setattr(fast, "_own_operators", wanted)  # as `CompiledGraph._run` sets it
     got, kept_k, kept_v = torch.compile(attend, backend=backend, fullgraph=True)(*inputs, past_k, past_v, mask)
     assert any("small_attention" in str(node.target) for node in graphs[0].graph.nodes) == wanted
     expected = layer.self_attn.attend(*inputs, mask, lambda k, v: (torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)))

@@ -263,6 +263,55 @@ void forget_weight_copies() {
   copies.clear();
 }
 
+// -- exp on AVX-512, and the logits' softcap -------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+namespace {
+
+// exp of 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (truncated below 1.3e-7
+// relative), scaled by 2^n; inputs below -104 give 0 (or a subnormal), above 88.7 the largest it makes.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: n ln2_hi is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 1 / d for 16 floats: the 14-bit estimate refined by one Newton step (within 2 ulp for finite d > 0), a few
+// cycles where a division takes ~10 per vector.
+inline __m512 reciprocal16(__m512 d) {
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+}
+
+}  // namespace
+#endif
+
+// y[m, 0 .. cols) = cap tanh(y / cap) for M rows ldy apart, in place: the logits' softcap, with tanh written through
+// exp as the compiled graphs write it (tanh(z) = 1 - 2 / (exp(2z) + 1)); applied by the products that make the
+// logits while their rows are still in cache.
+static void softcap_rows(float* y, int64_t ldy, int64_t M, int64_t cols, float cap) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = y + m * ldy;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 two_over_cap = _mm512_set1_ps(2.f / cap), cap_v = _mm512_set1_ps(cap), one = _mm512_set1_ps(1.f),
+                 two = _mm512_set1_ps(2.f);
+    for (; i < cols; i += 16) {
+      const __mmask16 lanes = cols - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - i)) - 1);
+      const __m512 e = exp16(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row + i), two_over_cap));
+      const __m512 t = _mm512_fnmadd_ps(two, reciprocal16(_mm512_add_ps(e, one)), one);
+      _mm512_mask_storeu_ps(row + i, lanes, _mm512_mul_ps(t, cap_v));
+    }
+#endif
+    for (; i < cols; ++i) row[i] = cap * std::tanh(row[i] / cap);
+  }
+}
+
 // -- packed panels of float32 weights, for 2-64 rows on AVX-512 (`panel_linear`) --------------------------------
 // From two rows on, a product is bound by the FMAs, not by reading the weight, and the dot-product kernels above
 // spend much of it summing each output's vector across its lanes. Here a copy of the weight is packed once into
@@ -315,7 +364,8 @@ inline void panel_tile(const float* x, int64_t K, const float* panel, float* y, 
 // y (M, N) = x (M, K) @ w (N, K)^T through w's packed panels; x and y row-major and contiguous. Each panel (K x 32
 // weights: 24 KiB at K = 192) is read once and passes every row of x in blocks of 8, so more rows do not read the
 // weight again. True where this CPU runs them (AVX-512), else false and nothing written.
-static bool panel_linear(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t N, int64_t K) {
+static bool panel_linear(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t N, int64_t K,
+                         float cap) {
   const auto panels = cached_copy(w, Kind::panels, pack_panels);
   const float* packed = panels.data_ptr<float>();
   for (int64_t n = 0; n < N; n += kPanel) {
@@ -333,12 +383,15 @@ static bool panel_linear(const float* x, const torch::Tensor& w, float* y, int64
       case 1: panel_tile<1>(x + m * K, K, panel, y + m * N + n, N, cols); break;
       default: break;
     }
+    if (cap > 0.f) softcap_rows(y + n, N, M, cols, cap);  // the panel's columns, still in L1
   }
   return true;
 }
 constexpr bool kPanels = true;
 #else
-static bool panel_linear(const float*, const torch::Tensor&, float*, int64_t, int64_t, int64_t) { return false; }
+static bool panel_linear(const float*, const torch::Tensor&, float*, int64_t, int64_t, int64_t, float) {
+  return false;
+}
 constexpr bool kPanels = false;
 #endif
 
@@ -350,10 +403,11 @@ bool packed_panels() { return kPanels; }
 // by reading the weight), more go through the packed panels where the CPU has AVX-512, else register tiles (or,
 // up to kStreamRows, the stream). x and y row-major and contiguous; w (N, K) the weight itself, in any layout (its
 // panels are cached by it, so never a temporary copy of it).
-static void few_rows(const float* x, const torch::Tensor& w, float* y, int64_t M) {
+static void few_rows(const float* x, const torch::Tensor& w, float* y, int64_t M, float cap = 0.f) {
   const int64_t N = w.size(0), K = w.size(1);
-  if (M >= 2 && panel_linear(x, w, y, M, N, K)) return;
+  if (M >= 2 && panel_linear(x, w, y, M, N, K, cap)) return;
   (M <= kStreamRows ? rows_linear<float> : tiled_linear)(x, w.contiguous().data_ptr<float>(), y, M, N, K);
+  if (cap > 0.f) softcap_rows(y, N, M, N, cap);
 }
 
 // Both float32 (the `bf16` ops read the weight's bfloat16 copy, made from the float32 weight); `op` names the op.
@@ -366,24 +420,35 @@ static void check_float(const char* op, const torch::Tensor& x, const torch::Ten
 // (a graph compiled for any batch size meets them) go to ATen's linear, MKL's GEMM, which is faster there. With
 // `bf16` the weight's bfloat16 copy streams past every row instead (meant for the few rows of an AR step).
 static torch::Tensor linear_rows(const char* op, const torch::Tensor& x, const torch::Tensor& weight,
-                                 int64_t max_rows, bool bf16) {
+                                 int64_t max_rows, bool bf16, float cap = 0.f) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "printpress_fast::", op,
               " expects x (M, K) and weight (N, K)");
   check_float(op, x, weight, bf16);
-  if (!bf16 && x.size(0) > max_rows) return at::linear(x, weight);
-  const auto xc = x.contiguous();
-  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  if (!bf16 && M > max_rows) {
+    auto y = at::linear(x, weight).contiguous();
+    if (cap > 0.f) softcap_rows(y.data_ptr<float>(), N, M, N, cap);
+    return y;
+  }
+  const auto xc = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
   if (bf16) {
     rows_linear(xc.data_ptr<float>(), bf16_copy(weight).data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, N, K);
   } else {
-    few_rows(xc.data_ptr<float>(), weight, y.data_ptr<float>(), M);
+    few_rows(xc.data_ptr<float>(), weight, y.data_ptr<float>(), M, cap);
   }
   return y;
 }
 
 torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t max_rows) {
   return linear_rows("rows_linear", x, weight, max_rows, false);
+}
+
+// The logits of a compiled pass: x @ weight^T, then cap tanh(. / cap) applied to each part of the product as it is
+// made (`softcap_rows`), where inductor's graph ran the softcap as a pass of its own over the whole (M, vocab).
+torch::Tensor rows_capped(const torch::Tensor& x, const torch::Tensor& weight, double cap, int64_t max_rows) {
+  TORCH_CHECK(cap > 0, "printpress_fast::rows_linear_capped takes a positive cap, not ", cap);
+  return linear_rows("rows_linear_capped", x, weight, max_rows, false, static_cast<float>(cap));
 }
 
 torch::Tensor rows_bf16(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -431,26 +496,6 @@ torch::Tensor expert_rows_bf16(const torch::Tensor& x, const torch::Tensor& weig
   return chosen_experts("expert_rows_bf16", x, weight, index, true);
 }
 
-// -- exp and GELU on AVX-512 -----------------------------------------------------------------------------------
-
-#if defined(__AVX512F__)
-namespace {
-
-// exp of 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (truncated below 1.3e-7
-// relative), scaled by 2^n; inputs below -104 give 0 (or a subnormal), above 88.7 the largest it makes.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: n ln2_hi is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
-}  // namespace
-#endif
 
 // hidden (P, I) = GELU(gate) * up for the rows of both (P, 2I) = [gate | up], GELU in its tanh form written through
 // exp as the compiled graphs' fused kernels write it: x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3).
@@ -468,7 +513,7 @@ static bool gelu_tanh_times_up(const float* both, float* hidden, int64_t P, int6
       const __mmask16 lanes = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1);
       const __m512 x = _mm512_maskz_loadu_ps(lanes, gate + i);
       const __m512 minus_2u = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), c3, c1));
-      const __m512 gelu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(minus_2u)));
+      const __m512 gelu = _mm512_mul_ps(x, reciprocal16(_mm512_add_ps(one, exp16(minus_2u))));
       _mm512_mask_storeu_ps(out + i, lanes, _mm512_mul_ps(gelu, _mm512_maskz_loadu_ps(lanes, up + i)));
     }
   }
@@ -950,6 +995,7 @@ TORCH_LIBRARY(printpress_fast, m) {
   m.def("expert_rows(Tensor x, Tensor weight, Tensor index) -> Tensor");
   m.def("routed_experts(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, int activation, "
         "int max_rows) -> Tensor");
+  m.def("rows_linear_capped(Tensor x, Tensor weight, float cap, int max_rows) -> Tensor");
   m.def("rows_linear_bf16(Tensor x, Tensor weight) -> Tensor");
   m.def("expert_rows_bf16(Tensor x, Tensor weight, Tensor index) -> Tensor");
   m.def("forget_weight_copies", &forget_weight_copies);
@@ -966,6 +1012,7 @@ TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
   m.impl("rows_linear", &rows);
   m.impl("expert_rows", &expert_rows);
   m.impl("routed_experts", &routed_experts);
+  m.impl("rows_linear_capped", &rows_capped);
   m.impl("rows_linear_bf16", &rows_bf16);
   m.impl("expert_rows_bf16", &expert_rows_bf16);
   m.impl("row_argmax", &row_argmax);
