@@ -9,7 +9,9 @@
 //
 // `expert_rows` does the same for a few rows each through its own expert's weights, read in place, and
 // `routed_experts` runs a canvas's experts each on the tokens routed to it (float32, or bfloat16 where a CPU has
-// native bf16 matmul: the weighted sum over experts is taken in float32 either way).
+// native bf16 matmul: the weighted sum over experts is taken in float32 either way). `rows_linear_capped` makes a
+// pass's logits with their softcap, and `small_attention` attends a block's queries over the cached keys and its
+// own, both read in place.
 //
 // Helpers for the Python around a compiled call (printpress/fast.py, printpress/cache.py, printpress/sampling.py):
 // `write_rows` stores a block's keys and values in every layer's cache at once, `metadata_signature` stands for the
@@ -495,7 +497,6 @@ torch::Tensor expert_rows(const torch::Tensor& x, const torch::Tensor& weight, c
 torch::Tensor expert_rows_bf16(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& index) {
   return chosen_experts("expert_rows_bf16", x, weight, index, true);
 }
-
 
 // hidden (P, I) = GELU(gate) * up for the rows of both (P, 2I) = [gate | up], GELU in its tanh form written through
 // exp as the compiled graphs' fused kernels write it: x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3).
