@@ -968,7 +968,8 @@ def test_compiled_graphs_attend_through_the_kernel_where_it_is_wanted(rows_kerne
     monkeypatch.setattr(fast, "_own_operators", wanted)  # as `CompiledGraph._run` sets it
     got, kept_k, kept_v = torch.compile(attend, backend=backend, fullgraph=True)(*inputs, past_k, past_v, mask)
     assert any("small_attention" in str(node.target) for node in graphs[0].graph.nodes) == wanted
-    expected = layer.self_attn.attend(*inputs, mask, lambda k, v: (torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)))
+    joined = lambda k, v: (torch.cat([past_k, k], 2), torch.cat([past_v, v], 2))  # noqa: E731
+    expected = layer.self_attn.attend(*inputs, mask, joined)
     assert torch.allclose(got, expected, atol=1e-5)
     assert torch.equal(kept_k, inputs[1][:, :, :4]) and torch.equal(kept_v, inputs[2][:, :, :4])
 
