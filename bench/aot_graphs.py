@@ -49,6 +49,22 @@ def median_ms(call, calls: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def alternated_medians(calls: dict, rounds: int) -> dict:
+    """side -> workload -> ms: each call warmed up 10 times, then `rounds` rounds in which every workload runs 40
+    times on each side in turn; the median of the rounds' medians."""
+    for side_calls in calls.values():
+        for call in side_calls.values():
+            for _ in range(10):
+                call()
+    names = list(next(iter(calls.values())))
+    times = {side: {name: [] for name in names} for side in calls}
+    for _ in range(rounds):
+        for name in names:
+            for side in calls:
+                times[side][name].append(median_ms(calls[side][name], 40))
+    return {side: {name: statistics.median(t) for name, t in side_times.items()} for side, side_times in times.items()}
+
+
 def workloads(model) -> dict:
     """name -> (call, logits of one call) on `model`, each after the same 64-token prompt."""
     generator = torch.Generator().manual_seed(0)
@@ -130,18 +146,10 @@ def main() -> None:
         live_copies = not torch.equal(calls[BF16]["AR step"](), outputs[BF16]["AR step"])
         down.copy_(kept)
 
-        for side_calls in calls.values():
-            for call in side_calls.values():
-                for _ in range(10):
-                    call()
-        times = {side: {name: [] for name in calls["exact"]} for side in calls}
-        for _ in range(args.rounds):
-            for name in calls["exact"]:
-                for side in calls:
-                    times[side][name].append(median_ms(calls[side][name], 40))
+        medians = alternated_medians(calls, args.rounds)
     rows = []
     for name in calls["exact"]:
-        row = {"workload": name, **{f"{side}_ms": statistics.median(times[side][name]) for side in calls}}
+        row = {"workload": name, **{f"{side}_ms": medians[side][name] for side in calls}}
         row["exact / ahead of time"] = row["exact_ms"] / row["ahead of time_ms"]
         row["exact / dynamo"] = row["exact_ms"] / row["dynamo_ms"]
         row["dynamo / ahead of time"] = row["dynamo_ms"] / row["ahead of time_ms"]

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
 from pathlib import Path
 
@@ -59,7 +58,7 @@ def main() -> None:
     from printpress import fast
     from printpress.fast import compile_ar_step, compile_decoder
 
-    from aot_graphs import median_ms, workloads  # bench/aot_graphs.py, beside this script
+    from aot_graphs import alternated_medians, workloads  # bench/aot_graphs.py, beside this script
 
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -84,18 +83,10 @@ def main() -> None:
             for context, slots in LONG:
                 calls[side][f"AR step after {context} tokens, {slots} slots"] = long_ar_step(model, context, slots)
         outputs = {side: {name: call() for name, call in side_calls.items()} for side, side_calls in calls.items()}
-        for side_calls in calls.values():
-            for call in side_calls.values():
-                for _ in range(10):
-                    call()
-        times = {side: {name: [] for name in calls["exact"]} for side in SIDES}
-        for _ in range(args.rounds):
-            for name in calls["exact"]:
-                for side in SIDES:
-                    times[side][name].append(median_ms(calls[side][name], 40))
+        medians = alternated_medians(calls, args.rounds)
     rows = []
     for name in calls["exact"]:
-        ms = {side: statistics.median(times[side][name]) for side in SIDES}
+        ms = {side: medians[side][name] for side in SIDES}
         row = {"workload": name, **{f"{side}_ms": ms[side] for side in SIDES},
                "without / with": ms["without"] / ms["with"], "exact / with": ms["exact"] / ms["with"],
                "exact / without": ms["exact"] / ms["without"],
