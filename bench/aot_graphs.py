@@ -102,14 +102,21 @@ def workloads(model) -> dict:
                                                                               self_conditioning_probs=probs)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, out: str) -> argparse.Namespace:
+    """The arguments of this bench and bench/own_operators.py (--model, --rounds, --out); one thread and no
+    gradients from then on."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", default="models/shakespeare-joint")
     parser.add_argument("--rounds", type=int, default=15, help="alternating rounds of 40 calls per side")
-    parser.add_argument("--out", default="docs/results/aot_graphs.json")
+    parser.add_argument("--out", default=out)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
+    return args
+
+
+def main() -> None:
+    args = arguments(__doc__, "docs/results/aot_graphs.json")
     with tempfile.TemporaryDirectory() as folder:
         os.environ["PRINTPRESS_CACHE"] = folder  # packages built here, then loaded by a second copy
         models = {side: printpress.load(args.model).model for side in SIDES}

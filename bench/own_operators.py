@@ -17,14 +17,21 @@ no query sees.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+import printpress
+from printpress import fast
+from printpress.fast import compile_ar_step, compile_decoder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from aot_graphs import alternated_medians, arguments, workloads  # noqa: E402 - bench/aot_graphs.py, beside this one
 
 SIDES = ("exact", "without", "with")
 LONG = ((1000, 1100), (1000, 4096))  # (tokens before the step, cache slots)
@@ -48,21 +55,8 @@ def long_ar_step(model, context: int, slots: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="models/shakespeare-joint")
-    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds of 40 calls per side")
-    parser.add_argument("--out", default="docs/results/own_operators.json")
-    args = parser.parse_args()
-
-    import printpress
-    from printpress import fast
-    from printpress.fast import compile_ar_step, compile_decoder
-
-    from aot_graphs import alternated_medians, workloads  # bench/aot_graphs.py, beside this script
-
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    if not fast.rows_linear_ready() or fast.rows_linear_max_rows() != fast.PANELS_MAX_ROWS:
+    args = arguments(__doc__, "docs/results/own_operators.json")
+    if not fast.own_operators_available():
         raise SystemExit("the kernel's AVX-512 code is not available here: its operators are not used, "
                          "nothing to compare")
     with tempfile.TemporaryDirectory() as folder:

@@ -293,12 +293,21 @@ _own_operators = False
 _bf16_weights = False
 
 
+def own_operators_available() -> bool:
+    """Whether the kernel is loaded with its AVX-512 code, where its attention and capped logits beat ATen's."""
+    return rows_linear_ready() and rows_linear_max_rows() == PANELS_MAX_ROWS
+
+
+def _float32_on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 def small_attention_wanted(mask: torch.Tensor | None, *tensors: torch.Tensor) -> bool:
     """Inside a graph being traced: whether `_attend_after` runs printpress_fast::small_attention on the queries,
     keys and values `tensors` (float32 on the CPU, head_dim a multiple of 16: the kernel's vectors) under `mask`
     (bool, or none)."""
     return (_own_operators and tensors[0].shape[-1] % 16 == 0 and (mask is None or mask.dtype == torch.bool)
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors))
+            and _float32_on_cpu(*tensors))
 
 
 def _logits(model: DiffusionGemma, hidden: torch.Tensor) -> torch.Tensor:
@@ -312,7 +321,7 @@ def _logits(model: DiffusionGemma, hidden: torch.Tensor) -> torch.Tensor:
     rows = flat.shape[0]
     bf16_product = _bf16_weights and isinstance(rows, int) and rows <= BF16_MAX_ROWS
     if (not cap or not _own_operators or bf16_product or model.lm_head is not None
-            or not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (hidden, weight))):
+            or not _float32_on_cpu(hidden, weight)):
         return model.logits(hidden)
     logits = torch.ops.printpress_fast.rows_linear_capped(flat, weight, cap, rows_linear_max_rows())
     return logits.view(*hidden.shape[:-1], -1)
@@ -491,8 +500,9 @@ class CompiledGraph:
 
     def _set_routing(self) -> None:
         global _routed_experts, _own_operators, _bf16_weights
-        _routed_experts = self.routed_experts and rows_linear_ready()
-        _own_operators = self.rows_kernel and rows_linear_ready() and rows_linear_max_rows() == PANELS_MAX_ROWS
+        ready = rows_linear_ready()
+        _routed_experts = self.routed_experts and ready
+        _own_operators = self.rows_kernel and ready and own_operators_available()
         _bf16_weights = self.weights == "bfloat16"
 
     def dynamic_sizes(self, tensors: tuple):

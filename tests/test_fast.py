@@ -927,6 +927,20 @@ def test_the_attention_kernel_reads_strided_inputs_broadcasts_a_mask_and_gives_a
     assert torch.allclose(got.view(40, -1)[:20], joined_attention(q, past_k, past_v, k, v, None)[:20], atol=1e-5)
 
 
+def test_a_hidden_key_s_score_does_not_enter_the_softmax(rows_kernel):
+    """A masked key whose score dwarfs the seen ones' (100 x the query): were it the softmax's shift, every seen
+    key's exp would underflow to 0."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 3, 32, generator=generator)
+    past_k, past_v = torch.randn(1, 1, 6, 32, generator=generator), torch.randn(1, 1, 6, 32, generator=generator)
+    k, v = torch.randn(1, 1, 4, 32, generator=generator), torch.randn(1, 1, 4, 32, generator=generator)
+    past_k[0, 0, 2] = 100 * q[0, :, 0].mean(0)
+    mask = torch.ones(1, 1, 4, 10, dtype=torch.bool)
+    mask[..., 2] = False
+    got = torch.ops.printpress_fast.small_attention(q, past_k, past_v, k, v, mask, 1.0)
+    assert torch.allclose(got, joined_attention(q, past_k, past_v, k, v, mask), atol=1e-5)
+
+
 def test_the_attention_kernel_refuses_other_dtypes_shapes_and_masks(rows_kernel):
     q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 1, 4, 16)
     op = torch.ops.printpress_fast.small_attention
