@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"printpress: error: {exc}", file=sys.stderr)
             history.pop()
             continue
+        if not answer:  # a sampled answer can end at once: say so, rather than leave a blank line to puzzle over
+            print("printpress: the model wrote nothing this time", file=sys.stderr)
         history.append(ChatMessage(role="assistant", content=answer))
         turn += 1
         if interactive:

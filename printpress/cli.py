@@ -6,7 +6,8 @@ one (`train`, `serve`), write `register_<name>(subparsers)` and list it in `COMM
 when its module imports torch at module level: building the parser, and so `--help`, never imports torch).
 
 Errors a user can cause (`PrintpressError`) end the program with one line on stderr and exit
-status 2; everything else is a bug and keeps its traceback.
+status 2; a reader that closes the output early (`| head`) ends it quietly with status 141, as SIGPIPE would;
+everything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
@@ -78,10 +80,22 @@ def run_generate(args: argparse.Namespace) -> int:
         payload = [_result_json(r) for r in results]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2, ensure_ascii=False))
     sys.stdout.flush()  # the text is out before the statistics, whichever way the two streams are buffered
+    if not args.json:
+        _say_when_nothing_was_written(results)
     if args.stats:
         for result in results:
             print(_stats_line(result, compiled=args.compile is not None), file=sys.stderr)
     return 0
+
+
+def _say_when_nothing_was_written(results: list) -> None:
+    """A sampled text can end at once (the model's end-of-text first) or hold only blank lines: say so on stderr, with
+    the seed that does it, rather than leave an empty terminal to look like a failure."""
+    for number, result in enumerate(results, 1):
+        if result.text is not None and not result.text.strip():
+            which = f"prompt {number}: " if len(results) > 1 else ""
+            print(f"printpress: {which}the model wrote nothing this time (--seed {result.seed} does it again)",
+                  file=sys.stderr)
 
 
 def _fan_out(listeners: list[Callable]) -> Callable | None:
@@ -244,6 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("printpress: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Whoever read the output has gone (`printpress generate ... | head -3`): stop quietly, with the status of a
+        # program ended by SIGPIPE, and point stdout at /dev/null so that Python's flush at exit finds no pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE (13)
 
 
 def refuse_broken_text(argv: Sequence[str]) -> None:

@@ -452,3 +452,46 @@ def test_the_runtime_flags_given_are_spelled_back_for_a_reproducing_command():
     flags = parser.parse_args(["--no-sliding", "--sample-accepted-only"])  # a flag a checkpoint may default to on
     assert (flags.sliding, flags.sample_accepted_only) == (False, True)
     assert sampler_flags_given(flags) == ["--no-sliding", "--sample-accepted-only"]
+
+
+@pytest.mark.slow  # a `printpress` subprocess
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_a_reader_that_has_gone_ends_the_command_quietly_with_status_141(folders, extra):
+    """`printpress generate ... | head -1` whose reader has already gone: no traceback, SIGPIPE's status. The read end
+    is closed before the command starts, so its first write fails, whenever that comes."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "printpress", "generate", "-m", folders["text"], "--seed", "2",
+                               "--max-new-tokens", "5", "--eos", "", *extra, "w7"],
+                              stdout=write, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=300)
+    finally:
+        os.close(write)
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("WARNING")]  # the tiny model's
+    assert done.returncode == 141 and errors == [], done.stderr
+
+
+def test_a_text_that_ends_at_once_is_named_on_stderr_with_its_seed(folders, capsys):
+    """Every id an end of text: the completion is empty, and stderr says so with the seed (stdout stays the text)."""
+    every_id = ",".join(map(str, range(128)))
+    code, out, err = run_cli(capsys, "generate", "-m", folders["text"], "--seed", "5", "--eos", every_id, "w7")
+    assert code == 0 and out == "\n"
+    assert err.endswith("printpress: the model wrote nothing this time (--seed 5 does it again)\n")
+    code, out, err = run_cli(capsys, "generate", "-m", folders["text"], "--seed", "5", "--eos", every_id, "w7", "w9")
+    assert code == 0 and "printpress: prompt 2: the model wrote nothing this time (--seed 5 does it again)\n" in err
+    code, out, err = run_cli(capsys, "generate", "-m", folders["text"], "--seed", "5", "--eos", "", "w7")
+    assert code == 0 and out.strip() and "wrote nothing" not in err
+
+
+def test_an_empty_chat_answer_is_named_on_stderr(folders, capsys, monkeypatch, tmp_path):
+    """A checkpoint whose every id ends the text answers nothing: stderr says so (chat takes the model's end ids)."""
+    import shutil
+
+    ends_at_once = shutil.copytree(folders["text"], tmp_path / "ends")
+    generation = json.loads((ends_at_once / "generation_config.json").read_text())
+    (ends_at_once / "generation_config.json").write_text(json.dumps(dict(generation, eos_token_id=list(range(128)))))
+    for folder, nothing in ((ends_at_once, True), (folders["text"], False)):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("w7\n"))
+        code, out, err = run_cli(capsys, "chat", "-m", str(folder), "--mode", "ar", "--seed", "5")
+        assert code == 0 and (out == "\n") == nothing
+        assert err.endswith("printpress: the model wrote nothing this time\n") == nothing

@@ -72,10 +72,12 @@ def test_the_python_tour_runs_as_written():
 
 
 def test_the_command_tour_runs_as_written():
+    """Each command succeeds and prints something, or says on stderr that this sample is empty: the tour's commands
+    take a fresh seed each run, and now and then the shipped model ends its text at once."""
     failed = []
     for command in tour():
         done = run(command)
-        if done.returncode != 0 or not done.stdout.strip():
+        if done.returncode != 0 or not (done.stdout.strip() or "the model wrote nothing this time" in done.stderr):
             failed.append((command, done.returncode, done.stderr[-500:]))
     assert failed == []
 
