@@ -6,8 +6,9 @@ Three copies of the model with the same weights, one thread:
 - exact: the default eager passes;
 - dynamo: `compile_ar_step` / `compile_decoder` with `ahead_of_time=False`, each call through `torch.compile`;
 - ahead of time: the default, the same graphs as AOTInductor packages (`printpress.aot`), called from their runner;
-- ahead of time with bfloat16 weights: `compile_ar_step(..., weights="bfloat16")`, whose AR step reads bfloat16
-  copies of the weights (not the float32 model's numbers; blocks of 3 or more tokens and decoder passes as above).
+- ahead of time with bfloat16 weights: `compile_ar_step(..., weights="bfloat16")` and `compile_decoder(...,
+  weights="bfloat16")`: the AR step reads bfloat16 copies of the weights, and on a CPU with AMX a decoder pass's
+  products run on bfloat16 tiles (not the float32 model's numbers; blocks of 5-15 tokens as above).
 
 Workloads after a 64-token prompt, rolled back after each call so every call sees the same cache (what the
 roll-back of an AR step costs is timed too: it is in every side's AR step row); the sides alternate in rounds,
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 import printpress
-from printpress.fast import compile_ar_step, compile_decoder
+from printpress.fast import amx_available, compile_ar_step, compile_decoder
 
 CONTEXT = 64
 BF16 = "ahead of time, bfloat16 weights"
@@ -124,14 +125,13 @@ def main() -> None:
         compile_decoder(models["dynamo"], ahead_of_time=False)
         for side, weights in (("ahead of time", "float32"), (BF16, "bfloat16")):
             compile_ar_step(models[side], weights=weights)
-            compile_decoder(models[side])
+            compile_decoder(models[side], weights=weights)
         calls = {side: workloads(model) for side, model in models.items()}
         outputs = {}
         for side, side_calls in calls.items():
             start = time.perf_counter()
             outputs[side] = {name: call() for name, call in side_calls.items() if "alone" not in name}
-            # kept for the last side (bfloat16 weights): its first calls build its AR step's and blocks'
-            # packages and load the decoder's, which the float32 side built
+            # kept for the last side (bfloat16 weights): its first calls build its packages
             build_s = time.perf_counter() - start
         loader = printpress.load(args.model).model
         start = time.perf_counter()
@@ -150,7 +150,8 @@ def main() -> None:
         # and an in-place change of a weight must reach its bfloat16 copy (its version counter): one output channel
         # doubled, as the norm after the MLP would undo the whole weight doubled
         down[0].mul_(2.0)
-        live_copies = not torch.equal(calls[BF16]["AR step"](), outputs[BF16]["AR step"])
+        live_copies = all(not torch.equal(calls[BF16][name](), outputs[BF16][name])
+                          for name in ("AR step", "decoder pass, canvas 32, self-conditioned"))
         down.copy_(kept)
 
         medians = alternated_medians(calls, args.rounds)
@@ -172,6 +173,7 @@ def main() -> None:
           f"{live_weights}; the bfloat16 copies follow an in-place change: {live_copies}")
     meta = {"model": args.model, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "threads": 1, "context": CONTEXT, "build_s": build_s, "load_s": load_s, "live_weights": live_weights,
+            "amx": amx_available(),
             "live_bf16_copies": live_copies,
             "command": "OMP_NUM_THREADS=1 python bench/aot_graphs.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())}

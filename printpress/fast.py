@@ -259,6 +259,14 @@ def _register_rows_linear_fake() -> None:
     def _(x, weight, cap, max_rows):
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("printpress_fast::amx_linear")
+    def _(x, weight, cap):
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("printpress_fast::routed_experts_amx")
+    def _(x, weights, experts, gate_up, down, activation, max_rows):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("printpress_fast::small_attention")
     def _(q, past_k, past_v, k, v, mask, scale):
         return q.new_empty((q.shape[0] * q.shape[1], q.shape[2] * q.shape[3]))
@@ -291,6 +299,35 @@ def routed_experts_wanted(*tensors: torch.Tensor) -> bool:
 # few-row products read bfloat16 copies of the weights (`FewRowLinears`' option, which then keeps the logits').
 _own_operators = False
 _bf16_weights = False
+_amx = False  # and whether, with them, a canvas's products go through AMX tiles (`amx_wanted`)
+
+
+AMX_MIN_ROWS = 16  # products of fewer rows keep the float32 kernels under weights="bfloat16" (see `amx_wanted`)
+AMX_BLOCK = 32  # amx_linear's output channels and inputs come in whole multiples of this
+
+
+def amx_available() -> bool:
+    """Whether the kernel runs products through AMX tiles here: built for a CPU with amx_bf16, and allowed the
+    tiles by the operating system (Linux)."""
+    return rows_linear_ready() and torch.ops.printpress_fast.amx_available()
+
+
+def amx_wanted(x, weight) -> bool:
+    """Inside a graph being traced with `weights="bfloat16"`: whether the product x (M, K) @ weight^T, weight (N, K)
+    given as fake tensors, goes through `printpress_fast::amx_linear`: float32 on the CPU, AMX here, at least
+    `AMX_MIN_ROWS` rows known when compiling, and whole blocks of channels and inputs."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dim() == 2 and weight.dim() == 2):
+        return False
+    rows = x.shape[0]
+    return (_bf16_weights and _amx and isinstance(rows, int) and rows >= AMX_MIN_ROWS
+            and _float32_on_cpu(x, weight) and weight.shape[0] % AMX_BLOCK == 0 and weight.shape[1] % AMX_BLOCK == 0)
+
+
+def routed_experts_op():
+    """The routed-experts operator a graph being traced calls: through AMX tiles under `weights="bfloat16"` where
+    the CPU has them, else in float32 (or the model's bfloat16)."""
+    return torch.ops.printpress_fast.routed_experts_amx if _bf16_weights and _amx else \
+        torch.ops.printpress_fast.routed_experts
 
 
 def own_operators_available() -> bool:
@@ -315,11 +352,14 @@ def _logits(model: DiffusionGemma, hidden: torch.Tensor) -> torch.Tensor:
     model's product with its tied embedding and the softcap run as one (`printpress_fast::rows_linear_capped`: each
     part of the product capped while it is in cache, not a pass of its own over the (rows, vocab) logits), unless
     the product is one the graph reads through bfloat16 copies (a few rows known when compiling, `FewRowLinears`)
-    or the model has an LM head of its own (an int8 one, `printpress.quantize`)."""
+    or the model has an LM head of its own (an int8 one, `printpress.quantize`). Under `weights="bfloat16"` a
+    canvas's logits (`amx_wanted`) go through AMX tiles, capped there too."""
     cap, weight = model.config.final_logit_softcapping, model.embed_tokens.weight
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = flat.shape[0]
     bf16_product = _bf16_weights and isinstance(rows, int) and rows <= BF16_MAX_ROWS
+    if cap and model.lm_head is None and amx_wanted(flat, weight):
+        return torch.ops.printpress_fast.amx_linear(flat, weight, cap).view(*hidden.shape[:-1], -1)
     if (not cap or not _own_operators or bf16_product or model.lm_head is not None
             or not _float32_on_cpu(hidden, weight)):
         return model.logits(hidden)
@@ -367,9 +407,12 @@ class FewRowLinears(CustomGraphPass):
                 self._experts(graph, node)
 
     def _linear(self, graph: torch.fx.Graph, node: torch.fx.Node) -> None:
-        """mm(x, weight.t()) -> rows_linear(x, weight)."""
+        """mm(x, weight.t()) -> rows_linear(x, weight); under `weights="bfloat16"` a canvas's products, and its
+        probabilities' product with the embedding (mm(probs, weight)), through AMX tiles where `amx_wanted`."""
         x, transposed = node.args
         weight = _transposed_weight(transposed)
+        if self._amx(graph, node, x, transposed, weight):
+            return
         if weight is None or not _few_float_rows(x.meta.get("val"), rows_linear_max_rows()):
             return
         with graph.inserting_before(node):
@@ -380,6 +423,32 @@ class FewRowLinears(CustomGraphPass):
                                             (x, weight, rows_linear_max_rows()))
         fused.meta = dict(node.meta)
         _replace(graph, node, fused, transposed)
+
+    def _amx(self, graph: torch.fx.Graph, node: torch.fx.Node, x, second, weight) -> bool:
+        """mm(x, weight.t()) or mm(x, weight) with a weight of the model's (a graph input) -> amx_linear, where
+        `amx_wanted`; whether it replaced the node."""
+        aten = torch.ops.aten
+        if self.weights != "bfloat16" or not isinstance(second, torch.fx.Node):
+            return False
+        if weight is None:  # mm(probs, embedding): the weight (K, N) itself, a graph input
+            value = second.meta.get("val")
+            if (second.op != "placeholder" or not isinstance(value, torch.Tensor) or value.dim() != 2
+                    or not value.is_contiguous() or not amx_wanted(x.meta.get("val"), value.t())):
+                return False
+            with graph.inserting_before(node):
+                view = graph.call_function(aten.permute.default, (second, [1, 0]))
+                view.meta = {"val": value.t()}
+                fused = graph.call_function(torch.ops.printpress_fast.amx_linear.default, (x, view, 0.0))
+            fused.meta = dict(node.meta)
+            _replace(graph, node, fused)
+            return True
+        if not amx_wanted(x.meta.get("val"), weight.meta.get("val")):
+            return False
+        with graph.inserting_before(node):
+            fused = graph.call_function(torch.ops.printpress_fast.amx_linear.default, (x, weight, 0.0))
+        fused.meta = dict(node.meta)
+        _replace(graph, node, fused, second)
+        return True
 
     def _experts(self, graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         """bmm(weight[index], rows.unsqueeze(-1)) -> expert_rows(rows, weight, index).unsqueeze(-1): the chosen
@@ -409,7 +478,7 @@ class FewRowLinears(CustomGraphPass):
     def uuid(self) -> bytes:
         """Inductor's cache key for the pass: this file, the kernel, the row limit and whether the kernel loads."""
         ready = rows_linear_ready()  # first: loading the kernel settles the row limit
-        digest = hashlib.sha256(f"{rows_linear_max_rows()} {ready} {self.weights}".encode())
+        digest = hashlib.sha256(f"{rows_linear_max_rows()} {ready} {self.weights} {ready and amx_available()}".encode())
         for path in (Path(__file__), native.KERNELS / "rows_linear.cpp"):
             digest.update(path.read_bytes())
         return digest.digest()
@@ -499,11 +568,12 @@ class CompiledGraph:
         self._signature: int | None = None  # see `_parameters_unchanged`
 
     def _set_routing(self) -> None:
-        global _routed_experts, _own_operators, _bf16_weights
+        global _routed_experts, _own_operators, _bf16_weights, _amx
         ready = rows_linear_ready()
         _routed_experts = self.routed_experts and ready
         _own_operators = self.rows_kernel and ready and own_operators_available()
         _bf16_weights = self.weights == "bfloat16"
+        _amx = _bf16_weights and self.rows_kernel and ready and amx_available()
 
     def dynamic_sizes(self, tensors: tuple):
         """For `printpress.aot`: which sizes of the graph's tensor inputs vary between calls (the structure of
@@ -818,7 +888,8 @@ class CompiledFusedPass(CompiledGraph):
 
 
 def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kernel: bool = True,
-                    routed_experts: bool = True, ahead_of_time: bool = True) -> CompiledDecoderPass:
+                    routed_experts: bool = True, ahead_of_time: bool = True,
+                    weights: str = "float32") -> CompiledDecoderPass:
     """Run this model's decoder passes (diffusion steps, speculative drafts, edits) through one compiled graph
     from now on: opt-in and not bit-exact, like `compile_ar_step` (fused kernels sum in another order; tanh is
     computed from exp). A canvas's experts run each on its own tokens through `printpress_fast::routed_experts`
@@ -826,10 +897,15 @@ def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kerne
     router's choice). Returns the pass object (`.failure` says why it fell back, if it did);
     `remove_compiled_decoder` undoes it. The fused passes (a sliding canvas's pass after a commit, a fused
     speculative round: a block encoded beside canvas rows) run through their own graphs from then on too
-    (`model.compiled_fused_pass`)."""
-    compiled = CompiledDecoderPass(model, backend, rows_kernel, routed_experts, ahead_of_time)
+    (`model.compiled_fused_pass`). `weights="bfloat16"` (opt-in, another model's numbers: weights and inputs of
+    the products rounded to bfloat16, sums in float32) runs the products of `AMX_MIN_ROWS` rows or more (a canvas's
+    linears, experts, logits and self-conditioning) through AMX tiles where the CPU has them (`amx_available`);
+    elsewhere it changes nothing."""
+    if weights not in WEIGHT_COPIES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_COPIES)}, not {weights!r}")
+    compiled = CompiledDecoderPass(model, backend, rows_kernel, routed_experts, ahead_of_time, weights)
     model.compiled_decoder = compiled
-    model.compiled_fused_pass = CompiledFusedPass(model, backend, rows_kernel, routed_experts)
+    model.compiled_fused_pass = CompiledFusedPass(model, backend, rows_kernel, routed_experts, weights=weights)
     return compiled
 
 

@@ -212,8 +212,7 @@ def static_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     elif (code := ROUTED_ACTIVATIONS.get(act)) is not None and fast.routed_experts_wanted(x, weights, gate_up_proj,
                                                                                           down_proj):
         # Each expert on its own tokens (printpress/kernels/rows_linear.cpp): half the products of the dense path.
-        return torch.ops.printpress_fast.routed_experts(x, weights, experts, gate_up_proj, down_proj, code,
-                                                          fast.rows_linear_max_rows())
+        return fast.routed_experts_op()(x, weights, experts, gate_up_proj, down_proj, code, fast.rows_linear_max_rows())
     else:
         gate, up = torch.matmul(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # (E, n, I) each
         every = torch.matmul(act(gate) * up, down_proj.transpose(1, 2))  # (E, n, H)

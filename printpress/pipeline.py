@@ -134,7 +134,8 @@ class Pipeline:
         "checkpoint" (as saved). `quantize`: None (exact weights) or "int8" / "int8-head" (`printpress.quantize`;
         not exact). `compile`: None (the exact eager passes), "ar", "decoder" or "all" (`printpress.fast`: those
         passes as torch.compile graphs; not exact); `compile_weights` "bfloat16" has the compiled AR steps read
-        bfloat16 copies of the weights (`printpress.fast.compile_ar_step`: faster, the weights rounded).
+        bfloat16 copies of the weights (`printpress.fast.compile_ar_step`: faster, the weights rounded) and, on a
+        CPU with AMX, a canvas's products run on bfloat16 tiles (`printpress.fast.compile_decoder`).
         `canvas_length`: the diffusion canvas to decode with instead of the checkpoint's (exact: the reference decodes the same with that value in config.json; `save_pretrained`
         writes it). Bad values are refused before anything is read."""
         from printpress.checkpoint import load_model
@@ -156,7 +157,7 @@ class Pipeline:
             if compile in ("ar", "all"):
                 compile_ar_step(model, weights=compile_weights)
             if compile in ("decoder", "all"):
-                compile_decoder(model)
+                compile_decoder(model, weights=compile_weights)
         return cls(model, config, generation_config, tokenizer)
 
     def save_pretrained(self, folder: str | Path, dtype: str | torch.dtype | None = None,

@@ -437,6 +437,9 @@ def test_settings_parse_and_bad_ones_are_one_line_errors(capsys, tiny):
     assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--compile", "fast"]) == 2
     assert capsys.readouterr().err == ("printpress: error: --compile 'fast' is not supported; use ar, decoder, all (or "
                                        "leave it out for the exact eager passes)\n")
+    assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--compile-weights", "bfloat16"]) == 2
+    assert capsys.readouterr().err == ("printpress: error: --compile-weights bfloat16 applies to compiled passes: give "
+                                       "compile ar, decoder or all too\n")
     assert cli.main(["bench", "--diffusion", str(tiny), "--ar", str(tiny), "--dtype", "fp8"]) == 2
     assert capsys.readouterr().err.startswith("printpress: error: --dtype 'fp8' is not supported; use one of ")
 

@@ -208,7 +208,7 @@ def test_serve_refuses_an_unavailable_device(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--quantize", "int4"], "printpress: error: quantize 'int4' is not supported"),
     (["--compile", "yes"], "printpress: error: compile 'yes' is not supported; use ar, decoder, all"),
-    (["--compile-weights", "bfloat16"], "printpress: error: compile_weights bfloat16 applies to compiled AR steps"),
+    (["--compile-weights", "bfloat16"], "printpress: error: compile_weights bfloat16 applies to compiled passes"),
     (["--compile", "ar", "--compile-weights", "int8"], "printpress: error: compile_weights 'int8' is not supported"),
     (["--canvas-length", "0"], "printpress: error: canvas_length 0 is not supported; give a positive number"),
     (["--dtype", "float8"], "printpress: error: "),

@@ -15,7 +15,7 @@ import torch
 import printpress
 from printpress.fast import CompiledARStep, compile_ar_step, remove_compiled_ar_step
 
-from helpers import bench_module, make_reference
+from helpers import TINY_CONFIGS, bench_module, make_reference
 
 
 @pytest.fixture(scope="module")
@@ -493,16 +493,18 @@ def test_load_compiles_the_passes_it_is_asked_to(folder, choice, ar, decoder):
                for graph in (loaded.compiled_ar_step, loaded.compiled_decoder))
 
 
-def test_load_gives_compiled_ar_steps_bf16_weights_only_with_them(folder, tmp_path):
+def test_load_gives_compiled_passes_bf16_weights_only_with_them(folder, tmp_path):
     from printpress.errors import CheckpointError
 
     loaded = printpress.load(folder, compile="all", compile_weights="bfloat16").model
     assert loaded.compiled_ar_step.weights == loaded.compiled_encoder.weights == "bfloat16"
-    assert loaded.compiled_decoder.weights == "float32"  # canvases are not bound by reading the weights
+    assert loaded.compiled_decoder.weights == loaded.compiled_fused_pass.weights == "bfloat16"
+    assert printpress.load(folder, compile="decoder", compile_weights="bfloat16").model.compiled_decoder.weights == \
+        "bfloat16"
     assert printpress.load(folder, compile="ar").model.compiled_ar_step.weights == "float32"
-    with pytest.raises(CheckpointError, match="compile_weights bfloat16 applies to compiled AR steps: give compile ar "
-                                              "or all too"):
-        printpress.load(tmp_path / "no such folder", compile="decoder", compile_weights="bfloat16")
+    with pytest.raises(CheckpointError, match="compile_weights bfloat16 applies to compiled passes: give compile ar, "
+                                              "decoder or all too"):
+        printpress.load(tmp_path / "no such folder", compile_weights="bfloat16")
     with pytest.raises(CheckpointError, match="compile_weights 'int8' is not supported; use float32 or bfloat16"):
         printpress.load(tmp_path / "no such folder", compile="ar", compile_weights="int8")
 
@@ -872,6 +874,140 @@ def test_compiled_graphs_make_the_logits_and_their_softcap_in_one_kernel_call(ro
     got = torch.compile(lambda h: fast._logits(model, h), backend=backend, fullgraph=True)(hidden)
     assert any("rows_linear_capped" in str(node.target) for node in graphs[0].graph.nodes) == capped
     assert torch.allclose(got, model.logits(hidden), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def amx(rows_kernel):
+    from printpress.fast import amx_available
+
+    if not amx_available():
+        pytest.skip("this CPU has no AMX tiles (amx_bf16) for the kernel")
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 32, 32), (16, 192, 192), (17, 64, 192),
+                                                             (32, 4096, 192), (33, 192, 4096), (70, 96, 64)])
+def test_the_amx_product_is_that_of_both_factors_rounded_to_bfloat16(amx, rows, out_features, in_features):
+    """Row blocks of 32 with a rest (1, 17, 33, 70 rows), blocks of 32 channels and 32 inputs, sums in float32."""
+    generator = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, 2 * in_features, generator=generator)[:, ::2]  # strided rows
+    weight = torch.randn(out_features, in_features, generator=generator)
+    got = torch.ops.printpress_fast.amx_linear(x, weight, 0.0)
+    scale = x.abs().double() @ weight.abs().double().T
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32 and got.is_contiguous()
+    assert bool(((got.double() - rounded(x) @ rounded(weight).T).abs() <= 1e-6 * scale + 1e-30).all())
+    assert (got.double() - x.double() @ weight.double().T).abs().max() > 1e-4 * scale.max()  # not float32's product
+
+
+def test_the_amx_product_takes_a_transposed_weight_caps_and_follows_its_weight(amx):
+    ops = torch.ops.printpress_fast
+    generator = torch.Generator().manual_seed(3)
+    embedding = torch.randn(256, 64, generator=generator)
+    probs = torch.softmax(torch.randn(20, 256, generator=generator), dim=-1)
+    hidden = torch.randn(20, 64, generator=generator) * 3
+    # probabilities @ embedding through its transposed view, then the logits through the embedding itself: two
+    # packed copies of one weight, which must not stand in for each other
+    soft = ops.amx_linear(probs, embedding.t(), 0.0)
+    assert torch.allclose(soft.double(), rounded(probs) @ rounded(embedding), atol=1e-6)
+    logits = ops.amx_linear(hidden, embedding, 5.0)
+    assert torch.allclose(logits.double(), 5 * torch.tanh(rounded(hidden) @ rounded(embedding).T / 5), atol=2e-5)
+    assert torch.equal(ops.amx_linear(probs, embedding.t(), 0.0), soft)
+    embedding.mul_(2.0)  # in place: the packed copies are made again
+    assert torch.allclose(ops.amx_linear(probs, embedding.t(), 0.0), 2 * soft, atol=1e-6)
+    assert ops.amx_linear(hidden[:0], embedding, 0.0).shape == (0, 256)
+    with pytest.raises(RuntimeError, match="takes whole multiples of 32 output channels and inputs, not 64 x 48"):
+        ops.amx_linear(torch.randn(4, 48), torch.randn(64, 48), 0.0)
+    with pytest.raises(RuntimeError, match="takes a cap of 0 \\(none\\) or more, not -1"):
+        ops.amx_linear(hidden, embedding, -1.0)
+    with pytest.raises(RuntimeError, match="takes float32 x and weight"):
+        ops.amx_linear(hidden.double(), embedding, 0.0)
+
+
+def test_the_routed_experts_through_amx_round_each_product_s_factors(amx):
+    """Experts of 32 tokens each (through the tiles) give the float64 sums of bfloat16-rounded factors; the same
+    call without AMX is the float32 one."""
+    generator = torch.Generator().manual_seed(8)
+    tokens, hidden, inner, experts = 64, 64, 96, 4
+    x = torch.randn(tokens, hidden, generator=generator)
+    chosen = torch.stack([torch.arange(tokens) % experts, (torch.arange(tokens) + 1) % experts], dim=1)
+    weights = torch.softmax(torch.randn(tokens, 2, generator=generator), dim=-1)
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=generator) / hidden**0.5
+    down = torch.randn(experts, hidden, inner, generator=generator) / inner**0.5
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for slot in range(2):
+            e = int(chosen[t, slot])
+            gate, up = (rounded(gate_up[e]) @ rounded(x[t])).float().chunk(2)
+            middle = torch.nn.functional.gelu(gate, approximate="tanh") * up
+            expected[t] += weights[t, slot].double() * (rounded(down[e]) @ rounded(middle))
+    got = torch.ops.printpress_fast.routed_experts_amx(x, weights, chosen, gate_up, down, 0, 64)
+    assert torch.allclose(got.double(), expected, atol=1e-4, rtol=0)
+    plain = torch.ops.printpress_fast.routed_experts(x, weights, chosen, gate_up, down, 0, 64)
+    assert (got - plain).abs().max() > 1e-4  # the tiles ran, not the float32 kernels
+
+
+@pytest.mark.parametrize("weights, rows, amx_ops", [("bfloat16", 32, 2), ("bfloat16", 8, 0), ("float32", 32, 0)])
+def test_bf16_weights_put_a_canvas_s_products_on_amx_tiles(amx, weights, rows, amx_ops):
+    """The pass's linear (16 rows or more known when compiling) and an embedding product (probs @ weight, a graph
+    input) become amx_linear under weights="bfloat16"; fewer rows, or float32 weights, keep the float32 kernels."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from printpress import fast
+
+    def pass_like(x, weight, probs, embedding):
+        return torch.nn.functional.linear(x, weight), probs @ embedding
+
+    inputs = (torch.randn(rows, 64), torch.randn(96, 64), torch.randn(rows, 128), torch.randn(128, 64))
+    graph_module = make_fx(pass_like)(*inputs)
+    with pytest.MonkeyPatch.context() as patch:  # as `CompiledGraph._run` sets them
+        patch.setattr(fast, "_bf16_weights", weights == "bfloat16")
+        patch.setattr(fast, "_amx", weights == "bfloat16")
+        fast.FewRowLinears(weights)(graph_module.graph)
+    graph_module.recompile()
+    found = [n for n in graph_module.graph.nodes if n.target is torch.ops.printpress_fast.amx_linear.default]
+    assert len(found) == amx_ops
+    linear, soft = graph_module(*inputs)
+    factors = [rounded(t) if amx_ops else t.double() for t in inputs]  # the tiles' factors, rounded to bfloat16
+    assert torch.allclose(linear.double(), factors[0] @ factors[1].T, atol=1e-4)
+    assert torch.allclose(soft.double(), factors[2] @ factors[3], atol=1e-4)
+
+
+@pytest.mark.slow  # compiles the pass twice with inductor
+def test_a_canvas_pass_with_bf16_weights_moves_the_logits_by_the_rounding_only(amx, tmp_path):
+    """A model whose products come in blocks of 32 (hidden 64, MLPs 96 and 32, vocab 128): its compiled canvas pass
+    with weights="bfloat16" runs on the tiles (its logits move past float32's reordering) by bfloat16's rounding and
+    no more, on every cache of `decoder_caches` (16-32 rows a pass), first step and self-conditioned."""
+    from printpress.fast import compile_decoder, remove_compiled_decoder
+
+    config = dict(TINY_CONFIGS["gqa"], hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_attention_heads=4, head_dim=16, global_head_dim=32)
+    make_reference(config, canvas_length=16).save_pretrained(tmp_path)
+    model = printpress.load(tmp_path).model
+    caches = decoder_caches(model)
+    generator = torch.Generator().manual_seed(6)
+    canvas = torch.randint(3, model.config.vocab_size, (2, 16), generator=generator)
+    probs = torch.softmax(torch.randn(2, 16, model.config.vocab_size, generator=generator), dim=-1)
+    exact = decoder_passes(model, caches, canvas, probs, None)
+    differences = {}
+    for weights in ("float32", "bfloat16"):
+        compiled = compile_decoder(model, weights=weights, ahead_of_time=False)
+        try:
+            passes = decoder_passes(model, caches, canvas, probs, None)
+        finally:
+            remove_compiled_decoder(model)
+        assert compiled.failure is None
+        differences[weights] = [(a - b).abs().max().item() for pair, pairs in zip(exact, passes)
+                                for a, b in zip(pair, pairs)]
+    assert max(differences["float32"]) < 1e-4
+    assert all(1e-4 < d < 0.1 for d in differences["bfloat16"]), differences
+
+
+def test_amx_linear_needs_amx(rows_kernel):
+    from printpress.fast import amx_available
+
+    if amx_available():
+        pytest.skip("this CPU has AMX: the refusal is for CPUs without it")
+    with pytest.raises(RuntimeError, match="needs a CPU with AMX"):
+        torch.ops.printpress_fast.amx_linear(torch.randn(32, 32), torch.randn(32, 32), 0.0)
 
 
 def joined_attention(q, past_k, past_v, k, v, mask, scale=1.0):

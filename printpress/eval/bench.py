@@ -46,7 +46,8 @@ only — or, where no diffusion setting reaches the AR twin's quality, the ratio
 quality, the gap, and the speed the diffusion frontier reaches at each quality level.
 
 Both models decode in float32, the exact path, unless `--dtype` (bfloat16, float16, auto: the measured choice a
-user on this machine would get) or `--compile` says otherwise; the judges always score in float32.
+user on this machine would get) or `--compile` (with `--compile-weights`) says otherwise; the judges always score in
+float32.
 
 The yardstick (`--yardstick`, issue 11) is the fixed measurement every training lever is compared with:
 24 held-out prompts x 3 seeds, 64 new tokens (two canvases of 32), steps 32, 16, 8 x entropy bounds 0.1, 1,
@@ -91,7 +92,8 @@ from printpress.eval.frontier import (
     load_gguf_judge,
     summarize,
 )
-from printpress.runtime_options import COMPILE, DTYPE_HELP, check_compile, check_dtype
+from printpress.runtime_options import (COMPILE, COMPILE_WEIGHTS, COMPILE_WEIGHTS_HELP, DTYPE_HELP, check_compile,
+                                        check_compile_weights, check_dtype)
 
 if TYPE_CHECKING:
     from printpress.corpora import Document
@@ -142,6 +144,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="decode both models with these passes compiled (printpress.fast; not exact): both sides near "
                         "the machine's limit. Two prompts per side are decoded at full length first, untimed (the "
                         "compiles); the judge stays exact")
+    p.add_argument("--compile-weights", default="float32", metavar="|".join(COMPILE_WEIGHTS),
+                   help="with --compile, for both models: " + COMPILE_WEIGHTS_HELP)
     p.add_argument("--dtype", default="float32",
                    help="load both models in this dtype for decoding (the judge stays float32, exact): " + DTYPE_HELP)
     p.add_argument("--yardstick", action="store_true",
@@ -217,9 +221,10 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError(f"--canvas-length must be a positive number of tokens, got {args.canvas_length}")
     try:
         check_compile(args.compile)
+        check_compile_weights(args.compile_weights, args.compile)
         check_dtype(args.dtype)
     except CheckpointError as error:
-        raise BenchError(f"--{error}") from None
+        raise BenchError("--" + str(error).replace("_", "-", 1)) from None  # the flag, as the command line spells it
     if args.prompts_file is not None and args.heldout_prompts is not None:
         raise BenchError("give --prompts-file or --heldout-prompts, not both")
     if args.heldout_skip < 0 or (args.heldout_skip and args.heldout_prompts is None):
@@ -251,9 +256,9 @@ def _run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     diffusion_path = args.diffusion or str(default_model_path())
     ar_path = args.ar or str(default_model_path().parent / "shakespeare-ar")
-    pipes = {"diffusion": Pipeline.from_pretrained(diffusion_path, canvas_length=args.canvas_length,
-                                                   compile=args.compile, dtype=args.dtype),
-             "ar": Pipeline.from_pretrained(ar_path, compile=args.compile, dtype=args.dtype)}
+    compiled = {"compile": args.compile, "compile_weights": args.compile_weights, "dtype": args.dtype}
+    pipes = {"diffusion": Pipeline.from_pretrained(diffusion_path, canvas_length=args.canvas_length, **compiled),
+             "ar": Pipeline.from_pretrained(ar_path, **compiled)}
     exact = args.compile is None and pipes["ar"].model.dtype == torch.float32
     judge = pipes["ar"] if exact else Pipeline.from_pretrained(ar_path)  # the judge stays exact
     if args.yardstick and pipes["diffusion"].model.draft_table is None:
@@ -292,6 +297,7 @@ def _run(args: argparse.Namespace) -> int:
                      "steps": args.steps, "entropy_bounds": args.entropy_bounds, "extra": args.setting,
                      "threads": args.threads, "ar_sampling": AR_SAMPLING, "python_syntax": args.python,
                      "canvas_length": pipes["diffusion"].canvas_length, "compile": args.compile,
+                     "compile_weights": args.compile_weights,
                      "dtype": {"asked": args.dtype, **{name: str(pipe.model.dtype).removeprefix("torch.")
                                                       for name, pipe in pipes.items()}},
                      "compiled_passes": {name: compiled_passes(pipe.model) for name, pipe in pipes.items()}},

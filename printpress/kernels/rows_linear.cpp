@@ -11,7 +11,8 @@
 // `routed_experts` runs a canvas's experts each on the tokens routed to it (float32, or bfloat16 where a CPU has
 // native bf16 matmul: the weighted sum over experts is taken in float32 either way). `rows_linear_capped` makes a
 // pass's logits with their softcap, and `small_attention` attends a block's queries over the cached keys and its
-// own, both read in place.
+// own, both read in place. `amx_linear` (and `routed_experts_amx`) run a canvas's products on AMX tiles in bfloat16,
+// an opt-in of the compiled passes (`weights="bfloat16"`) where the CPU has them.
 //
 // Helpers for the Python around a compiled call (printpress/fast.py, printpress/cache.py, printpress/sampling.py):
 // `write_rows` stores a block's keys and values in every layer's cache at once, `metadata_signature` stands for the
@@ -230,7 +231,7 @@ constexpr int64_t kStreamRows = 4;
 
 namespace {
 
-enum class Kind { bf16, panels };
+enum class Kind { bf16, panels, amx, amx_transposed };
 struct Copy {
   torch::Tensor source;
   int64_t version = -1;
@@ -412,6 +413,126 @@ static void few_rows(const float* x, const torch::Tensor& w, float* y, int64_t M
   if (cap > 0.f) softcap_rows(y, N, M, N, cap);
 }
 
+// -- AMX: bfloat16 tiles for products of 16 rows or more (`amx_linear`, opt-in) ---------------------------------
+// A canvas's products (32 rows and more) are bound by the multiply-adds, where a CPU with AMX multiplies bfloat16
+// tiles many times faster than float32 FMAs: on the shipped model's shapes, 3-7x the packed panels above. The
+// weight's copy is packed once for the tiles (`Kind::amx`: blocks of 16 output channels x 32 inputs, each pair of
+// inputs side by side, as `_tile_dpbf16ps` reads them) and x is rounded to bfloat16 on the way in; the sums are
+// float32. Not the float32 model's numbers (both factors rounded to bfloat16), so only the opt-in
+// `weights="bfloat16"` of the compiled passes uses it. Linux asks a process to request the tiles' state first.
+
+constexpr int64_t kAmxRows = 32, kAmxColumns = 32, kAmxDepth = 32;  // a block: 2 x 2 tiles of 16 x 16 sums
+constexpr int64_t kAmxMinRows = 16;  // fewer rows: the packed panels (a block's rows are padded to 32)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this process may use the tiles: asked of the kernel once (ARCH_REQ_XCOMP_PERM for XTILEDATA).
+bool amx_ready() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// The weight (N, K), any strides, as (N / 16, K / 32) blocks of 16 rows of 32 bfloat16: row r of a block holds,
+// for each of its 16 output channels n, the weights of inputs 2r and 2r + 1.
+torch::Tensor amx_pack(const torch::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1);
+  auto packed = torch::empty({N / 16, K / kAmxDepth, 16, 32}, torch::TensorOptions().dtype(torch::kBFloat16));
+  const auto source = w.to(torch::kBFloat16);  // rounded to nearest even, as x is below
+  const auto s = source.accessor<at::BFloat16, 2>();
+  at::BFloat16* out = packed.data_ptr<at::BFloat16>();
+  for (int64_t nb = 0; nb < N / 16; ++nb)
+    for (int64_t kb = 0; kb < K / kAmxDepth; ++kb)
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t n = 0; n < 16; ++n) {
+          *out++ = s[nb * 16 + n][kb * kAmxDepth + 2 * r];
+          *out++ = s[nb * 16 + n][kb * kAmxDepth + 2 * r + 1];
+        }
+  return packed;
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void round_to_bf16(const float* x, at::BFloat16* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i < n; ++i) y[i] = at::BFloat16(x[i]);
+}
+
+// y (M, N), N apart = x (M, K) @ w^T through the tiles, capped (`softcap_rows`) block by block when cap > 0.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
+void amx_product(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t N, int64_t K, float cap) {
+  const bool transposed = w.stride(0) == 1 && w.size(1) > 1;  // a view such as E.t(): its own copy
+  const auto packed = cached_copy(w, transposed ? Kind::amx_transposed : Kind::amx, amx_pack);
+  const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows, depth = K / kAmxDepth;
+  auto rounded = torch::empty({padded, K}, torch::TensorOptions().dtype(torch::kBFloat16));
+  at::BFloat16* xb = rounded.data_ptr<at::BFloat16>();
+  round_to_bf16(x, xb, M * K);
+  std::memset(static_cast<void*>(xb + M * K), 0, (padded - M) * K * sizeof(at::BFloat16));
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  const char* a = reinterpret_cast<const char*>(xb);
+  const char* b = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
+  alignas(64) float last[kAmxRows * kAmxColumns];  // the last block's sums where x has fewer rows than it
+  for (int64_t mb = 0; mb < padded; mb += kAmxRows) {
+    const int64_t rows = std::min(kAmxRows, M - mb);
+    for (int64_t nb = 0; nb < N; nb += kAmxColumns) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const char* b0 = b + (nb / 16) * depth * 1024;
+      const char* b1 = b0 + depth * 1024;
+      for (int64_t kb = 0; kb < depth; ++kb) {
+        _tile_loadd(4, a + (mb * K + kb * kAmxDepth) * 2, K * 2);
+        _tile_loadd(5, a + ((mb + 16) * K + kb * kAmxDepth) * 2, K * 2);
+        _tile_loadd(6, b0 + kb * 1024, 64);
+        _tile_loadd(7, b1 + kb * 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* out = rows == kAmxRows ? y + mb * N + nb : last;
+      const int64_t ld = rows == kAmxRows ? N : kAmxColumns;
+      _tile_stored(0, out, ld * 4);
+      _tile_stored(1, out + 16, ld * 4);
+      _tile_stored(2, out + 16 * ld, ld * 4);
+      _tile_stored(3, out + 16 * ld + 16, ld * 4);
+      if (rows < kAmxRows)
+        for (int64_t m = 0; m < rows; ++m) std::memcpy(y + (mb + m) * N + nb, last + m * kAmxColumns, 4 * kAmxColumns);
+      if (cap > 0.f) softcap_rows(y + mb * N + nb, N, rows, kAmxColumns, cap);
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+#else
+namespace {
+bool amx_ready() { return false; }
+void amx_product(const float*, const torch::Tensor&, float*, int64_t, int64_t, int64_t, float) {}
+}  // namespace
+#endif
+
+// Whether `amx_linear` runs here: the kernel was built for a CPU with AMX and the process may use the tiles.
+bool amx_available() { return amx_ready(); }
+
+// Whether a product of these sizes goes through the tiles: AMX here, the sizes whole blocks of channels and inputs.
+static bool amx_fits(int64_t N, int64_t K) { return amx_ready() && N % kAmxColumns == 0 && K % kAmxDepth == 0; }
+
 // Both float32 (the `bf16` ops read the weight's bfloat16 copy, made from the float32 weight); `op` names the op.
 static void check_float(const char* op, const torch::Tensor& x, const torch::Tensor& weight, bool bf16) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "printpress_fast::", op,
@@ -451,6 +572,25 @@ torch::Tensor rows(const torch::Tensor& x, const torch::Tensor& weight, int64_t 
 torch::Tensor rows_capped(const torch::Tensor& x, const torch::Tensor& weight, double cap, int64_t max_rows) {
   TORCH_CHECK(cap > 0, "printpress_fast::rows_linear_capped takes a positive cap, not ", cap);
   return linear_rows("rows_linear_capped", x, weight, max_rows, false, static_cast<float>(cap));
+}
+
+// x (M, K) @ weight^T through AMX tiles, both rounded to bfloat16, summed in float32 -> (M, N) float32, then
+// cap tanh(. / cap) when cap > 0 (a pass's logits). weight (N, K) in any layout: a transposed view (E.t(), for
+// probabilities @ E) has a copy of its own. N and K whole multiples of 32.
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight, double cap) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "printpress_fast::amx_linear expects x (M, K) and weight (N, K)");
+  check_float("amx_linear", x, weight, true);
+  TORCH_CHECK(amx_ready(), "printpress_fast::amx_linear needs a CPU with AMX (amx_bf16) that the kernel was built "
+              "for, and Linux's permission to use the tiles");
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  TORCH_CHECK(amx_fits(N, K), "printpress_fast::amx_linear takes whole multiples of 32 output channels and inputs, "
+              "not ", N, " x ", K);
+  TORCH_CHECK(cap >= 0, "printpress_fast::amx_linear takes a cap of 0 (none) or more, not ", cap);
+  const auto xc = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (M > 0) amx_product(xc.data_ptr<float>(), weight, y.data_ptr<float>(), M, N, K, static_cast<float>(cap));
+  return y;
 }
 
 torch::Tensor rows_bf16(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -527,11 +667,15 @@ static bool gelu_tanh_times_up(const float* both, float* hidden, int64_t P, int6
 
 // y[first .. first + n) = x[first .. first + n) @ w^T for one expert's rows of x (P, K) and y (P, N), both row-major
 // and contiguous: printpress's kernels up to `max_rows` rows of float32 (where they beat MKL's GEMM, as in `rows`),
-// MKL's GEMM otherwise; nothing for an expert without rows.
+// MKL's GEMM otherwise, and with `amx` an expert of `kAmxMinRows` rows or more through the tiles; nothing for an
+// expert without rows.
 static void expert_block(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y, int64_t first, int64_t n,
-                         int64_t max_rows) {
+                         int64_t max_rows, bool amx = false) {
   if (n == 0) return;
-  if (x.scalar_type() == torch::kFloat && n <= max_rows) {
+  if (amx && x.scalar_type() == torch::kFloat && n >= kAmxMinRows && amx_fits(w.size(0), w.size(1))) {
+    amx_product(x.data_ptr<float>() + first * x.size(1), w, y.data_ptr<float>() + first * y.size(1), n, w.size(0),
+                w.size(1), 0.f);
+  } else if (x.scalar_type() == torch::kFloat && n <= max_rows) {
     few_rows(x.data_ptr<float>() + first * x.size(1), w, y.data_ptr<float>() + first * y.size(1), n);
   } else {
     auto rows = y.narrow(0, first, n);
@@ -546,7 +690,7 @@ static void expert_block(const torch::Tensor& x, const torch::Tensor& w, torch::
 static torch::Tensor routed_float(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& wg,
                                   const torch::Tensor& wd, const std::vector<int64_t>& first,
                                   const torch::Tensor& pair_index, const torch::Tensor& token_index,
-                                  int64_t activation, int64_t max_rows) {
+                                  int64_t activation, int64_t max_rows, bool amx) {
   const int64_t T = x.size(0), H = x.size(1), E = wg.size(0), I = wd.size(2), P = pair_index.size(0);
   const int64_t* pair_at = pair_index.data_ptr<int64_t>();
   const int64_t* token_at = token_index.data_ptr<int64_t>();
@@ -555,7 +699,7 @@ static torch::Tensor routed_float(const torch::Tensor& x, const torch::Tensor& w
   float* gp = gathered.data_ptr<float>();
   for (int64_t place = 0; place < P; ++place) std::memcpy(gp + place * H, xp + token_at[place] * H, H * sizeof(float));
   auto both = torch::empty({P, 2 * I}, x.options());
-  for (int64_t e = 0; e < E; ++e) expert_block(gathered, wg[e], both, first[e], first[e + 1] - first[e], max_rows);
+  for (int64_t e = 0; e < E; ++e) expert_block(gathered, wg[e], both, first[e], first[e + 1] - first[e], max_rows, amx);
   const auto gate = both.narrow(1, 0, I);
   auto hidden = torch::empty({P, I}, x.options());
   const float* bp = both.data_ptr<float>();
@@ -568,7 +712,8 @@ static torch::Tensor routed_float(const torch::Tensor& x, const torch::Tensor& w
       for (int64_t i = 0; i < I; ++i) hp[place * I + i] = ap[place * I + i] * bp[place * 2 * I + I + i];
   }
   auto products = torch::empty({P, H}, x.options());
-  for (int64_t e = 0; e < E; ++e) expert_block(hidden, wd[e], products, first[e], first[e + 1] - first[e], max_rows);
+  for (int64_t e = 0; e < E; ++e)
+    expert_block(hidden, wd[e], products, first[e], first[e + 1] - first[e], max_rows, amx);
   auto out = torch::zeros({T, H}, x.options());
   const float* wp = weights.data_ptr<float>();
   const float* pp = products.data_ptr<float>();
@@ -589,9 +734,9 @@ static torch::Tensor routed_float(const torch::Tensor& x, const torch::Tensor& w
 // expert's two products write into slices of one buffer, and the activation and the weighted sum run once over
 // all pairs: a few ATen calls per layer instead of ten per expert, which is what a block of a few tokens (a
 // speculative verification: 8) paid most for.
-torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& experts,
-                             const torch::Tensor& gate_up, const torch::Tensor& down, int64_t activation,
-                             int64_t max_rows) {
+static torch::Tensor routed(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& experts,
+                            const torch::Tensor& gate_up, const torch::Tensor& down, int64_t activation,
+                            int64_t max_rows, bool amx) {
   TORCH_CHECK(x.dim() == 2 && weights.dim() == 2 && experts.sizes() == weights.sizes() &&
                   weights.size(0) == x.size(0) && gate_up.dim() == 3 && down.dim() == 3 &&
                   gate_up.size(2) == x.size(1) && down.size(0) == gate_up.size(0) && down.size(1) == x.size(1) &&
@@ -633,20 +778,36 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weight
   const auto wg = gate_up.contiguous(), wd = down.contiguous();
   if (dtype == torch::kFloat && weights.scalar_type() == torch::kFloat)
     return routed_float(x.contiguous(), weights.contiguous(), wg, wd, first, pair_index, token_index, activation,
-                        max_rows);
+                        max_rows, amx);
   const auto gathered = x.index_select(0, token_index);  // (P, H), contiguous
   auto both = torch::empty({P, 2 * I}, x.options());
-  for (int64_t e = 0; e < E; ++e) expert_block(gathered, wg[e], both, first[e], first[e + 1] - first[e], max_rows);
+  for (int64_t e = 0; e < E; ++e) expert_block(gathered, wg[e], both, first[e], first[e + 1] - first[e], max_rows, amx);
   const auto gate = both.narrow(1, 0, I), up = both.narrow(1, I, I);
   const auto act = activation == 0 ? at::gelu(gate, "tanh") : activation == 1 ? at::gelu(gate) : at::silu(gate);
   const auto hidden = act * up;  // (P, I), contiguous
   auto products = torch::empty({P, H}, x.options());
-  for (int64_t e = 0; e < E; ++e) expert_block(hidden, wd[e], products, first[e], first[e + 1] - first[e], max_rows);
+  for (int64_t e = 0; e < E; ++e)
+    expert_block(hidden, wd[e], products, first[e], first[e + 1] - first[e], max_rows, amx);
   // The weighted sum over a token's experts in float32 (as the dense path sums), then x's dtype.
   const auto scale = weights.to(torch::kFloat).reshape({P}).index_select(0, pair_index);
   auto out = torch::zeros({T, H}, x.options().dtype(torch::kFloat));
   out.index_add_(0, token_index, products.to(torch::kFloat) * scale.unsqueeze(1));
   return out.to(dtype);
+}
+
+torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& experts,
+                             const torch::Tensor& gate_up, const torch::Tensor& down, int64_t activation,
+                             int64_t max_rows) {
+  return routed(x, weights, experts, gate_up, down, activation, max_rows, false);
+}
+
+// `routed_experts` with each float32 expert of `kAmxMinRows` tokens or more through AMX tiles (`amx_product`: its
+// products' factors rounded to bfloat16, summed in float32): a compiled decoder pass with `weights="bfloat16"`.
+torch::Tensor routed_experts_amx(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& experts,
+                                 const torch::Tensor& gate_up, const torch::Tensor& down, int64_t activation,
+                                 int64_t max_rows) {
+  TORCH_CHECK(amx_ready(), "printpress_fast::routed_experts_amx needs a CPU with AMX (amx_bf16)");
+  return routed(x, weights, experts, gate_up, down, activation, max_rows, true);
 }
 
 // -- attention of a few queries over a cached prefix (`small_attention`) ------------------------------------------
@@ -998,6 +1159,10 @@ TORCH_LIBRARY(printpress_fast, m) {
         "int max_rows) -> Tensor");
   m.def("rows_linear_capped(Tensor x, Tensor weight, float cap, int max_rows) -> Tensor");
   m.def("rows_linear_bf16(Tensor x, Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor weight, float cap) -> Tensor");
+  m.def("routed_experts_amx(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, int activation, "
+        "int max_rows) -> Tensor");
+  m.def("amx_available", &amx_available);
   m.def("expert_rows_bf16(Tensor x, Tensor weight, Tensor index) -> Tensor");
   m.def("forget_weight_copies", &forget_weight_copies);
   m.def("packed_panels", &packed_panels);
@@ -1015,6 +1180,8 @@ TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
   m.impl("routed_experts", &routed_experts);
   m.impl("rows_linear_capped", &rows_capped);
   m.impl("rows_linear_bf16", &rows_bf16);
+  m.impl("amx_linear", &amx_linear);
+  m.impl("routed_experts_amx", &routed_experts_amx);
   m.impl("expert_rows_bf16", &expert_rows_bf16);
   m.impl("row_argmax", &row_argmax);
   m.impl("small_attention", &small_attention);
