@@ -717,8 +717,9 @@ class CompiledEncoderBlock(CompiledGraph):
     dynamic_sizes = CompiledARStep.dynamic_sizes
 
     def covers(self, input_ids: torch.Tensor, cache: object, attention_mask: torch.Tensor | None, logits: str) -> bool:
-        """Whether this call is a block the graph runs: more than one token, none of them padding, logits wanted."""
-        return (self.failure is None and input_ids.shape[1] > 1 and logits in ("all", "last")
+        """Whether this call is a block the graph runs: more than one token, none of them padding (a prompt, a
+        verification, a committed canvas; logits "none" runs the graph of "last" and drops its one row)."""
+        return (self.failure is None and input_ids.shape[1] > 1
                 and isinstance(cache, KVCache) and not torch.is_grad_enabled()
                 and (attention_mask is None or bool(attention_mask.all())))
 
@@ -739,7 +740,7 @@ class CompiledEncoderBlock(CompiledGraph):
         # Any block length: one left static would pin it to the first one seen, and each new prompt length would
         # compile again.
         torch._dynamo.maybe_mark_dynamic(input_ids, 1)
-        out = self._run(_unaliased(input_ids), *_cache_inputs(cache), logits == "last")
+        out = self._run(_unaliased(input_ids), *_cache_inputs(cache), logits != "all")
         if out is None:
             return None
         block_logits, new_keys, new_values = out

@@ -521,7 +521,7 @@ class DiffusionGemma(nn.Module):
         if block is not None and block.covers(input_ids, cache, attention_mask, logits):
             out = block(input_ids, cache, logits)
             if out is not None:
-                return out
+                return None if logits == "none" else out
         t = input_ids.shape[1]
         cache.check_room(t)
         start = cache.length

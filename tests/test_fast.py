@@ -425,6 +425,30 @@ def test_a_one_token_verification_runs_the_compiled_ar_step(model):
         assert torch.equal(layer.keys, expected_layer.keys) and torch.equal(layer.values, expected_layer.values)
 
 
+def test_a_block_without_logits_runs_the_compiled_block_and_returns_none(model):
+    """A prompt or a diffusion canvas committed with logits="none" is a block like any other: the compiled graph of
+    "last" writes its keys and values (the one row of logits dropped), and encode returns None as the eager path."""
+    ids = torch.tensor([[3, 4, 6, 7, 8, 9, 11]])
+    exact_cache, cache = model.new_cache(1, 12), model.new_cache(1, 12)
+    calls = []
+    compile_ar_step(model, backend="eager")
+    block = model.compiled_encoder
+    run = block._run
+    block._run = lambda *args: calls.append(args[-1]) or run(*args)
+    try:
+        with torch.no_grad():
+            assert model.encode(ids, cache, logits="none") is None
+            remove_compiled_ar_step(model)
+            assert model.encode(ids, exact_cache, logits="none") is None
+    finally:
+        remove_compiled_ar_step(model)
+    assert calls == [True]  # the graph of "last" (one row of logits), run once
+    assert cache.length == exact_cache.length == 7
+    for layer, exact_layer in zip(cache.layers, exact_cache.layers, strict=True):
+        assert torch.allclose(layer.keys, exact_layer.keys, atol=1e-5)
+        assert torch.allclose(layer.values, exact_layer.values, atol=1e-5)
+
+
 def test_padded_one_token_and_failing_blocks_run_the_exact_path(model, caplog):
     exact, _ = encoder_blocks(model)
     compile_ar_step(model, backend="eager")
@@ -435,7 +459,7 @@ def test_padded_one_token_and_failing_blocks_run_the_exact_path(model, caplog):
         with torch.no_grad():
             assert not block.covers(ids, cache, mask, "all")  # padding: the eager path's masks
             assert not block.covers(ids[:, :1], cache, None, "last")  # one token: the AR step's graph
-            assert not block.covers(ids, cache, None, "none")
+            assert block.covers(ids, cache, None, "none")  # a prompt or a committed canvas: no logits wanted
             assert block.covers(ids, cache, torch.ones_like(mask), "all")
         assert not block.covers(ids, cache, None, "all")  # training: the eager path
         block._graph = lambda *args: (_ for _ in ()).throw(RuntimeError("no compiler here"))
