@@ -162,7 +162,9 @@ class DiffusionBatch:
             logits = denoise(self.model, torch.cat([row.canvas for row in shared]), self._cache(shared), feedback, mask)
             found.update((id(row), logits[i : i + 1]) for i, row in enumerate(shared))
         logits = found[id(rows[0])] if len(rows) == 1 else torch.cat([found[id(row)] for row in rows])
-        return denoise_step(logits, rows, self.model.config.vocab_size)
+        # A compiled decoder's logits are not the exact path's: its steps take their softmax and entropies in one
+        # fused call too (`probabilities_and_entropy`).
+        return denoise_step(logits, rows, self.model.config.vocab_size, exact=self.model.compiled_decoder is None)
 
     def _advance(self, row: RequestState, outcome: StepOutcome, fed_back: torch.Tensor, j: int,
                  finished: list[RequestState]) -> list[Event]:

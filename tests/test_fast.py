@@ -449,6 +449,31 @@ def test_a_block_without_logits_runs_the_compiled_block_and_returns_none(model):
         assert torch.allclose(layer.values, exact_layer.values, atol=1e-5)
 
 
+def test_a_compiled_decoder_s_steps_take_the_fused_softmax_and_entropy(folder, monkeypatch):
+    """The diffusion engine's sampler step asks for the exact softmax and entropies (the reference's bits) unless
+    the model's decoder is compiled, whose logits are not the reference's anyway."""
+    from printpress import canvas
+    from printpress.fast import compile_decoder, remove_compiled_decoder
+
+    pipe = printpress.load(folder)
+    asked = []
+    original = canvas.probabilities_and_entropy
+
+    def recorded(processed, free, exact=True):
+        asked.append(exact)
+        return original(processed, free, exact)
+
+    monkeypatch.setattr(canvas, "probabilities_and_entropy", recorded)
+    pipe.generate([5, 6, 7], seed=0, max_new_tokens=8)
+    exact_steps = len(asked)
+    compile_decoder(pipe.model, backend="eager")
+    try:
+        pipe.generate([5, 6, 7], seed=0, max_new_tokens=8)
+    finally:
+        remove_compiled_decoder(pipe.model)
+    assert exact_steps > 0 and set(asked[:exact_steps]) == {True} and set(asked[exact_steps:]) == {False}
+
+
 def test_padded_one_token_and_failing_blocks_run_the_exact_path(model, caplog):
     exact, _ = encoder_blocks(model)
     compile_ar_step(model, backend="eager")

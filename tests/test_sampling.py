@@ -203,6 +203,29 @@ def test_probabilities_and_entropy_row_by_row_equal_the_whole_batch_bit_for_bit(
         assert entropy.shape == (rows, free)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_fused_probabilities_and_entropy_of_a_compiled_step_are_float32_close_to_the_exact_ones(rows):
+    """`exact=False` (a compiled decoder's step): one kernel call, within float32's rounding of the exact path's
+    softmax and Categorical entropy, a banned (-inf) token at probability 0; the exact path stays bit for bit."""
+    from printpress.fast import rows_linear_ready
+
+    if not rows_linear_ready():
+        pytest.skip("no C++ compiler for the kernel on this machine")
+    processed = random_logits(9, batch=rows) / 0.7
+    processed[:, 2, 5:40] = float("-inf")
+    processed[:, 3, 7] = 60.0  # a near one-hot position: entropy ~0
+    for free in (CANVAS, 5):
+        exact_probs, exact_entropy = probabilities_and_entropy(processed, free)
+        probs, entropy = probabilities_and_entropy(processed, free, exact=False)
+        assert probs.shape == exact_probs.shape and entropy.shape == exact_entropy.shape == (rows, free)
+        assert not torch.equal(entropy, exact_entropy)  # the kernel ran: another summation order
+        assert torch.allclose(probs, exact_probs, atol=1e-7, rtol=1e-5)
+        assert torch.allclose(entropy, exact_entropy, atol=2e-6, rtol=1e-5)
+        assert bool((probs[:, 2, 5:40] == 0).all()) and float(entropy[:, 3].max()) < 1e-3
+    with pytest.raises(RuntimeError, match="expects float32 rows"):
+        torch.ops.printpress_fast.softmax_entropy(processed[0].double())
+
+
 def test_greedy_ar_sampling_is_argmax_and_sampled_is_reproducible():
     logits = random_logits(5)[0, 0]
     assert sample_next_token(logits, SamplerSettings(mode="ar"), torch.Generator()) == int(logits.argmax())

@@ -1100,6 +1100,55 @@ torch::Tensor row_argmax(const torch::Tensor& x) {
   return out;
 }
 
+// Each row's softmax and entropy, x (R, V) float32 -> probs (R, V) and entropy (R,) in nats: the row's maximum m,
+// then e = exp(x - m) with the sums s = sum(e) and t = sum(e (x - m)) in the same pass, then probs = e / s and
+// entropy = log(s) - t / s. What a diffusion step's sampler takes of a compiled pass's logits in one call, where the
+// exact path makes them in ten ATen passes reproducing `torch.distributions.Categorical` (its bits: the reference's);
+// another summation order and an own exp, so only a compiled decoder's steps use it (`canvas.probabilities_and_entropy`).
+// A -inf (a banned token) has probability 0 and adds nothing to the entropy.
+std::tuple<torch::Tensor, torch::Tensor> softmax_entropy(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) > 0,
+              "printpress_fast::softmax_entropy expects float32 rows (R, V) with V > 0");
+  const auto xc = x.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto probs = torch::empty({R, V}, x.options());
+  auto entropy = torch::empty({R}, x.options());
+  const float* in = xc.data_ptr<float>();
+  float* out = probs.data_ptr<float>();
+  float* h = entropy.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* z = in + r * V;
+    float* p = out + r * V;
+    const float m = z[argmax_of(z, V)];
+    float s = 0.f, t = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m), floor = _mm512_set1_ps(-104.f);
+    __m512 sv = _mm512_setzero_ps(), tv = _mm512_setzero_ps();
+    for (; i + 16 <= V; i += 16) {
+      const __m512 d = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(z + i), mv), floor);
+      const __m512 e = exp16(d);
+      _mm512_storeu_ps(p + i, e);
+      sv = _mm512_add_ps(sv, e);
+      tv = _mm512_fmadd_ps(e, d, tv);
+    }
+    s = _mm512_reduce_add_ps(sv);
+    t = _mm512_reduce_add_ps(tv);
+#endif
+    for (; i < V; ++i) {
+      const float d = std::max(z[i] - m, -104.f);
+      const float e = std::exp(d);
+      p[i] = e;
+      s += e;
+      t += e * d;
+    }
+    const float inverse = 1.f / s;
+    for (int64_t j = 0; j < V; ++j) p[j] *= inverse;
+    h[r] = std::log(s) - t * inverse;
+  }
+  return {probs, entropy};
+}
+
 // A number that changes when any of `tensors` changes its dtype, device or sizes (FNV-1a over them): what the compiled
 // passes check of the model's parameters before each call (their graphs were made for those), in one call instead
 // of three attribute reads per parameter from Python.
@@ -1167,6 +1216,7 @@ TORCH_LIBRARY(printpress_fast, m) {
   m.def("forget_weight_copies", &forget_weight_copies);
   m.def("packed_panels", &packed_panels);
   m.def("row_argmax(Tensor x) -> Tensor");
+  m.def("softmax_entropy(Tensor x) -> (Tensor, Tensor)");
   m.def("small_attention(Tensor q, Tensor past_k, Tensor past_v, Tensor k, Tensor v, Tensor? mask, float scale) "
         "-> Tensor");
   m.def("metadata_signature(Tensor[] tensors) -> int", &metadata_signature);
@@ -1184,5 +1234,6 @@ TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
   m.impl("routed_experts_amx", &routed_experts_amx);
   m.impl("expert_rows_bf16", &expert_rows_bf16);
   m.impl("row_argmax", &row_argmax);
+  m.impl("softmax_entropy", &softmax_entropy);
   m.impl("small_attention", &small_attention);
 }
