@@ -476,9 +476,11 @@ class FewRowLinears(CustomGraphPass):
         _replace(graph, node, fused, gathered, column)
 
     def uuid(self) -> bytes:
-        """Inductor's cache key for the pass: this file, the kernel, the row limit and whether the kernel loads."""
+        """Inductor's cache key for the pass: this file, the kernel, the row limit, whether the kernel loads (and
+        runs AMX tiles)."""
         ready = rows_linear_ready()  # first: loading the kernel settles the row limit
-        digest = hashlib.sha256(f"{rows_linear_max_rows()} {ready} {self.weights} {ready and amx_available()}".encode())
+        amx = ready and amx_available()
+        digest = hashlib.sha256(f"{rows_linear_max_rows()} {ready} {self.weights} {amx}".encode())
         for path in (Path(__file__), native.KERNELS / "rows_linear.cpp"):
             digest.update(path.read_bytes())
         return digest.digest()
@@ -901,7 +903,7 @@ def compile_decoder(model: DiffusionGemma, backend: str = "inductor", rows_kerne
     (`model.compiled_fused_pass`). `weights="bfloat16"` (opt-in, another model's numbers: weights and inputs of
     the products rounded to bfloat16, sums in float32) runs the products of `AMX_MIN_ROWS` rows or more (a canvas's
     linears, experts, logits and self-conditioning) through AMX tiles where the CPU has them (`amx_available`);
-    elsewhere it changes nothing."""
+    elsewhere only canvases of up to `BF16_MAX_ROWS` rows change: they read bfloat16 copies, as an AR step does."""
     if weights not in WEIGHT_COPIES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_COPIES)}, not {weights!r}")
     compiled = CompiledDecoderPass(model, backend, rows_kernel, routed_experts, ahead_of_time, weights)

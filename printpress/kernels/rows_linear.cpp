@@ -1104,7 +1104,8 @@ torch::Tensor row_argmax(const torch::Tensor& x) {
 // then e = exp(x - m) with the sums s = sum(e) and t = sum(e (x - m)) in the same pass, then probs = e / s and
 // entropy = log(s) - t / s. What a diffusion step's sampler takes of a compiled pass's logits in one call, where the
 // exact path makes them in ten ATen passes reproducing `torch.distributions.Categorical` (its bits: the reference's);
-// another summation order and an own exp, so only a compiled decoder's steps use it (`canvas.probabilities_and_entropy`).
+// another summation order and an own exp, so only a compiled decoder's steps use it
+// (`canvas.probabilities_and_entropy`).
 // A -inf (a banned token) has probability 0 and adds nothing to the entropy.
 std::tuple<torch::Tensor, torch::Tensor> softmax_entropy(const torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) > 0,
