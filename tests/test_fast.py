@@ -1020,34 +1020,31 @@ def test_bf16_weights_put_a_canvas_s_products_on_amx_tiles(amx, weights, rows, a
     assert torch.allclose(soft.double(), factors[2] @ factors[3], atol=1e-4)
 
 
-@pytest.mark.slow  # compiles the pass twice with inductor
+@pytest.mark.slow  # compiles the pass with inductor
 def test_a_canvas_pass_with_bf16_weights_moves_the_logits_by_the_rounding_only(amx, tmp_path):
-    """A model whose products come in blocks of 32 (hidden 64, MLPs 96 and 32, vocab 128): its compiled canvas pass
-    with weights="bfloat16" runs on the tiles (its logits move past float32's reordering) by bfloat16's rounding and
-    no more, on every cache of `decoder_caches` (16-32 rows a pass), first step and self-conditioned."""
+    """A model whose products come in blocks of 32 (hidden 64, MLPs 96 and 32, vocab 128): its compiled canvas-16
+    pass with weights="bfloat16" runs on the tiles, so its logits move from the exact pass's by more than a float32
+    graph's reordering (under 1e-4: `test_the_decoder_pass_is_one_graph_and_computes_the_exact_paths_logits`) and
+    by no more than bfloat16's rounding, first step and self-conditioned."""
     from printpress.fast import compile_decoder, remove_compiled_decoder
 
     config = dict(TINY_CONFIGS["gqa"], hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                   num_attention_heads=4, head_dim=16, global_head_dim=32)
     make_reference(config, canvas_length=16).save_pretrained(tmp_path)
     model = printpress.load(tmp_path).model
-    caches = decoder_caches(model)
+    caches = decoder_caches(model)[:1]  # one row after 13 tokens, its sliding ring wrapped
     generator = torch.Generator().manual_seed(6)
-    canvas = torch.randint(3, model.config.vocab_size, (2, 16), generator=generator)
-    probs = torch.softmax(torch.randn(2, 16, model.config.vocab_size, generator=generator), dim=-1)
+    canvas = torch.randint(3, model.config.vocab_size, (1, 16), generator=generator)
+    probs = torch.softmax(torch.randn(1, 16, model.config.vocab_size, generator=generator), dim=-1)
     exact = decoder_passes(model, caches, canvas, probs, None)
-    differences = {}
-    for weights in ("float32", "bfloat16"):
-        compiled = compile_decoder(model, weights=weights, ahead_of_time=False)
-        try:
-            passes = decoder_passes(model, caches, canvas, probs, None)
-        finally:
-            remove_compiled_decoder(model)
-        assert compiled.failure is None
-        differences[weights] = [(a - b).abs().max().item() for pair, pairs in zip(exact, passes)
-                                for a, b in zip(pair, pairs)]
-    assert max(differences["float32"]) < 1e-4
-    assert all(1e-4 < d < 0.1 for d in differences["bfloat16"]), differences
+    compiled = compile_decoder(model, weights="bfloat16", ahead_of_time=False)
+    try:
+        passes = decoder_passes(model, caches, canvas, probs, None)
+    finally:
+        remove_compiled_decoder(model)
+    assert compiled.failure is None
+    differences = [(a - b).abs().max().item() for pair, pairs in zip(exact, passes) for a, b in zip(pair, pairs)]
+    assert all(1e-4 < d < 0.1 for d in differences), differences
 
 
 def test_amx_linear_needs_amx(rows_kernel):
