@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from printpress.native import machine_key
+
 logger = logging.getLogger(__name__)
 
 MAX_SIZE = 1 << 20  # the largest cache, ring or block length a package accepts
@@ -189,7 +191,10 @@ class AheadOfTimeGraphs:
             parameters = [(name, str(t.dtype), list(t.shape)) for name, t in self._constants().items()]
             config = getattr(self.model, "config", None)
             config = config.to_dict() if hasattr(config, "to_dict") else repr(config)
-            self._model_key = json.dumps([_source_digest(), config, parameters], sort_keys=True, default=str)
+            # The machine too: a package's kernels are compiled for its CPU (AVX-512, AMX), and a cache folder may be
+            # shared with another (a home directory on several hosts), where they could not run.
+            self._model_key = json.dumps([_source_digest(), machine_key(), config, parameters], sort_keys=True,
+                                         default=str)
         text = json.dumps([self._model_key, self.graph.__name__, self.tag, signature, repr(constants)], default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 

@@ -46,13 +46,19 @@ def loaded(source: str) -> bool:
     return _loaded.get(source, False)
 
 
+def machine_key() -> str:
+    """This machine's architecture and CPU flags: what code compiled for it (-march=native, inductor's kernels)
+    may assume, so a part of the names of what is built for it."""
+    return f"{platform.machine()} {sorted(cpu_flags(read_cpuinfo()))}"
+
+
 def library_name(path: Path) -> str:
     """The name (and build folder) of the library built from the source at `path`. -march=native: the library is
     built for this CPU, so its name carries the CPU's flags and torch's version; and the source's digest, so that
     checkouts of other versions (a worktree, another venv) never share a build folder: torch rebuilds a folder whose
     sources changed, and a process could then load the other version's operators."""
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    key = f"{path.name} {digest} {platform.machine()} {sorted(cpu_flags(read_cpuinfo()))} {torch.__version__}"
+    key = f"{path.name} {digest} {machine_key()} {torch.__version__}"
     return f"printpress_{path.stem}_" + hashlib.sha256(key.encode()).hexdigest()[:10]
 
 

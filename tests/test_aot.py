@@ -121,6 +121,18 @@ def test_another_model_of_the_configuration_loads_the_package_and_reads_its_own_
     assert not torch.equal(changed[0], ahead[0]) and step.failure is None
 
 
+def test_a_package_is_keyed_by_the_machine_it_was_compiled_for(folders, monkeypatch):
+    """Another CPU (other flags: no AVX-512, no AMX) never loads this one's packages from a shared cache folder: its
+    kernels were compiled for this CPU."""
+    from printpress import native
+
+    model = printpress.load(folders[0]).model
+    key = AheadOfTimeGraphs(lambda model, x: x, model, lambda tensors: None, {}, tag="t")._key([], ())
+    assert AheadOfTimeGraphs(lambda model, x: x, model, lambda tensors: None, {}, tag="t")._key([], ()) == key
+    monkeypatch.setattr(native, "read_cpuinfo", lambda: "flags\t\t: fpu sse sse2 avx avx2\n")
+    assert AheadOfTimeGraphs(lambda model, x: x, model, lambda tensors: None, {}, tag="t")._key([], ()) != key
+
+
 def test_a_damaged_package_is_built_again(folders, cache_in):
     steps(printpress.load(folders[0], compile="ar").model, *SHORT)
     (package,) = ar_packages(cache_in)
