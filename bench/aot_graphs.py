@@ -10,7 +10,8 @@ Three copies of the model with the same weights, one thread:
   weights="bfloat16")`: the AR step reads bfloat16 copies of the weights, and on a CPU with AMX a decoder pass's
   products run on bfloat16 tiles (not the float32 model's numbers; blocks of 5-15 tokens as above).
 
-Workloads after a 64-token prompt, rolled back after each call so every call sees the same cache (what the
+Workloads after a 64-token prompt (an AR step, a verification, a decoder pass, a canvas of 32 committed to the
+cache), rolled back after each call so every call sees the same cache (what the
 roll-back of an AR step costs is timed too: it is in every side's AR step row); the sides alternate in rounds,
 medians of the rounds' medians. Also reported: the compiled sides' largest logit difference from the exact path,
 how long building and then loading the packages took, that a package reads the model's live weights (a router's
@@ -74,7 +75,7 @@ def workloads(model) -> dict:
     token, block = torch.randint(3, vocab, (1, 1), generator=generator), torch.randint(3, vocab, (1, 8),
                                                                                         generator=generator)
     canvas = torch.randint(3, vocab, (1, 32), generator=generator)
-    cache = model.new_cache(1, CONTEXT + 16)
+    cache = model.new_cache(1, CONTEXT + 32)
     model.encode(prompt, cache, logits="none")
     probs = torch.softmax(model.denoise(canvas, cache) / 0.8, dim=-1)
 
@@ -91,6 +92,10 @@ def workloads(model) -> dict:
         keep(4)  # as a verification that accepts half its drafts
         return logits
 
+    def committed():  # a canvas written to the cache: its keys (the last layer's, a full one) stand for its output
+        model.encode(canvas, cache, logits="none")
+        return cache.layers[-1].keys[:, :, CONTEXT:CONTEXT + canvas.shape[1]].clone()
+
     def rollback_alone():
         snapshot = cache.snapshot(1)
         cache.advance(1, None)
@@ -100,7 +105,8 @@ def workloads(model) -> dict:
             "AR step": rolled_back(lambda: model.encode(token, cache, logits="last"), 1),
             "verification block (8 tokens)": rolled_back(verification, 4),
             "decoder pass, canvas 32, self-conditioned": lambda: model.denoise(canvas, cache,
-                                                                              self_conditioning_probs=probs)}
+                                                                              self_conditioning_probs=probs),
+            "a canvas committed (a block of 32 tokens, no logits)": rolled_back(committed, 32)}
 
 
 def arguments(doc: str, out: str) -> argparse.Namespace:

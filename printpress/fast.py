@@ -314,12 +314,13 @@ def amx_available() -> bool:
 
 def amx_wanted(x, weight) -> bool:
     """Inside a graph being traced with `weights="bfloat16"`: whether the product x (M, K) @ weight^T, weight (N, K)
-    given as fake tensors, goes through `printpress_fast::amx_linear`: float32 on the CPU, AMX here, at least
-    `AMX_MIN_ROWS` rows known when compiling, and whole blocks of channels and inputs."""
+    given as fake tensors, goes through `printpress_fast::amx_linear`: float32 on the CPU, AMX here, whole blocks of
+    channels and inputs, and at least `AMX_MIN_ROWS` rows, or rows known only at run time (a graph for any block
+    length or batch: the op takes fewer rows through the float32 kernels then)."""
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dim() == 2 and weight.dim() == 2):
         return False
     rows = x.shape[0]
-    return (_bf16_weights and _amx and isinstance(rows, int) and rows >= AMX_MIN_ROWS
+    return (_bf16_weights and _amx and (not isinstance(rows, int) or rows >= AMX_MIN_ROWS)
             and _float32_on_cpu(x, weight) and weight.shape[0] % AMX_BLOCK == 0 and weight.shape[1] % AMX_BLOCK == 0)
 
 

@@ -933,10 +933,10 @@ def amx(rows_kernel):
         pytest.skip("this CPU has no AMX tiles (amx_bf16) for the kernel")
 
 
-@pytest.mark.parametrize("rows, out_features, in_features", [(1, 32, 32), (16, 192, 192), (17, 64, 192),
-                                                             (32, 4096, 192), (33, 192, 4096), (70, 96, 64)])
+@pytest.mark.parametrize("rows, out_features, in_features", [(16, 192, 192), (17, 64, 192), (32, 4096, 192),
+                                                             (33, 192, 4096), (70, 96, 64)])
 def test_the_amx_product_is_that_of_both_factors_rounded_to_bfloat16(amx, rows, out_features, in_features):
-    """Row blocks of 32 with a rest (1, 17, 33, 70 rows), blocks of 32 channels and 32 inputs, sums in float32."""
+    """Row blocks of 32 with a rest (17, 33, 70 rows), blocks of 32 channels and 32 inputs, sums in float32."""
     generator = torch.Generator().manual_seed(rows + out_features)
     x = torch.randn(rows, 2 * in_features, generator=generator)[:, ::2]  # strided rows
     weight = torch.randn(out_features, in_features, generator=generator)
@@ -945,6 +945,17 @@ def test_the_amx_product_is_that_of_both_factors_rounded_to_bfloat16(amx, rows, 
     assert got.shape == (rows, out_features) and got.dtype == torch.float32 and got.is_contiguous()
     assert bool(((got.double() - rounded(x) @ rounded(weight).T).abs() <= 1e-6 * scale + 1e-30).all())
     assert (got.double() - x.double() @ weight.double().T).abs().max() > 1e-4 * scale.max()  # not float32's product
+
+
+@pytest.mark.parametrize("rows", [1, 8, 15])
+def test_fewer_rows_than_the_tiles_take_go_through_the_float32_kernels(amx, rows):
+    """A graph compiled for any block length hands the op a verification's few rows: float32's product, capped."""
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 64, generator=generator), torch.randn(96, 64, generator=generator)
+    exact = x.double() @ weight.double().T
+    assert torch.allclose(torch.ops.printpress_fast.amx_linear(x, weight, 0.0).double(), exact, atol=1e-5)
+    assert torch.allclose(torch.ops.printpress_fast.amx_linear(x, weight, 4.0).double(), 4 * torch.tanh(exact / 4),
+                          atol=1e-5)
 
 
 def test_the_amx_product_takes_a_transposed_weight_caps_and_follows_its_weight(amx):
@@ -996,8 +1007,9 @@ def test_the_routed_experts_through_amx_round_each_product_s_factors(amx):
 
 @pytest.mark.parametrize("weights, rows, amx_ops", [("bfloat16", 32, 2), ("bfloat16", 8, 0), ("float32", 32, 0)])
 def test_bf16_weights_put_a_canvas_s_products_on_amx_tiles(amx, weights, rows, amx_ops):
-    """The pass's linear (16 rows or more known when compiling) and an embedding product (probs @ weight, a graph
-    input) become amx_linear under weights="bfloat16"; fewer rows, or float32 weights, keep the float32 kernels."""
+    """The pass's linear (16 rows or more known when compiling, or rows known only at run time) and an embedding
+    product (probs @ weight, a graph input) become amx_linear under weights="bfloat16"; fewer rows known when
+    compiling, or float32 weights, keep the float32 kernels."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from printpress import fast
@@ -1014,6 +1026,13 @@ def test_bf16_weights_put_a_canvas_s_products_on_amx_tiles(amx, weights, rows, a
     graph_module.recompile()
     found = [n for n in graph_module.graph.nodes if n.target is torch.ops.printpress_fast.amx_linear.default]
     assert len(found) == amx_ops
+    symbolic = make_fx(pass_like, tracing_mode="symbolic")(*inputs)  # rows known at run time: the op decides then
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast, "_bf16_weights", weights == "bfloat16")
+        patch.setattr(fast, "_amx", weights == "bfloat16")
+        fast.FewRowLinears(weights)(symbolic.graph)
+    dynamic = [n for n in symbolic.graph.nodes if n.target is torch.ops.printpress_fast.amx_linear.default]
+    assert len(dynamic) == (2 if weights == "bfloat16" else 0)
     linear, soft = graph_module(*inputs)
     factors = [rounded(t) if amx_ops else t.double() for t in inputs]  # the tiles' factors, rounded to bfloat16
     assert torch.allclose(linear.double(), factors[0] @ factors[1].T, atol=1e-4)

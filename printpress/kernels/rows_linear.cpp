@@ -576,7 +576,9 @@ torch::Tensor rows_capped(const torch::Tensor& x, const torch::Tensor& weight, d
 
 // x (M, K) @ weight^T through AMX tiles, both rounded to bfloat16, summed in float32 -> (M, N) float32, then
 // cap tanh(. / cap) when cap > 0 (a pass's logits). weight (N, K) in any layout: a transposed view (E.t(), for
-// probabilities @ E) has a copy of its own. N and K whole multiples of 32.
+// probabilities @ E) has a copy of its own. N and K whole multiples of 32. Fewer than `kAmxMinRows` rows (a graph
+// compiled for any number of rows meets them: a verification of a few tokens) take the float32 kernels instead,
+// as `rows_linear` (or `rows_linear_capped`) would.
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight, double cap) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "printpress_fast::amx_linear expects x (M, K) and weight (N, K)");
@@ -587,9 +589,10 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& weight, do
   TORCH_CHECK(amx_fits(N, K), "printpress_fast::amx_linear takes whole multiples of 32 output channels and inputs, "
               "not ", N, " x ", K);
   TORCH_CHECK(cap >= 0, "printpress_fast::amx_linear takes a cap of 0 (none) or more, not ", cap);
+  if (M < kAmxMinRows) return linear_rows("amx_linear", x, weight, kAmxMinRows, false, static_cast<float>(cap));
   const auto xc = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
-  if (M > 0) amx_product(xc.data_ptr<float>(), weight, y.data_ptr<float>(), M, N, K, static_cast<float>(cap));
+  amx_product(xc.data_ptr<float>(), weight, y.data_ptr<float>(), M, N, K, static_cast<float>(cap));
   return y;
 }
 
