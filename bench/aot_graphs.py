@@ -177,11 +177,15 @@ def main() -> None:
               f"({row['exact / bfloat16 weights']:.2f}x)")
     print(f"packages built in {build_s:.0f} s, loaded in {load_s:.2f} s; a package reads the live weights: "
           f"{live_weights}; the bfloat16 copies follow an in-place change: {live_copies}")
+    write_results(args, "bench/aot_graphs.py", rows, context=CONTEXT, build_s=build_s, load_s=load_s,
+                  live_weights=live_weights, amx=amx_available(), live_bf16_copies=live_copies)
+
+
+def write_results(args: argparse.Namespace, script: str, rows: list[dict], **meta) -> None:
+    """`{"meta", "rows"}` as JSON at args.out: the machine, torch, one thread, `meta`, and the command that made it
+    (this bench's or bench/own_operators.py's)."""
     meta = {"model": args.model, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-            "threads": 1, "context": CONTEXT, "build_s": build_s, "load_s": load_s, "live_weights": live_weights,
-            "amx": amx_available(),
-            "live_bf16_copies": live_copies,
-            "command": "OMP_NUM_THREADS=1 python bench/aot_graphs.py " + " ".join(
+            "threads": 1, **meta, "command": f"OMP_NUM_THREADS=1 python {script} " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

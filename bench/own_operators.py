@@ -17,9 +17,7 @@ no query sees.
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +29,8 @@ from printpress import fast
 from printpress.fast import compile_ar_step, compile_decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from aot_graphs import alternated_medians, arguments, workloads  # noqa: E402 - bench/aot_graphs.py, beside this one
+# bench/aot_graphs.py, beside this one
+from aot_graphs import alternated_medians, arguments, workloads, write_results  # noqa: E402
 
 SIDES = ("exact", "without", "with")
 LONG = ((1000, 1100), (1000, 4096))  # (tokens before the step, cache slots)
@@ -88,12 +87,7 @@ def main() -> None:
         rows.append(row)
         print(f"{name}: exact {ms['exact']:.3f} ms, compiled without the operators {ms['without']:.3f} ms, with them "
               f"{ms['with']:.3f} ms ({row['without / with']:.3f}x; {row['exact / with']:.2f}x the exact path)")
-    meta = {"model": args.model, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-            "threads": 1, "command": "OMP_NUM_THREADS=1 python bench/own_operators.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args, "bench/own_operators.py", rows)
 
 
 if __name__ == "__main__":

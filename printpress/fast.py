@@ -235,41 +235,24 @@ _max_rows: int | None = None  # `rows_linear_max_rows()`, known once the kernel 
 
 
 def _register_rows_linear_fake() -> None:
-    @torch.library.register_fake("printpress_fast::rows_linear")
-    def _(x, weight, max_rows):  # shapes for torch.compile
+    """Shapes for torch.compile: each op's output from its inputs' (the ops of one shape share a function)."""
+    def products(x, weight, *rest):  # x (M, K) @ weight (N, K)^T -> (M, N)
         return x.new_empty((x.shape[0], weight.shape[0]))
 
-    @torch.library.register_fake("printpress_fast::expert_rows")
-    def _(x, weight, index):
+    def chosen_experts(x, weight, index):  # row r through expert index[r] of weight (E, N, K) -> (R, N)
         return x.new_empty((x.shape[0], weight.shape[1]))
 
-    @torch.library.register_fake("printpress_fast::routed_experts")
-    def _(x, weights, experts, gate_up, down, activation, max_rows):
+    def routed(x, weights, experts, gate_up, down, activation, max_rows):  # x's shape
         return x.new_empty(x.shape)
 
-    @torch.library.register_fake("printpress_fast::rows_linear_bf16")
-    def _(x, weight):
-        return x.new_empty((x.shape[0], weight.shape[0]))
-
-    @torch.library.register_fake("printpress_fast::expert_rows_bf16")
-    def _(x, weight, index):
-        return x.new_empty((x.shape[0], weight.shape[1]))
-
-    @torch.library.register_fake("printpress_fast::rows_linear_capped")
-    def _(x, weight, cap, max_rows):
-        return x.new_empty((x.shape[0], weight.shape[0]))
-
-    @torch.library.register_fake("printpress_fast::amx_linear")
-    def _(x, weight, cap):
-        return x.new_empty((x.shape[0], weight.shape[0]))
-
-    @torch.library.register_fake("printpress_fast::routed_experts_amx")
-    def _(x, weights, experts, gate_up, down, activation, max_rows):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("printpress_fast::small_attention")
-    def _(q, past_k, past_v, k, v, mask, scale):
+    def attention(q, past_k, past_v, k, v, mask, scale):  # (B * T, Hq * D)
         return q.new_empty((q.shape[0] * q.shape[1], q.shape[2] * q.shape[3]))
+
+    for fake, ops in ((products, ("rows_linear", "rows_linear_bf16", "rows_linear_capped", "amx_linear")),
+                      (chosen_experts, ("expert_rows", "expert_rows_bf16")),
+                      (routed, ("routed_experts", "routed_experts_amx")), (attention, ("small_attention",))):
+        for op in ops:
+            torch.library.register_fake(f"printpress_fast::{op}")(fake)
 
 
 # Whether the graph being called may run a canvas's experts through printpress_fast::routed_experts (each expert on
