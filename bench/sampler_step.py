@@ -15,6 +15,11 @@ batch at once (`whole_batch` below); every output of every call (argmax, next ca
 compared bit for bit.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sampler_step.py --batch 1 2 6 16 --out docs/results/sampler_batch.json
+
+`--fused`: instead, the step as the exact path takes it against a compiled decoder's (`denoise_step(...,
+exact=False)`: each position's softmax and entropy in one call of printpress's kernel), per canvas length.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sampler_step.py --fused --out docs/results/sampler_fused.json
 """
 
 from __future__ import annotations
@@ -89,15 +94,57 @@ def batch_steps(model, batches: list[int], reps: int) -> dict:
     return out
 
 
+def fused_steps(model, canvases: list[int], reps: int) -> dict:
+    """The sampler step of one canvas as the exact path takes it against a compiled decoder's (`exact=False`: the
+    softmax and entropies in one kernel call), interleaved, each side with a generator seeded alike."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    cache = model.new_cache(1, 64 + max(canvases))
+    model.encode(torch.randint(3, vocab, (1, 64), generator=gen), cache, logits="none")
+    out = {}
+    for c in canvases:
+        logits = model.denoise(torch.randint(3, vocab, (1, c), generator=gen), cache)
+        times, canvases_drawn = {True: [], False: []}, {True: [], False: []}
+        generators = {exact: torch.Generator().manual_seed(0) for exact in times}
+        for rep in range(reps + 1):
+            for exact in ((True, False) if rep % 2 == 0 else (False, True)):
+                row = Row(0, generators[exact], None, 1 + rep % 16, SamplerSettings(max_denoising_steps=16))
+                start = time.perf_counter()
+                outcome = canvas_step.denoise_step(logits, [row], vocab, exact=exact)
+                times[exact].append(time.perf_counter() - start)
+                canvases_drawn[exact].append(outcome.next_canvas)
+        exact_ms, fused_ms = (1e3 * statistics.median(times[e][1:]) for e in (True, False))
+        same = sum(torch.equal(a, b) for a, b in zip(canvases_drawn[True], canvases_drawn[False]))
+        out[str(c)] = {"exact_ms": exact_ms, "fused_ms": fused_ms, "speedup": exact_ms / fused_ms,
+                       "same_next_canvas": f"{same} of {reps + 1}"}
+        print(f"canvas {c:3d}: sampler step, exact {exact_ms:6.3f} ms, fused (compiled decoder) {fused_ms:6.3f} ms, "
+              f"{exact_ms / fused_ms:4.2f}x; the same next canvas in {same} of {reps + 1} calls")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--canvases", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--batch", type=int, nargs="+", help="rows: time the batched exact step instead (see above)")
+    parser.add_argument("--fused", action="store_true",
+                        help="time the exact step against a compiled decoder's fused one instead (see above)")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = printpress.load(ROOT / "models" / "shakespeare-joint").model
+    if args.fused:
+        from printpress.fast import rows_linear_ready
+
+        rows_linear_ready()  # loads the kernel, as compiling a pass does
+        with torch.no_grad():
+            report = {"model": "models/shakespeare-joint", "threads": 1, "reps": args.reps,
+                      "load_average_start": os.getloadavg()[0],
+                      "canvases": fused_steps(model, args.canvases, args.reps),
+                      "load_average_end": os.getloadavg()[0]}
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return
     if args.batch:
         with torch.no_grad():
             report = {"model": "models/shakespeare-joint", "threads": 1, "reps": args.reps, "canvas": 32,
