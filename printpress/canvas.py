@@ -94,7 +94,7 @@ def probabilities_and_entropy(processed: torch.Tensor, free: int,
     against 6.2 ms on one thread, an Intel Xeon). A GPU takes the batch whole (one kernel each, not one per row).
 
     Not `exact` (a compiled decoder's step), float32 on a CPU where printpress's kernel is loaded: both in one pass
-    per position (`printpress_fast::softmax_entropy`), ~10x faster, within float32's rounding of these (not their
+    per position (`printpress_fast::softmax_entropy`), ~5x faster, within float32's rounding of these (not their
     bits, which are the reference's)."""
     if not exact and processed.dtype == torch.float32 and processed.device.type == "cpu" \
             and native.loaded("rows_linear.cpp"):
