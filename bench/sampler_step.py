@@ -1,7 +1,9 @@
 """The exact sampler step with torch.multinomial against `printpress.sampling.multinomial_one`: time and tokens.
 
 One draw per canvas position is argmax(probs / q), q ~ Exp(1); torch.multinomial makes the q one element at a time
-(`Tensor.exponential_`), `multinomial_one` makes the same q from one vectorised uniform draw (docs/generation.md).
+(`Tensor.exponential_`), `multinomial_one` makes the same q from one vectorised uniform draw in ATen's operators, or
+with printpress's draw kernel a row at a time (printpress/kernels/draw.cpp; docs/generation.md): three sides, the
+speedups against torch.multinomial.
 Per canvas length, on the shipped model's logits after a 64-token prefix, one thread, the two sides interleaved:
 the bare draw over (canvas, vocabulary) probabilities and the whole exact sampler step
 (`printpress.canvas.denoise_step`: temperature, entropy, acceptance, draw, re-noising), each side with a generator
@@ -157,9 +159,15 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(1)
     cache = model.new_cache(1, 64 + max(args.canvases))
     settings = SamplerSettings(max_denoising_steps=32)
-    sides = {"torch.multinomial": torch_multinomial, "multinomial_one": sampling.multinomial_one}
+    kernels = sampling.draw_kernels()
+    # Each side: the draw, and whether printpress's draw kernel may run (also the step's argmax).
+    sides = {"torch.multinomial": (torch_multinomial, False), "multinomial_one, ATen": (sampling.multinomial_one, False),
+             "multinomial_one, kernel": (sampling.multinomial_one, True)}
+    if not kernels:
+        del sides["multinomial_one, kernel"]
     report = {"model": "models/shakespeare-joint", "threads": 1, "reps": args.reps, "vocab": vocab,
               "load_average_start": os.getloadavg()[0], "canvases": {}}
+    draw, with_kernels = sampling.multinomial_one, sampling.draw_kernels
     with torch.no_grad():
         model.encode(torch.randint(3, vocab, (1, 64), generator=gen), cache, logits="none")
         for c in args.canvases:
@@ -169,31 +177,35 @@ def main(argv: list[str] | None = None) -> None:
             tokens = {name: [] for name in times}
             generators = {name: torch.Generator().manual_seed(0) for name in times}
             for rep in range(args.reps + 1):
-                for name, draw in (sides.items() if rep % 2 == 0 else reversed(sides.items())):
-                    key = f"draw, {name}"
-                    start = time.perf_counter()
-                    out = draw(probs, generators[key])
-                    times[key].append(time.perf_counter() - start)
-                    tokens[key].append(out)
-                    key = f"sampler step, {name}"
-                    row = Row(0, generators[key], None, 1 + rep % 32, settings)
-                    sampling.multinomial_one = draw  # what sample_canvas calls
+                for name, (side_draw, side_kernels) in (sides.items() if rep % 2 == 0 else reversed(sides.items())):
+                    sampling.multinomial_one = side_draw  # what sample_canvas calls
+                    sampling.draw_kernels = with_kernels if side_kernels else (lambda: False)
                     try:
+                        key = f"draw, {name}"
+                        start = time.perf_counter()
+                        out = side_draw(probs, generators[key])
+                        times[key].append(time.perf_counter() - start)
+                        tokens[key].append(out)
+                        key = f"sampler step, {name}"
+                        row = Row(0, generators[key], None, 1 + rep % 32, settings)
                         start = time.perf_counter()
                         outcome = canvas_step.denoise_step(logits, [row], vocab)
                         times[key].append(time.perf_counter() - start)
+                        tokens[key].append(outcome.next_canvas)
                     finally:
-                        sampling.multinomial_one = sides["multinomial_one"]
-                    tokens[key].append(outcome.next_canvas)
+                        sampling.multinomial_one, sampling.draw_kernels = draw, with_kernels
             result = {key: {"median_ms": 1e3 * statistics.median(t[1:]), "best_ms": 1e3 * min(t[1:])}
                       for key, t in times.items()}
+            first = list(sides)[0]
             for kind in ("draw", "sampler step"):
-                a, b = (tokens[f"{kind}, {name}"] for name in sides)
-                result[f"{kind}: identical calls"] = f"{sum(torch.equal(x, y) for x, y in zip(a, b))} of {len(a)}"
-                before, after = (result[f"{kind}, {name}"]["median_ms"] for name in sides)
-                result[f"{kind}: speedup"] = before / after
-                print(f"canvas {c:3d} {kind:13s} torch.multinomial {before:6.2f} ms  multinomial_one {after:6.2f} ms  "
-                      f"{before / after:4.2f}x  identical {result[f'{kind}: identical calls']}")
+                line = f"canvas {c:3d} {kind:13s}"
+                base = result[f"{kind}, {first}"]["median_ms"]
+                for name in sides:
+                    ms = result[f"{kind}, {name}"]["median_ms"]
+                    same = sum(torch.equal(x, y) for x, y in zip(tokens[f"{kind}, {first}"], tokens[f"{kind}, {name}"]))
+                    result[f"{kind}, {name}"].update(speedup=base / ms, identical_calls=f"{same} of {args.reps + 1}")
+                    line += f"  {name} {ms:6.3f} ms ({base / ms:4.2f}x, identical {same})"
+                print(line)
             report["canvases"][str(c)] = result
     report["load_average_end"] = os.getloadavg()[0]
     if args.out:

@@ -3,9 +3,10 @@ cached per machine, loaded once per process.
 
 Each source registers its operators with `TORCH_LIBRARY`, so they are called as `torch.ops.<library>.<op>` and
 appear inside compiled graphs as opaque operators (their shapes come from the fake implementations given here).
-Both are opt-in fast paths that are not bit-exact anyway: `printpress.quantize`'s int8 linear and
-`printpress.fast`'s few-row float32 linear. Where a kernel cannot be built (no compiler, no ninja), `load` warns
-once and returns False, and its caller runs its slower fallback.
+`printpress.quantize`'s int8 linear and `printpress.fast`'s few-row float32 linear are opt-in fast paths that are
+not bit-exact anyway; `printpress.sampling`'s draws (draw.cpp) serve the exact path: the same bits as ATen's. Where
+a kernel cannot be built (no compiler, no ninja), `load` warns once and returns False, and its caller runs its
+slower fallback.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def library_name(path: Path) -> str:
     """The name (and build folder) of the library built from the source at `path`. -march=native: the library is
     built for this CPU, so its name carries the CPU's flags and torch's version; and the source's digest, so that
     checkouts of other versions (a worktree, another venv) never share a build folder: torch rebuilds a folder whose
-    sources changed, and a process could then load the other version's operators."""
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    sources changed, and a process could then load the other version's operators. The headers beside it
+    (printpress/kernels/*.h) count as part of every source."""
+    headers = b"".join(header.read_bytes() for header in sorted(path.parent.glob("*.h")))
+    digest = hashlib.sha256(path.read_bytes() + headers).hexdigest()[:16]
     key = f"{path.name} {digest} {machine_key()} {torch.__version__}"
     return f"printpress_{path.stem}_" + hashlib.sha256(key.encode()).hexdigest()[:10]
 

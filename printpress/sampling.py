@@ -93,47 +93,58 @@ def sample_canvas(probs: torch.Tensor, generator: torch.Generator) -> torch.Tens
     return multinomial_one(probs, generator)
 
 
-# Exponentials are made this many at a time: the double buffers of a chunk (512 KiB) stay in a core's L2 cache,
-# which made the draw 1.5x faster at 32 and 64 x 4096 than one pass over the whole tensor (bench/sampler_step.py).
-_DRAW_CHUNK = 65536
-
-# Up to this many elements (an AR step's one or two rows of a 4096 vocabulary) torch.multinomial itself is faster:
-# 125 against 188 us for one row of 4096, 224 against 250 for two; from four rows (or one of 32768) this draw wins,
-# 0.66-0.87x torch's time (one thread).
+# Up to this many elements (an AR step's one or two rows of a 4096 vocabulary) torch.multinomial itself is faster
+# than the ATen draw below: 125 against 188 us for one row of 4096, 224 against 250 for two; from four rows (or one
+# of 32768) that draw wins, 0.66-0.87x torch's time (one thread). printpress's kernel wins at every size.
 _DIRECT_MAX = 8192
+
+# In the ATen draw, exponentials are made this many at a time: the double buffers of a chunk (512 KiB) stay in a
+# core's L2 cache, which made it 1.5x faster at 32 and 64 x 4096 than one pass over the whole tensor.
+_DRAW_CHUNK = 65536
 
 # A double within this relative distance of the true -log1p(-u) rounds to the same float as it, unless a float
 # rounding boundary lies in between (see `exponential_like_torch`). Vectorised log1p is within 1 ulp (2**-52).
 _LOG1P_SLACK = 2.0**-50
 
 
+def draw_kernels() -> bool:
+    """Whether printpress's exact sampling kernels (printpress/kernels/draw.cpp: `multinomial_one`, `row_argmax`,
+    `exponentials`) are loaded: built on this machine's first draw (about 6 s, then cached); where they cannot be
+    built, one warning, and ATen's operators draw the same tokens, slower."""
+    return native.load("draw.cpp", "draws run through ATen's operators (the same tokens, slower)", lambda: None)
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, dim=-1)`, the same indices (both are documented to return the first of equal maxima, and
-    both take a NaN as the maximum), through `torch.max`, whose CPU reduction over many rows is about 3x faster
-    (32 x 4096 floats: 64 against 195 us on one thread; 192 x 4096: 0.41 against 1.17 ms), or, for float32 on a
-    CPU once printpress's kernel is loaded (by a compiled pass), `printpress_fast::row_argmax`: the same indices
-    again, 3x faster than `torch.max` on a verification's 8 rows of 4096 (5 against 15 us)."""
-    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() and x.shape[-1] \
-            and native.loaded("rows_linear.cpp"):
-        return torch.ops.printpress_fast.row_argmax(x)
+    both take a NaN as the maximum): for float32 on a CPU, `printpress_draw::row_argmax`, 3x faster than
+    `torch.max` on a verification's 8 rows of 4096 (5 against 15 us); elsewhere (or without the kernel)
+    `torch.max`, whose CPU reduction over many rows is itself about 3x faster than argmax's (32 x 4096 floats: 64
+    against 195 us on one thread; 192 x 4096: 0.41 against 1.17 ms)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() and x.shape[-1] and draw_kernels():
+        return torch.ops.printpress_draw.row_argmax(x)
     return torch.max(x, dim=-1).indices
 
 
 def multinomial_one(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row of `probs` (..., V): the tokens `torch.multinomial(probs, 1, generator=generator)` draws
-    (without its last dimension), with the generator left in the same state, in two thirds of the time on a CPU
-    from four rows of 4096.
+    (without its last dimension), with the generator left in the same state, faster on a CPU.
 
     For one sample, torch.multinomial returns argmax(probs / q) with q ~ Exp(1) from `exponential_`, which computes
-    each q one element at a time from a double uniform u as -log1p(-u), then rounds it to float (5 ms of a
-    diffusion step's sampling at 32 x 4096). Here the same u come from `uniform_` of doubles (a chunk at a time:
-    the stream is the same), and `exponential_like_torch` makes the same floats from them, vectorised. Anything
-    else (small draws, other dtypes, devices, or probabilities torch.multinomial would refuse) goes to
-    torch.multinomial itself."""
-    if probs.numel() <= _DIRECT_MAX or probs.dtype != torch.float32 or probs.device.type != "cpu" \
-            or generator.device.type != "cpu" or not _valid_probabilities(probs):
-        rows = probs.reshape(-1, probs.shape[-1])  # torch.multinomial takes one or two dimensions
-        return torch.multinomial(rows, num_samples=1, generator=generator).view(probs.shape[:-1])
+    each q one element at a time from a double uniform u as -log1p(-u), then rounds it to float (2.3 ms of a
+    diffusion step's 32 x 4096 draw on one thread). `printpress_draw::multinomial_one` makes the same u, the same
+    floats of them and the same argmax a row at a time in L1 (0.5 ms); without the kernel, the same u come from
+    `uniform_` of doubles (the stream is the same however it is cut) and `exponential_like_torch` makes the floats in
+    ATen's vectorised passes, from four rows of 4096 (2.0 ms). Anything else (other dtypes, devices, or
+    probabilities torch.multinomial would refuse) goes to torch.multinomial itself."""
+    if probs.dtype != torch.float32 or probs.device.type != "cpu" or generator.device.type != "cpu" \
+            or not probs.dim() or not probs.numel():
+        return _torch_multinomial(probs, generator)
+    if draw_kernels():
+        if not _valid_probabilities(probs):
+            return _torch_multinomial(probs, generator)
+        return torch.ops.printpress_draw.multinomial_one(probs, generator)
+    if probs.numel() <= _DIRECT_MAX or not _valid_probabilities(probs):
+        return _torch_multinomial(probs, generator)
     q = torch.empty_like(probs, memory_format=torch.contiguous_format)
     flat = q.view(-1)
     for start in range(0, flat.numel(), _DRAW_CHUNK):  # consecutive draws continue one stream, in memory order
@@ -142,13 +153,21 @@ def multinomial_one(probs: torch.Tensor, generator: torch.Generator) -> torch.Te
     return row_argmax(probs / q)
 
 
+def _torch_multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    rows = probs.reshape(-1, probs.shape[-1])  # torch.multinomial takes one or two dimensions
+    return torch.multinomial(rows, num_samples=1, generator=generator).view(probs.shape[:-1])
+
+
 def exponential_like_torch(uniform: torch.Tensor) -> torch.Tensor:
     """float32 (-log1p(-u)) of double uniforms u, bit-identical to what `Tensor.exponential_` makes of the same u.
 
     `exponential_` uses the scalar libm log1p; torch's vectorised log1p can differ from it in the last bit of the
     double. That changes the float only where a float rounding boundary lies within that bit, so those few
     elements (about 1 in 10**8) are found (their doubles a little above and below round to different floats) and
-    recomputed with the scalar log1p of Python's math module (the same libm)."""
+    recomputed with the scalar log1p of Python's math module (the same libm). With printpress's draw kernel, its
+    `exponentials` does the same in one pass."""
+    if uniform.dtype == torch.float64 and uniform.device.type == "cpu" and draw_kernels():
+        return torch.ops.printpress_draw.exponentials(uniform)
     values = uniform.neg().log1p_().neg_()  # one double buffer, worked in place
     rounded = values.float()
     low = values.mul_(1 - _LOG1P_SLACK).float()

@@ -239,8 +239,9 @@ SETTINGS: tuple[Setting, ...] = (
     # Opt-in, not token-exact to the reference: draw samples only at the positions the entropy bound accepts. The
     # tokens follow the same distribution (a sample at a re-noised position is thrown away anyway), but the random
     # stream differs, and the multinomial over canvas x vocabulary shrinks.
-    Setting("sample_accepted_only", bool, "faster sampler with the same distribution, not token-exact to the "
-            "reference: sample only the positions the entropy bound accepts", default=False, modes=CANVAS_MODES,
+    Setting("sample_accepted_only", bool, "sample only the positions the entropy bound accepts: the same "
+            "distribution, not token-exact to the reference; faster where printpress's CPU draw kernel is not "
+            "built (a GPU, no compiler), not with it", default=False, modes=CANVAS_MODES,
             check=_flag, http={}, editing=True),
     # TiDAR-style rounds: after the first, one pass verifies the drafts and drafts the next round for every outcome
     # (printpress/speculative.py). Needs one draft step: the fused canvases get a single decoder step.

@@ -617,31 +617,6 @@ def test_a_packed_copy_follows_its_weight(rows_kernel):
     assert torch.equal(rows_kernel(x, weight), 2 * first)
 
 
-def test_the_argmax_kernel_picks_what_torch_max_picks(rows_kernel):
-    """`printpress_fast::row_argmax` (what `sampling.row_argmax` runs once the kernel is loaded): the first of equal
-    maxima, a NaN as the maximum (the first NaN), -0.0 equal to 0.0, any shape and layout."""
-    from printpress.sampling import row_argmax
-
-    generator = torch.Generator().manual_seed(5)
-    rows = torch.randn(9, 100, generator=generator)
-    rows[1, [7, 40, 93]] = 50.0  # ties: the first
-    rows[2, [3, 64]] = float("nan")  # a NaN wins, the first one
-    rows[2, 10] = float("inf")
-    rows[3] = float("-inf")  # nothing but -inf: index 0
-    rows[4] = 0.0
-    rows[4, 0], rows[4, 5] = -0.0, 0.0  # equal: the first
-    rows[5, 99] = 80.0  # in the scalar tail
-    rows[6, 96:] = float("nan")  # NaNs in the tail only
-    cases = [rows, rows[:, ::2], rows.T, rows.reshape(3, 3, 100), rows[0], torch.randn(2, 4096, generator=generator)]
-    for x in cases:
-        expected = torch.max(x, dim=-1).indices
-        assert torch.equal(torch.ops.printpress_fast.row_argmax(x), expected)
-        assert torch.equal(row_argmax(x), expected)
-    assert torch.ops.printpress_fast.row_argmax(rows)[:7].tolist() == [int(rows[0].argmax()), 7, 3, 0, 0, 99, 96]
-    with pytest.raises(RuntimeError, match="expects a float32 tensor whose last dimension is not empty"):
-        torch.ops.printpress_fast.row_argmax(rows.double())
-
-
 def test_more_rows_than_the_kernels_limit_go_to_aten_bit_for_bit(rows_kernel):
     generator = torch.Generator().manual_seed(3)
     # K long enough that the kernels' summation order is not MKL's (at 33 the packed panels' can be).
@@ -1363,12 +1338,16 @@ def test_a_model_changed_between_compiled_steps_runs_the_exact_path(folder, rows
 
 def test_a_kernel_s_library_is_named_by_its_source_s_contents(tmp_path):
     """Two versions of a kernel (another checkout, a worktree) build into folders of their own: a shared one would
-    be rebuilt under the other process, which could then load operators of another schema."""
+    be rebuilt under the other process, which could then load operators of another schema. The headers the
+    kernels share count as part of each."""
     from printpress import native
 
-    source = tmp_path / "rows_linear.cpp"
-    source.write_bytes((native.KERNELS / "rows_linear.cpp").read_bytes())
+    for path in [*native.KERNELS.glob("*.h"), native.KERNELS / "rows_linear.cpp"]:
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    source, header = tmp_path / "rows_linear.cpp", tmp_path / "argmax.h"
     first = native.library_name(source)
     assert first == native.library_name(native.KERNELS / "rows_linear.cpp") and first.startswith("printpress_rows_")
     source.write_bytes(source.read_bytes() + b"// another version\n")
-    assert native.library_name(source) != first
+    second = native.library_name(source)
+    header.write_bytes(header.read_bytes() + b"// another version\n")
+    assert len({first, second, native.library_name(source)}) == 3

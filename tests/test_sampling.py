@@ -18,10 +18,12 @@ from transformers.generation import EosTokenCriteria, MaxLengthCriteria, Stoppin
 
 from printpress.canvas import denoise_step, probabilities_and_entropy
 from printpress.errors import GenerationError
+from printpress import sampling
 from printpress.sampling import (
     SamplerSettings,
     StabilityTracker,
     canvases_for,
+    draw_kernels,
     entropy_bound_accept,
     exponential_like_torch,
     multinomial_one,
@@ -436,9 +438,26 @@ def test_a_setting_refused_by_mode_names_the_modes_that_read_it():
                 refuse_unread(mode, {s.name: getattr(defaults, s.name)}, defaults)  # asks for nothing: passes
 
 
-@pytest.mark.parametrize("shape", [(4096,), (32, 4096), (3, 30001), (2, 3, 50)])
+@pytest.fixture(scope="module")
+def draw_kernel():
+    if not draw_kernels():
+        pytest.skip("no C++ compiler for printpress's draw kernel on this machine")
+
+
+@pytest.fixture(params=["kernel", "aten"])
+def draw_path(request, monkeypatch):
+    """Each exact draw both ways: through printpress's draw kernel, and through ATen's operators (what runs where
+    the kernel cannot be built)."""
+    if request.param == "kernel" and not draw_kernels():
+        pytest.skip("no C++ compiler for printpress's draw kernel on this machine")
+    if request.param == "aten":
+        monkeypatch.setattr(sampling, "draw_kernels", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("shape", [(4096,), (32, 4096), (3, 30001), (2, 3, 50), (1, 7)])
 @pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
-def test_one_draw_per_row_is_torch_multinomials_and_leaves_the_generator_where_it_would(shape, seed):
+def test_one_draw_per_row_is_torch_multinomials_and_leaves_the_generator_where_it_would(draw_path, shape, seed):
     probs = torch.softmax(3 * torch.randn(shape, generator=torch.Generator().manual_seed(seed)), dim=-1)
     probs[..., :5] = 0  # impossible tokens stay impossible
     ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
@@ -448,21 +467,74 @@ def test_one_draw_per_row_is_torch_multinomials_and_leaves_the_generator_where_i
     assert torch.equal(ours.get_state(), theirs.get_state())
 
 
-def test_exponentials_are_bit_identical_to_tensor_exponential():
+def test_exponentials_are_bit_identical_to_tensor_exponential(draw_path):
     ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    want = torch.empty(3_000_000).exponential_(generator=theirs)
-    uniform = torch.empty(3_000_000, dtype=torch.float64).uniform_(generator=ours)
+    want = torch.empty(3_000_001).exponential_(generator=theirs)  # an odd count: the vectors' scalar tail too
+    uniform = torch.empty(3_000_001, dtype=torch.float64).uniform_(generator=ours)
     assert torch.equal(exponential_like_torch(uniform), want)
 
 
-def test_exponentials_near_a_float_rounding_boundary_take_the_scalar_log1p():
-    # u whose -log1p(-u) lies within a few double ulps of a point halfway between two floats: where a vectorised
-    # log1p's last bit can decide the float. They must come out as the scalar libm log1p rounds them.
+def scalar_exponentials(uniform: torch.Tensor) -> torch.Tensor:
+    """What `exponential_` makes of each u, one element at a time with libm's scalar log1p."""
+    return torch.tensor([-math.log1p(-u) for u in uniform.tolist()], dtype=torch.float64).float()
+
+
+def near_rounding_boundaries() -> torch.Tensor:
+    """14,000 u whose -log1p(-u) lies within a few double ulps of a point halfway between two floats: where a
+    vectorised log1p's last bit can decide the float."""
     floats = torch.rand(2000, generator=torch.Generator().manual_seed(0)).double() * 5 + 1e-3
     halfway = (floats.float().double() + torch.nextafter(floats.float(), torch.tensor(10.0)).double()) / 2
-    uniform = torch.cat([-torch.expm1(-(halfway + k * 2.0**-52 * halfway)) for k in range(-3, 4)])
-    want = torch.tensor([float(torch.tensor(-math.log1p(-u), dtype=torch.float64).float()) for u in uniform.tolist()])
-    assert torch.equal(exponential_like_torch(uniform), want)
+    return torch.cat([-torch.expm1(-(halfway + k * 2.0**-52 * halfway)) for k in range(-3, 4)])
+
+
+def test_exponentials_near_a_float_rounding_boundary_take_the_scalar_log1p(draw_path):
+    uniform = near_rounding_boundaries()
+    assert torch.equal(exponential_like_torch(uniform), scalar_exponentials(uniform))
+
+
+def test_a_uniform_of_zero_makes_a_positive_zero(draw_path):
+    """u = 0 (one draw in 2**53): -log1p(-0) is +0.0, so a positive probability over it is +inf (the token is
+    drawn), as torch.multinomial's division makes it; a -0.0 would make it -inf."""
+    uniform = torch.tensor([0.5, 0.0, 0.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1], dtype=torch.float64)
+    q = exponential_like_torch(uniform)
+    assert torch.equal(q, scalar_exponentials(uniform)) and not torch.signbit(q).any()
+
+
+@pytest.mark.parametrize("used", [0, 1, 623, 624, 625, 1247])  # 32-bit words already taken: around twists
+def test_the_kernels_uniforms_are_uniform_s_and_leave_the_generator_where_it_would(draw_kernel, used):
+    """`printpress_draw::uniform(n, generator)`, the stream the kernel's draws read: the doubles `uniform_` makes,
+    from any point of the Mersenne Twister's 624-word blocks, with the generator's state after them the same."""
+    for n in [0, 1, 311, 312, 313, 624, 100_001]:
+        ours, theirs = torch.Generator().manual_seed(n + used), torch.Generator().manual_seed(n + used)
+        for generator in (ours, theirs):
+            torch.empty(used).uniform_(generator=generator)  # float32: one word each
+        assert torch.equal(torch.ops.printpress_draw.uniform(n, ours),
+                           torch.empty(n, dtype=torch.float64).uniform_(generator=theirs))
+        assert torch.equal(ours.get_state(), theirs.get_state())
+        assert torch.equal(torch.rand(3, generator=ours), torch.rand(3, generator=theirs))
+
+
+def test_the_argmax_kernel_picks_what_torch_max_picks(draw_kernel):
+    """`printpress_draw::row_argmax` (what `sampling.row_argmax` runs on a CPU): the first of equal
+    maxima, a NaN as the maximum (the first NaN), -0.0 equal to 0.0, any shape and layout."""
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(9, 100, generator=generator)
+    rows[1, [7, 40, 93]] = 50.0  # ties: the first
+    rows[2, [3, 64]] = float("nan")  # a NaN wins, the first one
+    rows[2, 10] = float("inf")
+    rows[3] = float("-inf")  # nothing but -inf: index 0
+    rows[4] = 0.0
+    rows[4, 0], rows[4, 5] = -0.0, 0.0  # equal: the first
+    rows[5, 99] = 80.0  # in the scalar tail
+    rows[6, 96:] = float("nan")  # NaNs in the tail only
+    cases = [rows, rows[:, ::2], rows.T, rows.reshape(3, 3, 100), rows[0], torch.randn(2, 4096, generator=generator)]
+    for x in cases:
+        expected = torch.max(x, dim=-1).indices
+        assert torch.equal(torch.ops.printpress_draw.row_argmax(x), expected)
+        assert torch.equal(row_argmax(x), expected)
+    assert torch.ops.printpress_draw.row_argmax(rows)[:7].tolist() == [int(rows[0].argmax()), 7, 3, 0, 0, 99, 96]
+    with pytest.raises(RuntimeError, match="expects a float32 tensor whose last dimension is not empty"):
+        torch.ops.printpress_draw.row_argmax(rows.double())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])

@@ -14,12 +14,11 @@
 // own, both read in place. `amx_linear` (and `routed_experts_amx`) run a canvas's products on AMX tiles in bfloat16,
 // an opt-in of the compiled passes (`weights="bfloat16"`) where the CPU has them.
 //
-// Helpers for the Python around a compiled call (printpress/fast.py, printpress/cache.py, printpress/sampling.py):
-// `write_rows` stores a block's keys and values in every layer's cache at once, `metadata_signature` stands for the
-// parameters' dtypes, devices and sizes in the check before each call, `row_argmax` picks the greedy tokens.
+// Helpers for the Python around a compiled call (printpress/fast.py, printpress/cache.py): `write_rows` stores a
+// block's keys and values in every layer's cache at once, `metadata_signature` stands for the parameters' dtypes,
+// devices and sizes in the check before each call.
 //
-// Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it
-// (`row_argmax` is exact: the indices torch.max returns).
+// Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -30,6 +29,8 @@
 #include <mutex>
 #include <utility>
 #include <vector>
+
+#include "argmax.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -1053,56 +1054,6 @@ torch::Tensor small_attention(const torch::Tensor& q, const torch::Tensor& past_
   return out;
 }
 
-// The index of the largest of v[0 .. V): the first of equal maxima, and a NaN counts as the largest (the first NaN),
-// as torch.max(x, -1).indices decides. Two vectorised passes: the maximum (and whether a NaN is there), then the
-// first position that holds it: a verification's 8 rows of 4096 in 5 us, against 15 for ATen's reduction, which
-// carries an index with every comparison.
-static int64_t argmax_of(const float* v, int64_t V) {
-  int64_t i = 0;
-  float best = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-#if defined(__AVX512F__)
-  __m512 top = _mm512_set1_ps(best);
-  __mmask16 unordered = 0;
-  for (; i + 16 <= V; i += 16) {
-    const __m512 x = _mm512_loadu_ps(v + i);
-    unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    top = _mm512_max_ps(top, x);
-  }
-  best = _mm512_reduce_max_ps(top);
-  nan = unordered != 0;
-#endif
-  for (; i < V; ++i) {
-    nan |= std::isnan(v[i]);
-    best = v[i] > best ? v[i] : best;
-  }
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  if (!nan) {
-    const __m512 target = _mm512_set1_ps(best);
-    for (; j + 16 <= V; j += 16) {
-      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + j), target, _CMP_EQ_OQ);
-      if (hit) return j + __builtin_ctz(hit);
-    }
-  }
-#endif
-  for (; j < V; ++j)
-    if (nan ? std::isnan(v[j]) : v[j] == best) return j;
-  return 0;  // (not reached: V > 0)
-}
-
-torch::Tensor row_argmax(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() >= 1 && x.size(-1) > 0,
-              "printpress_fast::row_argmax expects a float32 tensor whose last dimension is not empty");
-  const auto xc = x.contiguous();
-  const int64_t V = x.size(-1), rows = xc.numel() / V;
-  auto out = torch::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(torch::kLong));
-  const float* data = xc.data_ptr<float>();
-  int64_t* index = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) index[r] = argmax_of(data + r * V, V);
-  return out;
-}
-
 // Each row's softmax and entropy, x (R, V) float32 -> probs (R, V) and entropy (R,) in nats: the row's maximum m,
 // then e = exp(x - m) with the sums s = sum(e) and t = sum(e (x - m)) in the same pass, then probs = e / s and
 // entropy = log(s) - t / s. What a diffusion step's sampler takes of a compiled pass's logits in one call, where the
@@ -1219,7 +1170,6 @@ TORCH_LIBRARY(printpress_fast, m) {
   m.def("expert_rows_bf16(Tensor x, Tensor weight, Tensor index) -> Tensor");
   m.def("forget_weight_copies", &forget_weight_copies);
   m.def("packed_panels", &packed_panels);
-  m.def("row_argmax(Tensor x) -> Tensor");
   m.def("softmax_entropy(Tensor x) -> (Tensor, Tensor)");
   m.def("small_attention(Tensor q, Tensor past_k, Tensor past_v, Tensor k, Tensor v, Tensor? mask, float scale) "
         "-> Tensor");
@@ -1237,7 +1187,6 @@ TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
   m.impl("amx_linear", &amx_linear);
   m.impl("routed_experts_amx", &routed_experts_amx);
   m.impl("expert_rows_bf16", &expert_rows_bf16);
-  m.impl("row_argmax", &row_argmax);
   m.impl("softmax_entropy", &softmax_entropy);
   m.impl("small_attention", &small_attention);
 }

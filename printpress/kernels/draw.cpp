@@ -1,0 +1,228 @@
+// The exact path's sampling kernels (printpress/sampling.py): ATen's results, bit for bit, in fewer passes.
+//
+// `multinomial_one(probs, generator)` draws what torch.multinomial(probs, 1, generator=generator) draws, and leaves
+// the generator where it would. For one sample ATen takes each row's argmax of probs / q, with q ~ Exp(1) from
+// `exponential_`: a double uniform u from two 32-bit words of the generator, then the float of -log1p(-u) with
+// libm's scalar log1p, one element at a time under the generator's lock; then a division and an argmax, each a
+// pass over memory (2.3 ms for a 32 x 4096 canvas on one thread). Here a row at a time, in L1: the generator's
+// words come out in vectorised runs (`Twister`), log1p runs vectorised (SLEEF's, within 1 ulp, linked from
+// libtorch), and the rare element whose double lies so near a float rounding boundary that its last bit could
+// matter (about 1 in 10**8) is recomputed with the scalar log1p. A zero comes out +0.0, as the scalar -log1p(-0.0)
+// does (0 - z is +0.0 for either zero z; a -0.0 would turn a probability over it into -inf instead of +inf).
+//
+// The parts, each its own operator for the tests: `uniform(n, generator)` (what `uniform_` of n doubles makes),
+// `exponentials(u)` (what `exponential_` makes of those u), `row_argmax(x)` (torch.max(x, -1).indices: the first of
+// equal maxima; a NaN counts as the largest).
+//
+// Only torch/library.h and ATen's headers, not torch/extension.h: this library is built on a machine's first draw
+// (printpress/native.py), in about 6 s instead of 25.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/MT19937RNGEngine.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "argmax.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#include <sleef.h>
+#endif
+
+namespace {
+
+// A double within this relative distance of the true -log1p(-u) rounds to the same float as it unless a float
+// rounding boundary lies in between; SLEEF's u10 log1p is within 1 ulp (2**-52), and the two products below add
+// at most 2**-53 each.
+constexpr double kSlack = 0x1p-50;
+
+inline float exponential_scalar(double u) { return static_cast<float>(-std::log1p(-u)); }
+
+// -- torch's CPU generator, many numbers at a time -------------------------------------------------------------
+//
+// A CPU torch.Generator is a 32-bit Mersenne Twister (at::mt19937): 624 words of state, regenerated all at once
+// (the "twist") when used up, each word tempered as it is handed out. ATen hands them out one call at a time under
+// the generator's lock; `Twister` copies the engine's state out, hands out whole runs of words (the twist and the
+// tempering in loops the compiler vectorises), and writes the state back: the same words, the same state after.
+
+constexpr int kN = at::MERSENNE_STATE_N, kM = at::MERSENNE_STATE_M;
+
+inline uint32_t twist(uint32_t u, uint32_t v) {
+  return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((v & 1u) ? 0x9908b0dfu : 0u);
+}
+
+inline uint32_t temper(uint32_t y) {
+  y ^= y >> 11;
+  y ^= (y << 7) & 0x9d2c5680u;
+  y ^= (y << 15) & 0xefc60000u;
+  return y ^ (y >> 18);
+}
+
+class Twister {
+ public:
+  explicit Twister(at::CPUGeneratorImpl* generator)
+      : generator_(generator), lock_(generator->mutex_), engine_(generator->engine()), data_(engine_.data()) {}
+  ~Twister() {
+    engine_.set_data(data_);
+    generator_->set_engine(engine_);
+  }
+
+  // The next n words of the stream, as n calls of the engine would return them.
+  void words(uint32_t* out, int64_t n) {
+    uint32_t* state = data_.state_.data();
+    while (n > 0) {
+      // The engine counts `left_` down before each word and twists when it reaches 0, then hands out word 0.
+      if (data_.left_ == 1) {
+        twist_all(state);
+        data_.left_ = kN + 1;
+        data_.next_ = 0;
+      }
+      const int64_t k = std::min<int64_t>(n, data_.left_ - 1);
+      const uint32_t* from = state + data_.next_;
+      for (int64_t i = 0; i < k; ++i) out[i] = temper(from[i]);
+      out += k;
+      n -= k;
+      data_.next_ += static_cast<uint32_t>(k);
+      data_.left_ -= static_cast<int>(k);
+    }
+  }
+
+  // The next n doubles of `uniform_(0, 1)`: 53 bits of two words each, the first word the high half.
+  void uniforms(double* out, int64_t n, std::vector<uint32_t>& words_buffer) {
+    words_buffer.resize(2 * n);
+    uint32_t* w = words_buffer.data();
+    words(w, 2 * n);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t bits = (static_cast<uint64_t>(w[2 * i]) << 32) | w[2 * i + 1];
+      out[i] = static_cast<double>(bits & ((uint64_t{1} << 53) - 1)) * 0x1p-53;
+    }
+  }
+
+ private:
+  static void twist_all(uint32_t* p) {
+    int i = 0;
+    for (; i < kN - kM; ++i) p[i] = p[i + kM] ^ twist(p[i], p[i + 1]);
+    for (; i < kN - 1; ++i) p[i] = p[i + kM - kN] ^ twist(p[i], p[i + 1]);
+    p[kN - 1] = p[kM - 1] ^ twist(p[kN - 1], p[0]);
+  }
+
+  at::CPUGeneratorImpl* generator_;
+  std::lock_guard<std::mutex> lock_;
+  at::mt19937 engine_;
+  at::mt19937_data_pod data_;
+};
+
+at::CPUGeneratorImpl* cpu_generator(const std::optional<at::Generator>& generator) {
+  return at::check_generator<at::CPUGeneratorImpl>(generator);
+}
+
+// q[0 .. V) = the floats exponential_ makes of u[0 .. V).
+void exponentials(const double* u, float* q, int64_t V) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512d zero = _mm512_setzero_pd(), low = _mm512_set1_pd(1 - kSlack), high = _mm512_set1_pd(1 + kSlack);
+  for (; i + 8 <= V; i += 8) {
+    const __m512d uv = _mm512_loadu_pd(u + i);
+    const __m512d d = _mm512_sub_pd(zero, Sleef_log1pd8_u10avx512f(_mm512_sub_pd(zero, uv)));
+    _mm256_storeu_ps(q + i, _mm512_cvtpd_ps(d));
+    const __m256 below = _mm512_cvtpd_ps(_mm512_mul_pd(d, low)), above = _mm512_cvtpd_ps(_mm512_mul_pd(d, high));
+    unsigned redo = _mm256_movemask_ps(_mm256_cmp_ps(below, above, _CMP_NEQ_UQ));
+    for (; redo; redo &= redo - 1) {
+      const int j = __builtin_ctz(redo);
+      q[i + j] = exponential_scalar(u[i + j]);
+    }
+  }
+#elif defined(__AVX2__)
+  const __m256d zero = _mm256_setzero_pd(), low = _mm256_set1_pd(1 - kSlack), high = _mm256_set1_pd(1 + kSlack);
+  for (; i + 4 <= V; i += 4) {
+    const __m256d uv = _mm256_loadu_pd(u + i);
+    const __m256d d = _mm256_sub_pd(zero, Sleef_log1pd4_u10avx2(_mm256_sub_pd(zero, uv)));
+    _mm_storeu_ps(q + i, _mm256_cvtpd_ps(d));
+    const __m128 below = _mm256_cvtpd_ps(_mm256_mul_pd(d, low)), above = _mm256_cvtpd_ps(_mm256_mul_pd(d, high));
+    unsigned redo = _mm_movemask_ps(_mm_cmp_ps(below, above, _CMP_NEQ_UQ));
+    for (; redo; redo &= redo - 1) {
+      const int j = __builtin_ctz(redo);
+      q[i + j] = exponential_scalar(u[i + j]);
+    }
+  }
+#endif
+  for (; i < V; ++i) q[i] = exponential_scalar(u[i]);
+}
+
+at::Tensor indices_like(const at::Tensor& x) {
+  return at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+}
+
+at::Tensor row_argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0,
+              "printpress_draw::row_argmax expects a float32 tensor whose last dimension is not empty");
+  const auto xc = x.contiguous();
+  const int64_t V = x.size(-1), rows = xc.numel() / V;
+  auto out = indices_like(x);
+  const float* data = xc.data_ptr<float>();
+  int64_t* index = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) index[r] = argmax_of(data + r * V, V);
+  return out;
+}
+
+at::Tensor exponentials_of(const at::Tensor& uniform) {
+  TORCH_CHECK(uniform.scalar_type() == at::kDouble, "printpress_draw::exponentials expects float64 uniforms");
+  const auto uc = uniform.contiguous();
+  auto out = at::empty(uniform.sizes(), uniform.options().dtype(at::kFloat));
+  exponentials(uc.data_ptr<double>(), out.data_ptr<float>(), uc.numel());
+  return out;
+}
+
+at::Tensor uniform(int64_t n, const std::optional<at::Generator>& generator) {
+  TORCH_CHECK(n >= 0, "printpress_draw::uniform expects a count >= 0");
+  auto out = at::empty({n}, at::TensorOptions().dtype(at::kDouble));
+  std::vector<uint32_t> words;
+  Twister(cpu_generator(generator)).uniforms(out.data_ptr<double>(), n, words);
+  return out;
+}
+
+at::Tensor multinomial_one(const at::Tensor& probs, const std::optional<at::Generator>& generator) {
+  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() >= 1 && probs.size(-1) > 0,
+              "printpress_draw::multinomial_one expects float32 probabilities whose last dimension is not empty");
+  const auto pc = probs.contiguous();
+  const int64_t V = probs.size(-1), rows = pc.numel() / V;
+  auto out = indices_like(probs);
+  const float* p = pc.data_ptr<float>();
+  int64_t* index = out.data_ptr<int64_t>();
+  std::vector<double> u(V);  // a row's uniforms and its ratios stay in L1 (4096 tokens: 48 KiB)
+  std::vector<float> ratio(V);
+  std::vector<uint32_t> words;
+  Twister twister(cpu_generator(generator));
+  for (int64_t r = 0; r < rows; ++r) {
+    twister.uniforms(u.data(), V, words);
+    float* q = ratio.data();
+    exponentials(u.data(), q, V);
+    const float* row = p + r * V;
+    for (int64_t i = 0; i < V; ++i) q[i] = row[i] / q[i];
+    index[r] = argmax_of(q, V);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(printpress_draw, m) {
+  m.def("row_argmax(Tensor x) -> Tensor");
+  m.def("exponentials(Tensor uniform) -> Tensor");
+  m.def("uniform(int n, Generator? generator) -> Tensor", &uniform);  // no tensor to dispatch on: one kernel
+  m.def("multinomial_one(Tensor probs, Generator? generator) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(printpress_draw, CPU, m) {
+  m.impl("row_argmax", &row_argmax);
+  m.impl("exponentials", &exponentials_of);
+  m.impl("multinomial_one", &multinomial_one);
+}
