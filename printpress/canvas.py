@@ -124,7 +124,7 @@ def denoise_step(
     """
     processed = torch.empty_like(logits)
     for j, row in enumerate(rows):
-        processed[j] = logits[j] / step_temperature(row.step, row.settings)
+        torch.div(logits[j], step_temperature(row.step, row.settings), out=processed[j])
     free = logits.shape[1] if free is None else free
     if banned is not None:
         processed[:, :free, banned] = float("-inf")

@@ -14,6 +14,7 @@ on which other requests share its batch.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -47,10 +48,16 @@ def canvases_for(max_new_tokens: int, canvas_length: int) -> int:
 def step_temperature(step: int, settings: SamplerSettings) -> torch.Tensor:
     """Temperature at denoising step `step` (counting down from N to 1): t_min + (t_max - t_min) * step/N.
 
-    Computed from an int32 tensor exactly as the reference does, so the float32 rounding matches.
+    Computed from an int32 tensor exactly as the reference does, so the float32 rounding matches; remembered per
+    schedule and step (a 0-dimensional tensor that callers only read), as every step of every canvas asks again.
     """
-    step_tensor = torch.tensor(step, dtype=torch.int32)
-    return settings.t_min + (settings.t_max - settings.t_min) * (step_tensor / settings.max_denoising_steps)
+    return _temperature(step, settings.t_min, settings.t_max, settings.max_denoising_steps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _temperature(step: int, t_min: float, t_max: float, steps: int) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor, whichever mode the first caller was in
+        return t_min + (t_max - t_min) * (torch.tensor(step, dtype=torch.int32) / steps)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -108,8 +115,8 @@ _LOG1P_SLACK = 2.0**-50
 
 
 def draw_kernels() -> bool:
-    """Whether printpress's exact sampling kernels (printpress/kernels/draw.cpp: `multinomial_one`, `row_argmax`,
-    `exponentials`) are loaded: built on this machine's first draw (about 6 s, then cached); where they cannot be
+    """Whether printpress's exact sampling kernels (printpress/kernels/draw.cpp: `multinomial_one`, `row_argmax`)
+    are loaded: built on this machine's first draw (about 6 s, then cached); where they cannot be
     built, one warning, and ATen's operators draw the same tokens, slower."""
     return native.load("draw.cpp", "draws run through ATen's operators (the same tokens, slower)", lambda: None)
 
@@ -131,11 +138,12 @@ def multinomial_one(probs: torch.Tensor, generator: torch.Generator) -> torch.Te
 
     For one sample, torch.multinomial returns argmax(probs / q) with q ~ Exp(1) from `exponential_`, which computes
     each q one element at a time from a double uniform u as -log1p(-u), then rounds it to float (2.3 ms of a
-    diffusion step's 32 x 4096 draw on one thread). `printpress_draw::multinomial_one` makes the same u, the same
-    floats of them and the same argmax a row at a time in L1 (0.5 ms); without the kernel, the same u come from
-    `uniform_` of doubles (the stream is the same however it is cut) and `exponential_like_torch` makes the floats in
-    ATen's vectorised passes, from four rows of 4096 (2.0 ms). Anything else (other dtypes, devices, or
-    probabilities torch.multinomial would refuse) goes to torch.multinomial itself."""
+    diffusion step's 32 x 4096 draw on one thread). `printpress_draw::multinomial_one` makes the same u and the
+    same argmax a row at a time in L1, taking the logarithm only where an element could hold its row's largest
+    ratio (0.2 ms); without the kernel, the same u come from `uniform_` of doubles (the stream is the same however it
+    is cut) and `exponential_like_torch` makes every float in ATen's vectorised passes, from four rows of 4096 (1.3
+    ms). Anything else (other dtypes, devices, or probabilities torch.multinomial would refuse) goes to
+    torch.multinomial itself."""
     if probs.dtype != torch.float32 or probs.device.type != "cpu" or generator.device.type != "cpu" \
             or not probs.dim() or not probs.numel():
         return _torch_multinomial(probs, generator)
@@ -164,10 +172,7 @@ def exponential_like_torch(uniform: torch.Tensor) -> torch.Tensor:
     `exponential_` uses the scalar libm log1p; torch's vectorised log1p can differ from it in the last bit of the
     double. That changes the float only where a float rounding boundary lies within that bit, so those few
     elements (about 1 in 10**8) are found (their doubles a little above and below round to different floats) and
-    recomputed with the scalar log1p of Python's math module (the same libm). With printpress's draw kernel, its
-    `exponentials` does the same in one pass."""
-    if uniform.dtype == torch.float64 and uniform.device.type == "cpu" and draw_kernels():
-        return torch.ops.printpress_draw.exponentials(uniform)
+    recomputed with the scalar log1p of Python's math module (the same libm)."""
     values = uniform.neg().log1p_().neg_()  # one double buffer, worked in place
     rounded = values.float()
     low = values.mul_(1 - _LOG1P_SLACK).float()

@@ -467,7 +467,7 @@ def test_one_draw_per_row_is_torch_multinomials_and_leaves_the_generator_where_i
     assert torch.equal(ours.get_state(), theirs.get_state())
 
 
-def test_exponentials_are_bit_identical_to_tensor_exponential(draw_path):
+def test_exponentials_are_bit_identical_to_tensor_exponential():
     ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     want = torch.empty(3_000_001).exponential_(generator=theirs)  # an odd count: the vectors' scalar tail too
     uniform = torch.empty(3_000_001, dtype=torch.float64).uniform_(generator=ours)
@@ -487,17 +487,58 @@ def near_rounding_boundaries() -> torch.Tensor:
     return torch.cat([-torch.expm1(-(halfway + k * 2.0**-52 * halfway)) for k in range(-3, 4)])
 
 
-def test_exponentials_near_a_float_rounding_boundary_take_the_scalar_log1p(draw_path):
+def test_exponentials_near_a_float_rounding_boundary_take_the_scalar_log1p():
     uniform = near_rounding_boundaries()
     assert torch.equal(exponential_like_torch(uniform), scalar_exponentials(uniform))
 
 
-def test_a_uniform_of_zero_makes_a_positive_zero(draw_path):
+def test_a_uniform_of_zero_makes_a_positive_zero():
     """u = 0 (one draw in 2**53): -log1p(-0) is +0.0, so a positive probability over it is +inf (the token is
     drawn), as torch.multinomial's division makes it; a -0.0 would make it -inf."""
     uniform = torch.tensor([0.5, 0.0, 0.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1], dtype=torch.float64)
     q = exponential_like_torch(uniform)
     assert torch.equal(q, scalar_exponentials(uniform)) and not torch.signbit(q).any()
+
+
+def draws_as_torch_makes_them(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """torch.multinomial's one draw per row from given uniforms: argmax(p / q), q from the scalar log1p."""
+    return torch.argmax(probs / scalar_exponentials(uniform).view(probs.shape), dim=-1)
+
+
+def test_the_kernel_draws_from_given_uniforms_what_torch_draws_from_them(draw_kernel):
+    """`printpress_draw::multinomial_from_uniforms`, which takes logarithms only where p / u (a bound on p / q)
+    could reach the row's largest ratio: the same index as every ratio computed, on rows built to make the bound
+    mislead (large u, whose bound is loose), exact ties (the first wins), a uniform of 0 over a positive probability
+    (+inf: drawn) and over a zero one (0 / 0 = NaN: drawn, as torch.argmax takes a NaN), and rows of every temper."""
+    generator = torch.Generator().manual_seed(11)
+    rows = []
+    for scale in (0.0, 0.5, 3.0, 12.0):  # flat to peaked
+        rows.append(torch.softmax(scale * torch.randn(8, 4096, generator=generator), dim=-1))
+    probs = torch.cat(rows)
+    uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64)
+    # Row 0: the bound's largest (a large u: a loose bound) is not the draw.
+    probs[0], uniform[0] = 1e-6, 0.5
+    probs[0, 20], uniform[0, 20] = 0.5, 0.9999  # bound 0.5, ratio 0.054
+    probs[0, 10], uniform[0, 10] = 0.01, 0.1  # bound 0.1, ratio 0.095: drawn
+    # Row 1: an exact tie, the later element with the larger bound (p and q both doubled); the first wins.
+    # Row 2: a zero uniform over p > 0. Row 3: over p = 0, beside it.
+    probs[1], uniform[1] = 1.0 / 4096, 0.5
+    uniform[1, 100] = 1e-3
+    probs[1, 3000], uniform[1, 3000] = 2.0 / 4096, -math.expm1(-2 * float(scalar_exponentials(uniform[1, 100:101])))
+    assert scalar_exponentials(uniform[1, 3000:3001]) == 2 * scalar_exponentials(uniform[1, 100:101])
+    uniform[2, 7] = 0.0
+    probs[3, 5], uniform[3, 5], uniform[3, 9] = 0.0, 0.0, 0.0
+    uniform[4, :2000] = 1 - 2.0**-53  # the largest u: q ~ 36.7
+    uniform = uniform.reshape(-1)
+    want = draws_as_torch_makes_them(probs, uniform)
+    assert want[:4].tolist() == [10, 100, 7, 5]
+    assert torch.equal(torch.ops.printpress_draw.multinomial_from_uniforms(probs, uniform), want)
+    near = near_rounding_boundaries()[:4096]  # u where the float of -log1p(-u) needs the last bit of the double
+    flat = torch.full((1, 4096), 1.0 / 4096)
+    assert torch.equal(torch.ops.printpress_draw.multinomial_from_uniforms(flat, near),
+                       draws_as_torch_makes_them(flat, near))
+    with pytest.raises(RuntimeError, match="expects one float64 uniform per probability"):
+        torch.ops.printpress_draw.multinomial_from_uniforms(probs, uniform[1:])
 
 
 @pytest.mark.parametrize("used", [0, 1, 623, 624, 625, 1247])  # 32-bit words already taken: around twists

@@ -1,18 +1,16 @@
-// The exact path's sampling kernels (printpress/sampling.py): ATen's results, bit for bit, in fewer passes.
+// The exact path's sampling kernels (printpress/sampling.py): ATen's results, bit for bit, with less work.
 //
 // `multinomial_one(probs, generator)` draws what torch.multinomial(probs, 1, generator=generator) draws, and leaves
 // the generator where it would. For one sample ATen takes each row's argmax of probs / q, with q ~ Exp(1) from
 // `exponential_`: a double uniform u from two 32-bit words of the generator, then the float of -log1p(-u) with
 // libm's scalar log1p, one element at a time under the generator's lock; then a division and an argmax, each a
 // pass over memory (2.3 ms for a 32 x 4096 canvas on one thread). Here a row at a time, in L1: the generator's
-// words come out in vectorised runs (`Twister`), log1p runs vectorised (SLEEF's, within 1 ulp, linked from
-// libtorch), and the rare element whose double lies so near a float rounding boundary that its last bit could
-// matter (about 1 in 10**8) is recomputed with the scalar log1p. A zero comes out +0.0, as the scalar -log1p(-0.0)
-// does (0 - z is +0.0 for either zero z; a -0.0 would turn a probability over it into -inf instead of +inf).
+// words come out in vectorised runs (`Twister`), and the logarithm is taken, with the same scalar log1p, only for
+// the few elements that could hold the row's largest ratio (`draw_row`).
 //
 // The parts, each its own operator for the tests: `uniform(n, generator)` (what `uniform_` of n doubles makes),
-// `exponentials(u)` (what `exponential_` makes of those u), `row_argmax(x)` (torch.max(x, -1).indices: the first of
-// equal maxima; a NaN counts as the largest).
+// `multinomial_from_uniforms(probs, u)` (the draws from given uniforms), `row_argmax(x)` (torch.max(x, -1).indices:
+// the first of equal maxima; a NaN counts as the largest).
 //
 // Only torch/library.h and ATen's headers, not torch/extension.h: this library is built on a machine's first draw
 // (printpress/native.py), in about 6 s instead of 25.
@@ -32,17 +30,7 @@
 
 #include "argmax.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#include <sleef.h>
-#endif
-
 namespace {
-
-// A double within this relative distance of the true -log1p(-u) rounds to the same float as it unless a float
-// rounding boundary lies in between; SLEEF's u10 log1p is within 1 ulp (2**-52), and the two products below add
-// at most 2**-53 each.
-constexpr double kSlack = 0x1p-50;
 
 inline float exponential_scalar(double u) { return static_cast<float>(-std::log1p(-u)); }
 
@@ -124,37 +112,30 @@ at::CPUGeneratorImpl* cpu_generator(const std::optional<at::Generator>& generato
   return at::check_generator<at::CPUGeneratorImpl>(generator);
 }
 
-// q[0 .. V) = the floats exponential_ makes of u[0 .. V).
-void exponentials(const double* u, float* q, int64_t V) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512d zero = _mm512_setzero_pd(), low = _mm512_set1_pd(1 - kSlack), high = _mm512_set1_pd(1 + kSlack);
-  for (; i + 8 <= V; i += 8) {
-    const __m512d uv = _mm512_loadu_pd(u + i);
-    const __m512d d = _mm512_sub_pd(zero, Sleef_log1pd8_u10avx512f(_mm512_sub_pd(zero, uv)));
-    _mm256_storeu_ps(q + i, _mm512_cvtpd_ps(d));
-    const __m256 below = _mm512_cvtpd_ps(_mm512_mul_pd(d, low)), above = _mm512_cvtpd_ps(_mm512_mul_pd(d, high));
-    unsigned redo = _mm256_movemask_ps(_mm256_cmp_ps(below, above, _CMP_NEQ_UQ));
-    for (; redo; redo &= redo - 1) {
-      const int j = __builtin_ctz(redo);
-      q[i + j] = exponential_scalar(u[i + j]);
+// The index torch.multinomial draws for one row of probabilities p[0 .. V) from the row's uniforms u[0 .. V): the
+// argmax (the first of equal maxima, a NaN first of all) of the ratios r = p / q, q = float(-log1p(-u)) from
+// libm's scalar log1p, as `exponential_` makes it. Since -log1p(-u) >= u, each ratio is at most e = p / float(u)
+// (up to a few float roundings: e >= r (1 - 2**-21)), and e costs a division where q costs a log1p. So: e for the
+// whole row; r exactly at e's largest, m; then r exactly only where e >= r_m (1 - 2**-20), which every element whose
+// ratio reaches r_m passes; the first largest of those is the row's draw. Few pass (those whose u is small for
+// their p), so few logarithms are taken. A NaN ratio (u = 0 and p = 0: 0 / 0) is exactly a NaN e, and is the draw.
+int64_t draw_row(const float* p, const double* u, int64_t V, float* e) {
+  for (int64_t i = 0; i < V; ++i) e[i] = p[i] / static_cast<float>(u[i]);
+  const int64_t m = argmax_of(e, V);
+  if (std::isnan(e[m])) return m;
+  float best = p[m] / exponential_scalar(u[m]);
+  const float threshold = best * (1.0f - 0x1p-20f);
+  int64_t index = m;
+  for (int64_t i = 0; i < V; ++i) {
+    if (e[i] >= threshold && i != m) {
+      const float r = p[i] / exponential_scalar(u[i]);
+      if (r > best || (r == best && i < index)) {
+        best = r;
+        index = i;
+      }
     }
   }
-#elif defined(__AVX2__)
-  const __m256d zero = _mm256_setzero_pd(), low = _mm256_set1_pd(1 - kSlack), high = _mm256_set1_pd(1 + kSlack);
-  for (; i + 4 <= V; i += 4) {
-    const __m256d uv = _mm256_loadu_pd(u + i);
-    const __m256d d = _mm256_sub_pd(zero, Sleef_log1pd4_u10avx2(_mm256_sub_pd(zero, uv)));
-    _mm_storeu_ps(q + i, _mm256_cvtpd_ps(d));
-    const __m128 below = _mm256_cvtpd_ps(_mm256_mul_pd(d, low)), above = _mm256_cvtpd_ps(_mm256_mul_pd(d, high));
-    unsigned redo = _mm_movemask_ps(_mm_cmp_ps(below, above, _CMP_NEQ_UQ));
-    for (; redo; redo &= redo - 1) {
-      const int j = __builtin_ctz(redo);
-      q[i + j] = exponential_scalar(u[i + j]);
-    }
-  }
-#endif
-  for (; i < V; ++i) q[i] = exponential_scalar(u[i]);
+  return index;
 }
 
 at::Tensor indices_like(const at::Tensor& x) {
@@ -173,11 +154,20 @@ at::Tensor row_argmax(const at::Tensor& x) {
   return out;
 }
 
-at::Tensor exponentials_of(const at::Tensor& uniform) {
-  TORCH_CHECK(uniform.scalar_type() == at::kDouble, "printpress_draw::exponentials expects float64 uniforms");
+at::Tensor multinomial_from_uniforms(const at::Tensor& probs, const at::Tensor& uniform) {
+  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() >= 1 && probs.size(-1) > 0,
+              "printpress_draw::multinomial_from_uniforms expects float32 probabilities whose last dimension is not "
+              "empty");
+  TORCH_CHECK(uniform.scalar_type() == at::kDouble && uniform.numel() == probs.numel(),
+              "printpress_draw::multinomial_from_uniforms expects one float64 uniform per probability");
+  const auto pc = probs.contiguous();
   const auto uc = uniform.contiguous();
-  auto out = at::empty(uniform.sizes(), uniform.options().dtype(at::kFloat));
-  exponentials(uc.data_ptr<double>(), out.data_ptr<float>(), uc.numel());
+  const int64_t V = probs.size(-1), rows = pc.numel() / V;
+  auto out = indices_like(probs);
+  int64_t* index = out.data_ptr<int64_t>();
+  std::vector<float> e(V);
+  for (int64_t r = 0; r < rows; ++r)
+    index[r] = draw_row(pc.data_ptr<float>() + r * V, uc.data_ptr<double>() + r * V, V, e.data());
   return out;
 }
 
@@ -197,17 +187,13 @@ at::Tensor multinomial_one(const at::Tensor& probs, const std::optional<at::Gene
   auto out = indices_like(probs);
   const float* p = pc.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
-  std::vector<double> u(V);  // a row's uniforms and its ratios stay in L1 (4096 tokens: 48 KiB)
-  std::vector<float> ratio(V);
+  std::vector<double> u(V);  // a row's uniforms and bounds stay in L1 (4096 tokens: 48 KiB)
+  std::vector<float> e(V);
   std::vector<uint32_t> words;
   Twister twister(cpu_generator(generator));
   for (int64_t r = 0; r < rows; ++r) {
     twister.uniforms(u.data(), V, words);
-    float* q = ratio.data();
-    exponentials(u.data(), q, V);
-    const float* row = p + r * V;
-    for (int64_t i = 0; i < V; ++i) q[i] = row[i] / q[i];
-    index[r] = argmax_of(q, V);
+    index[r] = draw_row(p + r * V, u.data(), V, e.data());
   }
   return out;
 }
@@ -216,13 +202,13 @@ at::Tensor multinomial_one(const at::Tensor& probs, const std::optional<at::Gene
 
 TORCH_LIBRARY(printpress_draw, m) {
   m.def("row_argmax(Tensor x) -> Tensor");
-  m.def("exponentials(Tensor uniform) -> Tensor");
+  m.def("multinomial_from_uniforms(Tensor probs, Tensor uniform) -> Tensor");
   m.def("uniform(int n, Generator? generator) -> Tensor", &uniform);  // no tensor to dispatch on: one kernel
   m.def("multinomial_one(Tensor probs, Generator? generator) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(printpress_draw, CPU, m) {
   m.impl("row_argmax", &row_argmax);
-  m.impl("exponentials", &exponentials_of);
+  m.impl("multinomial_from_uniforms", &multinomial_from_uniforms);
   m.impl("multinomial_one", &multinomial_one);
 }
