@@ -75,8 +75,14 @@ def load_options(args: argparse.Namespace) -> dict:
 
 
 def warm_up(pipe, args: argparse.Namespace) -> None:
-    """With --compile, compile what the first requests would before taking any (`Pipeline.warm_up`), saying so on
-    stderr: a server's or a chat's first answers then come at the compiled passes' speed."""
+    """Before a server's or a chat's first request: on a CPU, load printpress's draw kernel (built on a machine's
+    first use, about 6 s: `sampling.draw_kernels`); with --compile, compile what the first requests would
+    (`Pipeline.warm_up`), saying so on stderr. The first answers then come at full speed."""
+    from printpress.request import model_device
+    from printpress.sampling import draw_kernels
+
+    if model_device(pipe.model).type == "cpu":
+        draw_kernels()
     if args.compile is None:
         return
     import time
