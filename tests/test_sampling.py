@@ -509,7 +509,8 @@ def test_the_kernel_draws_from_given_uniforms_what_torch_draws_from_them(draw_ke
     """`printpress_draw::multinomial_from_uniforms`, which takes logarithms only where p / u (a bound on p / q)
     could reach the row's largest ratio: the same index as every ratio computed, on rows built to make the bound
     mislead (large u, whose bound is loose), exact ties (the first wins), a uniform of 0 over a positive probability
-    (+inf: drawn) and over a zero one (0 / 0 = NaN: drawn, as torch.argmax takes a NaN), and rows of every temper."""
+    (+inf: drawn) and over a zero one (0 / 0 = NaN: drawn, as torch.argmax takes a NaN), weights whose ratios pass
+    float's range, and rows of every temper."""
     generator = torch.Generator().manual_seed(11)
     rows = []
     for scale in (0.0, 0.5, 3.0, 12.0):  # flat to peaked
@@ -529,9 +530,14 @@ def test_the_kernel_draws_from_given_uniforms_what_torch_draws_from_them(draw_ke
     uniform[2, 7] = 0.0
     probs[3, 5], uniform[3, 5], uniform[3, 9] = 0.0, 0.0, 0.0
     uniform[4, :2000] = 1 - 2.0**-53  # the largest u: q ~ 36.7
+    # Row 5: unnormalised weights near float's largest (torch.multinomial takes weights): ratios past its range are
+    # +inf, the first of them drawn, though a later one has the larger bound.
+    probs[5, 40], uniform[5, 40] = 3.4e38, 0.9  # ratio 1.48e38
+    probs[5, 41], uniform[5, 41] = 3.4e38, 0.4  # ratio 6.7e38: inf
+    probs[5, 42], uniform[5, 42] = 3.4e38, 1e-3  # inf, bound inf
     uniform = uniform.reshape(-1)
     want = draws_as_torch_makes_them(probs, uniform)
-    assert want[:4].tolist() == [10, 100, 7, 5]
+    assert want[:4].tolist() == [10, 100, 7, 5] and want[5] == 41
     assert torch.equal(torch.ops.printpress_draw.multinomial_from_uniforms(probs, uniform), want)
     near = near_rounding_boundaries()[:4096]  # u where the float of -log1p(-u) needs the last bit of the double
     flat = torch.full((1, 4096), 1.0 / 4096)

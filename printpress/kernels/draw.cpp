@@ -118,11 +118,16 @@ at::CPUGeneratorImpl* cpu_generator(const std::optional<at::Generator>& generato
 // (up to a few float roundings: e >= r (1 - 2**-21)), and e costs a division where q costs a log1p. So: e for the
 // whole row; r exactly at e's largest, m; then r exactly only where e >= r_m (1 - 2**-20), which every element whose
 // ratio reaches r_m passes; the first largest of those is the row's draw. Few pass (those whose u is small for
-// their p), so few logarithms are taken. A NaN ratio (u = 0 and p = 0: 0 / 0) is exactly a NaN e, and is the draw.
+// their p), so few logarithms are taken. A NaN ratio (u = 0 and p = 0: 0 / 0) is exactly a NaN e, and is the draw;
+// where the largest e is infinite, the bound says nothing, and every ratio is computed.
 int64_t draw_row(const float* p, const double* u, int64_t V, float* e) {
   for (int64_t i = 0; i < V; ++i) e[i] = p[i] / static_cast<float>(u[i]);
   const int64_t m = argmax_of(e, V);
   if (std::isnan(e[m])) return m;
+  if (std::isinf(e[m])) {  // a zero u under p > 0 (one draw in 2**53), or weights past float's range: every ratio
+    for (int64_t i = 0; i < V; ++i) e[i] = p[i] / exponential_scalar(u[i]);
+    return argmax_of(e, V);
+  }
   float best = p[m] / exponential_scalar(u[m]);
   const float threshold = best * (1.0f - 0x1p-20f);
   int64_t index = m;
