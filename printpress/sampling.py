@@ -138,19 +138,20 @@ def multinomial_one(probs: torch.Tensor, generator: torch.Generator) -> torch.Te
 
     For one sample, torch.multinomial returns argmax(probs / q) with q ~ Exp(1) from `exponential_`, which computes
     each q one element at a time from a double uniform u as -log1p(-u), then rounds it to float (2.3 ms of a
-    diffusion step's 32 x 4096 draw on one thread). `printpress_draw::multinomial_one` makes the same u and the
-    same argmax a row at a time in L1, taking the logarithm only where an element could hold its row's largest
-    ratio (0.2 ms); without the kernel, the same u come from `uniform_` of doubles (the stream is the same however it
-    is cut) and `exponential_like_torch` makes every float in ATen's vectorised passes, from four rows of 4096 (1.3
-    ms). Anything else (other dtypes, devices, or probabilities torch.multinomial would refuse) goes to
-    torch.multinomial itself."""
+    diffusion step's 32 x 4096 draw on one thread). `printpress_draw::multinomial_one` checks the probabilities as
+    torch.multinomial does, then makes the same u and the same argmax a row at a time in L1, taking the logarithm
+    only where an element could hold its row's largest ratio (0.2 ms); without the kernel, the same u come from
+    `uniform_` of doubles (the stream is the same however it is cut) and `exponential_like_torch` makes every float
+    in ATen's vectorised passes, from four rows of 4096 (1.3 ms). Anything else (other dtypes, devices, or
+    probabilities torch.multinomial would refuse) goes to torch.multinomial itself."""
     if probs.dtype != torch.float32 or probs.device.type != "cpu" or generator.device.type != "cpu" \
             or not probs.dim() or not probs.numel():
         return _torch_multinomial(probs, generator)
     if draw_kernels():
-        if not _valid_probabilities(probs):
+        try:
+            return torch.ops.printpress_draw.multinomial_one(probs, generator)
+        except RuntimeError:  # refused before drawing: torch.multinomial says what is wrong with the probabilities
             return _torch_multinomial(probs, generator)
-        return torch.ops.printpress_draw.multinomial_one(probs, generator)
     if probs.numel() <= _DIRECT_MAX or not _valid_probabilities(probs):
         return _torch_multinomial(probs, generator)
     q = torch.empty_like(probs, memory_format=torch.contiguous_format)

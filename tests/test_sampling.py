@@ -585,13 +585,19 @@ def test_the_argmax_kernel_picks_what_torch_max_picks(draw_kernel):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
-def test_probabilities_torch_would_refuse_get_its_error(bad):
-    probs = torch.full((2, 8), 1 / 8)
+def test_probabilities_torch_would_refuse_get_its_error(draw_path, bad):
+    """Refused before anything is drawn (the generator has not moved), with torch.multinomial's own message."""
+    probs = torch.full((2, 4096), 1 / 4096)
     probs[1, 3] = bad
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
     with pytest.raises(RuntimeError, match="probability tensor contains"):
-        multinomial_one(probs, torch.Generator().manual_seed(0))
+        multinomial_one(probs, generator)
+    zero_row = torch.full((2, 4096), 1 / 4096)
+    zero_row[1] = 0
     with pytest.raises(RuntimeError, match="invalid multinomial distribution"):
-        multinomial_one(torch.zeros(2, 8), torch.Generator().manual_seed(0))
+        multinomial_one(zero_row, generator)
+    assert torch.equal(generator.get_state(), state)
 
 
 def test_other_dtypes_are_drawn_by_torch_multinomial_itself():

@@ -24,6 +24,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -192,6 +193,17 @@ at::Tensor multinomial_one(const at::Tensor& probs, const std::optional<at::Gene
   auto out = indices_like(probs);
   const float* p = pc.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
+  // What torch.multinomial accepts (every weight finite and >= 0, each row with one above 0), checked before the
+  // generator moves; anything else is refused for the caller to hand to torch.multinomial, which says what is wrong.
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = p + r * V;
+    int bad = 0, positive = 0;
+    for (int64_t i = 0; i < V; ++i) {  // counts, so that the loop vectorises
+      bad += !(row[i] >= 0.0f) | (row[i] > std::numeric_limits<float>::max());  // a NaN fails the first
+      positive += row[i] > 0.0f;
+    }
+    TORCH_CHECK(bad == 0 && positive > 0, "printpress_draw::multinomial_one: probabilities torch.multinomial refuses");
+  }
   std::vector<double> u(V);  // a row's uniforms and bounds stay in L1 (4096 tokens: 48 KiB)
   std::vector<float> e(V);
   std::vector<uint32_t> words;
