@@ -139,7 +139,7 @@ def multinomial_one(probs: torch.Tensor, generator: torch.Generator) -> torch.Te
     For one sample, torch.multinomial returns argmax(probs / q) with q ~ Exp(1) from `exponential_`, which computes
     each q one element at a time from a double uniform u as -log1p(-u), then rounds it to float (2.3 ms of a
     diffusion step's 32 x 4096 draw on one thread). `printpress_draw::multinomial_one` checks the probabilities as
-    torch.multinomial does, then makes the same u and the same argmax a row at a time in L1, taking the logarithm
+    torch.multinomial does, then makes the same u and the same argmax a row at a time in cache, taking the logarithm
     only where an element could hold its row's largest ratio (0.2 ms); without the kernel, the same u come from
     `uniform_` of doubles (the stream is the same however it is cut) and `exponential_like_torch` makes every float
     in ATen's vectorised passes, from four rows of 4096 (1.3 ms). Anything else (other dtypes, devices, or

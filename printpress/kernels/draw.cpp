@@ -4,7 +4,7 @@
 // the generator where it would. For one sample ATen takes each row's argmax of probs / q, with q ~ Exp(1) from
 // `exponential_`: a double uniform u from two 32-bit words of the generator, then the float of -log1p(-u) with
 // libm's scalar log1p, one element at a time under the generator's lock; then a division and an argmax, each a
-// pass over memory (2.3 ms for a 32 x 4096 canvas on one thread). Here a row at a time, in L1: the generator's
+// pass over memory (2.3 ms for a 32 x 4096 canvas on one thread). Here a row at a time, in cache: the generator's
 // words come out in vectorised runs (`Twister`), and the logarithm is taken, with the same scalar log1p, only for
 // the few elements that could hold the row's largest ratio (`draw_row`).
 //
@@ -204,7 +204,7 @@ at::Tensor multinomial_one(const at::Tensor& probs, const std::optional<at::Gene
     }
     TORCH_CHECK(bad == 0 && positive > 0, "printpress_draw::multinomial_one: probabilities torch.multinomial refuses");
   }
-  std::vector<double> u(V);  // a row's uniforms and bounds stay in L1 (4096 tokens: 48 KiB)
+  std::vector<double> u(V);  // a row's words, uniforms and bounds stay in cache (4096 tokens: 80 KiB)
   std::vector<float> e(V);
   std::vector<uint32_t> words;
   Twister twister(cpu_generator(generator));
