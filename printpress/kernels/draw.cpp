@@ -144,37 +144,40 @@ int64_t draw_row(const float* p, const double* u, int64_t V, float* e) {
   return index;
 }
 
-at::Tensor indices_like(const at::Tensor& x) {
-  return at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+// An operator's float32 input taken as rows of its last dimension, with the index tensor its rows fill.
+struct Rows {
+  at::Tensor data;  // contiguous
+  int64_t V, count;
+  at::Tensor index;  // (...,) int64: the input's shape without its last dimension
+};
+
+Rows float_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0, "printpress_draw::", what,
+              " expects a float32 tensor whose last dimension is not empty");
+  auto data = x.contiguous();
+  const int64_t V = x.size(-1);
+  return {data, V, data.numel() / V, at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong))};
 }
 
 at::Tensor row_argmax(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0,
-              "printpress_draw::row_argmax expects a float32 tensor whose last dimension is not empty");
-  const auto xc = x.contiguous();
-  const int64_t V = x.size(-1), rows = xc.numel() / V;
-  auto out = indices_like(x);
-  const float* data = xc.data_ptr<float>();
-  int64_t* index = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) index[r] = argmax_of(data + r * V, V);
-  return out;
+  const Rows rows = float_rows(x, "row_argmax");
+  const float* data = rows.data.data_ptr<float>();
+  int64_t* index = rows.index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows.count; ++r) index[r] = argmax_of(data + r * rows.V, rows.V);
+  return rows.index;
 }
 
 at::Tensor multinomial_from_uniforms(const at::Tensor& probs, const at::Tensor& uniform) {
-  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() >= 1 && probs.size(-1) > 0,
-              "printpress_draw::multinomial_from_uniforms expects float32 probabilities whose last dimension is not "
-              "empty");
+  const Rows rows = float_rows(probs, "multinomial_from_uniforms");
   TORCH_CHECK(uniform.scalar_type() == at::kDouble && uniform.numel() == probs.numel(),
               "printpress_draw::multinomial_from_uniforms expects one float64 uniform per probability");
-  const auto pc = probs.contiguous();
   const auto uc = uniform.contiguous();
-  const int64_t V = probs.size(-1), rows = pc.numel() / V;
-  auto out = indices_like(probs);
-  int64_t* index = out.data_ptr<int64_t>();
-  std::vector<float> e(V);
-  for (int64_t r = 0; r < rows; ++r)
-    index[r] = draw_row(pc.data_ptr<float>() + r * V, uc.data_ptr<double>() + r * V, V, e.data());
-  return out;
+  const float* p = rows.data.data_ptr<float>();
+  const double* u = uc.data_ptr<double>();
+  int64_t* index = rows.index.data_ptr<int64_t>();
+  std::vector<float> e(rows.V);
+  for (int64_t r = 0; r < rows.count; ++r) index[r] = draw_row(p + r * rows.V, u + r * rows.V, rows.V, e.data());
+  return rows.index;
 }
 
 at::Tensor uniform(int64_t n, const std::optional<at::Generator>& generator) {
@@ -186,16 +189,13 @@ at::Tensor uniform(int64_t n, const std::optional<at::Generator>& generator) {
 }
 
 at::Tensor multinomial_one(const at::Tensor& probs, const std::optional<at::Generator>& generator) {
-  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() >= 1 && probs.size(-1) > 0,
-              "printpress_draw::multinomial_one expects float32 probabilities whose last dimension is not empty");
-  const auto pc = probs.contiguous();
-  const int64_t V = probs.size(-1), rows = pc.numel() / V;
-  auto out = indices_like(probs);
-  const float* p = pc.data_ptr<float>();
-  int64_t* index = out.data_ptr<int64_t>();
+  const Rows rows = float_rows(probs, "multinomial_one");
+  const int64_t V = rows.V;
+  const float* p = rows.data.data_ptr<float>();
+  int64_t* index = rows.index.data_ptr<int64_t>();
   // What torch.multinomial accepts (every weight finite and >= 0, each row with one above 0), checked before the
   // generator moves; anything else is refused for the caller to hand to torch.multinomial, which says what is wrong.
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows.count; ++r) {
     const float* row = p + r * V;
     int bad = 0, positive = 0;
     for (int64_t i = 0; i < V; ++i) {  // counts, so that the loop vectorises
@@ -208,11 +208,11 @@ at::Tensor multinomial_one(const at::Tensor& probs, const std::optional<at::Gene
   std::vector<float> e(V);
   std::vector<uint32_t> words;
   Twister twister(cpu_generator(generator));
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows.count; ++r) {
     twister.uniforms(u.data(), V, words);
     index[r] = draw_row(p + r * V, u.data(), V, e.data());
   }
-  return out;
+  return rows.index;
 }
 
 }  // namespace
