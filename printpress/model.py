@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from printpress import native
 from printpress.cache import KVCache
 from printpress.config import FULL, SLIDING, LayerSpec, TextConfig
 
@@ -209,7 +210,7 @@ def static_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
         rows = x.repeat_interleave(k, dim=0)[:, :, None]  # (n*k, H, 1)
         gate, up = torch.bmm(gate_up_proj[chosen], rows).squeeze(-1).chunk(2, dim=-1)
         out = torch.bmm(down_proj[chosen], (act(gate) * up)[:, :, None]).view(n, k, -1)
-    elif (code := ROUTED_ACTIVATIONS.get(act)) is not None and fast.routed_experts_wanted(x, weights, gate_up_proj,
+    elif (code := ACTIVATION_CODES.get(act)) is not None and fast.routed_experts_wanted(x, weights, gate_up_proj,
                                                                                           down_proj):
         # Each expert on its own tokens (printpress/kernels/rows_linear.cpp): half the products of the dense path.
         return fast.routed_experts_op()(x, weights, experts, gate_up_proj, down_proj, code, fast.rows_linear_max_rows())
@@ -220,8 +221,9 @@ def static_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     return (out * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
-# The activations printpress_fast::routed_experts computes itself, by its code for them.
-ROUTED_ACTIVATIONS = {gelu_tanh: 0, F.gelu: 1, F.silu: 2}
+# The activations printpress's C++ operators know, by their code for them (printpress_fast::routed_experts computes
+# them itself; printpress_layers calls ATen's).
+ACTIVATION_CODES = {gelu_tanh: 0, F.gelu: 1, F.silu: 2}
 
 
 def rope_inv_freq(config: TextConfig, spec: LayerSpec) -> torch.Tensor:
@@ -302,6 +304,75 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(b * t, -1)
 
 
+# -- the exact layers in C++ (printpress/kernels/layers.cpp) ----------------------------------------------------
+#
+# `Layer.attention_inputs` and `Layer.after_attention` are ~35 and ~75 small ATen operators each; with gradients off
+# (inference), outside compiled graphs, printpress_layers runs the same operators from C++ in the same order, so the
+# same bits without the Python between them. `NATIVE_LAYERS = False` turns it off (the tests compare both sides).
+NATIVE_LAYERS = True
+
+# Bumped whenever a module registers a submodule, a parameter or a buffer (a quantized linear swapped in, a new
+# weight assigned) and whenever a layer's tensors are converted or moved (`Layer._apply`): a layer's plan (the list of
+# its weights it hands the C++ operators) is remade when the generation it was made in has passed.
+_generation = 0
+
+
+def _bump_generation(*_args) -> None:
+    global _generation
+    _generation += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_bump_generation)
+torch.nn.modules.module.register_module_parameter_registration_hook(_bump_generation)
+torch.nn.modules.module.register_module_buffer_registration_hook(_bump_generation)
+
+
+def native_layers() -> bool:
+    """Whether printpress_layers is loaded (built on a machine's first inference pass, ~10 s, then cached)."""
+    return native.load("layers.cpp", "the layers run through Python (the same numbers, slower)", lambda: None)
+
+
+@dataclass
+class NativePlan:
+    """What a layer hands printpress_layers: its weights in the operators' order, and its sizes."""
+
+    generation: int
+    attention: list[torch.Tensor]
+    after_decoder: list[torch.Tensor]
+    after_encoder: list[torch.Tensor]
+    head_dim: int
+    eps: float
+    top_k: int
+    root_size: float
+    act: int
+
+
+def native_plan(layer: Layer) -> NativePlan | None:
+    """The layer's plan, or None where the C++ layers cannot stand in for the Python methods (another module
+    swapped in, a bias, an activation they do not know, norms with different eps, the library not built)."""
+    attn, mlp, router, experts = layer.self_attn, layer.mlp, layer.router, layer.experts
+    linears = [attn.q_proj, attn.k_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, router.proj]
+    linears += [] if attn.v_proj is None else [attn.v_proj]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+             layer.post_feedforward_layernorm, layer.post_feedforward_layernorm_1, layer.pre_feedforward_layernorm_2,
+             layer.post_feedforward_layernorm_2, attn.q_norm, attn.k_norm, attn.v_norm, router.norm]
+    act = ACTIVATION_CODES.get(mlp.act)
+    if (any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears)
+            or any(type(norm) is not RMSNorm for norm in norms) or type(experts) is not Experts
+            or act is None or ACTIVATION_CODES.get(experts.act) != act or len({norm.eps for norm in norms}) != 1
+            or attn.v_norm.weight is not None or router.norm.weight is not None or not native_layers()):
+        return None
+    attention = [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.q_norm.weight,
+                 attn.k_norm.weight] + ([] if attn.v_proj is None else [attn.v_proj.weight])
+    after = [attn.o_proj.weight, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, layer.post_feedforward_layernorm_1.weight,
+             router.scale, router.proj.weight, router.per_expert_scale, layer.pre_feedforward_layernorm_2.weight,
+             experts.gate_up_proj, experts.down_proj, layer.post_feedforward_layernorm_2.weight,
+             layer.post_feedforward_layernorm.weight]
+    return NativePlan(_generation, attention, after + [layer.layer_scalar], after + [layer.encoder_layer_scalar],
+                      attn.head_dim, layer.input_layernorm.eps, router.top_k, router.root_size, act)
+
+
 class Layer(nn.Module):
     def __init__(self, config: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
@@ -320,6 +391,20 @@ class Layer(nn.Module):
         # The checkpoint stores a scalar per mode; they are equal in released weights but kept apart to be exact.
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
+        self._native: NativePlan | None | bool = False  # `native_plan(self)` once made (None: not possible)
+
+    def _apply(self, fn, recurse=True):
+        _bump_generation()  # the tensors a plan holds may be replaced (buffers are, on a dtype or device change)
+        return super()._apply(fn, recurse)
+
+    def _plan(self) -> NativePlan | None:
+        """The C++ layers' plan, where they stand in for the Python methods now (gradients off, not compiling)."""
+        if not NATIVE_LAYERS or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        plan = self._native
+        if plan is False or (plan is not None and plan.generation != _generation):
+            plan = self._native = native_plan(self)
+        return plan
 
     def forward(self, x, shape: tuple[int, int], rope, mask, kv_fn, encoder: bool | torch.Tensor) -> torch.Tensor:
         """One layer over x (B*T, H), the rows of `shape` = (B, T) sequences. Rows, not (B, T, H): every linear
@@ -332,11 +417,20 @@ class Layer(nn.Module):
 
     def attention_inputs(self, x: torch.Tensor, shape: tuple[int, int], rope: tuple[torch.Tensor, torch.Tensor]):
         """Queries, keys and values of the layer's input (the part before the cache is read)."""
+        plan = self._plan()
+        if plan is not None:
+            return torch.ops.printpress_layers.attention_inputs(x, plan.attention, shape[0], shape[1], plan.head_dim,
+                                                                plan.eps, rope[0], rope[1])
         return self.self_attn.project(self.input_layernorm(x), shape, rope)
 
     def after_attention(self, x: torch.Tensor, attended: torch.Tensor, shape: tuple[int, int],
                         encoder: bool | torch.Tensor) -> torch.Tensor:
         """The rest of the layer, from the attention output (before `o_proj`): per token, no cache."""
+        plan = None if isinstance(encoder, torch.Tensor) else self._plan()
+        if plan is not None:
+            return torch.ops.printpress_layers.after_attention(
+                x, attended, plan.after_encoder if encoder else plan.after_decoder, plan.top_k, plan.root_size,
+                plan.eps, plan.act)
         x = x + self.post_attention_layernorm(self.self_attn.o_proj(attended))
         # The dense MLP, the experts and the router each norm this same x: normalize once, weight three times.
         normalized = rms_normalize(x, self.pre_feedforward_layernorm.eps)

@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
 
+# Flags beyond -O3 -march=native, per source. layers.cpp gives ATen's bits, so no multiply and add may become one
+# fused multiply-add (GCC contracts them by default).
+CFLAGS = {"layers.cpp": ["-ffp-contract=off"]}
+
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # source file name -> whether it loaded in this process
 
@@ -71,8 +75,8 @@ def _build(source: str, fallback: str) -> bool:
     name = library_name(KERNELS / source)
     logger.info("loading the kernel %s (compiled on first use, then cached)", name)
     try:
-        cpp_extension.load(name=name, sources=[str(KERNELS / source)], extra_cflags=["-O3", "-march=native"],
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(name=name, sources=[str(KERNELS / source)], is_python_module=False, verbose=False,
+                           extra_cflags=["-O3", "-march=native", *CFLAGS.get(source, [])])
     except Exception as error:  # noqa: BLE001 - any build failure means "run the fallback"
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
         logger.warning("the kernel %s could not be built (%s: %s); %s", source, type(error).__name__, first_line,

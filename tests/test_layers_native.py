@@ -1,0 +1,143 @@
+"""printpress_layers (printpress/kernels/layers.cpp): the exact layers from C++ give the Python layers' bits.
+
+The reference parity tests (test_model.py, test_parity_random.py) run through the C++ layers wherever they can be
+built; here both sides of `model.NATIVE_LAYERS` run the same passes and must agree bit for bit: every tiny
+architecture, fp32 and bf16, each activation, padded batches, canvases with self-conditioning and one-token AR steps
+(the experts' one-row path), and after the model's weights, modules or dtype change under a plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_CONFIGS
+from torch import nn
+
+import printpress.model as model_module
+from printpress.config import TextConfig
+from printpress.model import DiffusionGemma, NativePlan, native_layers
+from printpress.quantize import quantize_model
+
+
+@pytest.fixture(autouse=True)
+def native(monkeypatch):
+    if not native_layers():
+        pytest.skip("no C++ compiler for printpress's layers on this machine")
+    monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
+
+
+def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides) -> DiffusionGemma:
+    torch.manual_seed(3)
+    model = DiffusionGemma(TextConfig(**dict(TINY_CONFIGS[name], **overrides))).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.uniform_(0.5, 1.5)  # norms and scales that are not ones, so a misplaced one shows
+        for layer in model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+            layer.encoder_layer_scalar.uniform_(0.5, 1.5)
+    return model.to(dtype).requires_grad_(False)
+
+
+def passes(model: DiffusionGemma) -> list[torch.Tensor]:
+    """Logits of a left-padded prompt batch, two canvases after it (the second self-conditioned), a few one-token AR
+    steps of one row, and a decoder pass after them."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, vocab, (2, 11), generator=g)
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[1, :4] = False
+    canvas = torch.randint(3, vocab, (2, 8), generator=g)
+    with torch.no_grad():
+        cache = model.new_cache(2, 40)
+        out = [model.encode(ids, cache, attention_mask=mask)]
+        out.append(model.denoise(canvas, cache))
+        out.append(model.denoise(canvas, cache, self_conditioning_logits=3 * out[-1]))
+        row = model.new_cache(1, 40)
+        out.append(model.encode(ids[:1, :9], row))
+        out += [model.encode(ids[:1, i : i + 1], row, logits="last") for i in range(9, 11)]
+        out.append(model.denoise(canvas[:1], row))
+    return out
+
+
+def both_sides(model: DiffusionGemma, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    native_out = passes(model)
+    assert all(isinstance(layer._native, NativePlan) for layer in model.layers)  # the C++ layers ran
+    monkeypatch.setattr(model_module, "NATIVE_LAYERS", False)
+    python_out = passes(model)
+    monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
+    return native_out, python_out
+
+
+def assert_bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for index, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"pass {index}: largest difference {(x - y).abs().max()}"
+
+
+# bf16 where ATen's grouped product takes the experts' widths (its rows must be multiples of 16 bytes: not
+# default_pattern's 12 bf16 values, in C++ or in Python).
+@pytest.mark.parametrize(("name", "dtype"), [(name, torch.float32) for name in TINY_CONFIGS] + [
+    (name, torch.bfloat16) for name in TINY_CONFIGS if TINY_CONFIGS[name]["moe_intermediate_size"] % 8 == 0])
+def test_the_cpp_layers_give_the_python_layers_bits(name, dtype, monkeypatch):
+    assert_bit_equal(*both_sides(tiny_model(name, dtype), monkeypatch))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_every_activation(activation, monkeypatch):
+    assert_bit_equal(*both_sides(tiny_model("gqa", hidden_activation=activation), monkeypatch))
+
+
+def test_a_plan_follows_its_model_when_weights_modules_or_dtype_change(monkeypatch):
+    model = tiny_model("gqa")
+    passes(model)  # the plans are made
+    first = model.layers[0]._native
+    model.to(torch.bfloat16)  # the layer scalars are new buffer tensors now
+    assert_bit_equal(*both_sides(model, monkeypatch))
+    assert model.layers[0]._native is not first
+    model.float()
+    layer = model.layers[1]
+    replacement = nn.Linear(*reversed(layer.self_attn.o_proj.weight.shape), bias=False)  # made before the plans
+    passes(model)
+    layer.post_feedforward_layernorm.weight = nn.Parameter(torch.full_like(layer.post_feedforward_layernorm.weight, 2))
+    assert_bit_equal(*both_sides(model, monkeypatch))
+    passes(model)
+    layer.self_attn.o_proj = replacement
+    assert_bit_equal(*both_sides(model, monkeypatch))
+
+
+def test_layers_the_cpp_operators_do_not_cover_run_in_python():
+    """A quantized model's int8 modules, and passes that record gradients (training), take the Python methods."""
+    model = tiny_model("gqa")
+    passes(model)
+    quantize_model(model, kernel=False)
+    passes(model)
+    assert all(layer._native is None for layer in model.layers)
+
+    model = tiny_model("gqa").requires_grad_(True)
+    cache = model.new_cache(1, 16)
+    logits = model.encode(torch.randint(3, model.config.vocab_size, (1, 6)), cache)
+    assert all(layer._plan() is None for layer in model.layers)
+    logits.sum().backward()
+    assert model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_the_one_loop_norm_holds_on_this_cpu_and_gives_atens_bits():
+    """The float32 RMS norm in one loop (ATen's summation order, `rms_rows`): its self-check against ATen passes on
+    x86 CPUs, where ATen's sums run 8 float lanes (its AVX2 kernel, also on AVX-512 CPUs); and it gives
+    `RMSNorm`'s bits for rows of every length around the lane and level boundaries, with and without a weight.
+    Inputs it does not take (bf16, a strided view) give ATen's bits through ATen's operators."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert torch.ops.printpress_layers.fused_norm_width() == 8
+    g = torch.Generator().manual_seed(0)
+    for n in [1, 5, 8, 9, 31, 32, 33, 64, 192, 1023, 1024, 1025, 4100, 16400]:
+        norm = model_module.RMSNorm(n, 1e-6)
+        norm.weight.data.uniform_(0.5, 1.5, generator=g)
+        x = torch.randn(3, n, generator=g) * torch.logspace(-6, 6, n)
+        for weight in (norm.weight, None):
+            expected = norm(x) if weight is not None else model_module.rms_normalize(x, 1e-6)
+            got = torch.ops.printpress_layers.rms_norm(x, weight, 1e-6)
+            assert torch.equal(got, expected), n
+    x = torch.randn(4, 6, 64, generator=g)
+    norm = model_module.RMSNorm(64, 1e-6)
+    for value in (x.bfloat16(), x.transpose(0, 1)):
+        assert torch.equal(torch.ops.printpress_layers.rms_norm(value, norm.weight, 1e-6), norm(value))
