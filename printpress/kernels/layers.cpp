@@ -1,16 +1,21 @@
-// The exact path's layers in C++ (printpress/model.py, `Layer.attention_inputs` and `Layer.after_attention`): the
-// same ATen operators, on the same tensors, in the same order as the Python methods, so the same bits; only the
-// Python around each operator is gone. A decoder pass over a canvas of 32 on the shipped model runs ~700 small
-// operators, and Python spent about as long dispatching them as ATen spent computing everything but the products.
+// The exact path's layers in C++ (printpress/model.py, `Layer.attention_inputs` and `Layer.after_attention`): the same
+// numbers as the Python methods, bit for bit, without the Python between their ~110 small operators per layer. A
+// decoder pass over a canvas of 32 on the shipped model ran ~700 of them, and Python spent about as long dispatching
+// them as ATen spent on everything but the products.
 //
-// Every value but one kind comes out of the ATen operator that the Python code calls (`F.linear` is at::linear,
-// `x.pow(2)` is at::pow, `tensor + float` is at::add with a scalar, ...), with the same dtypes and layouts, so each
-// result is what the Python method returns (tests/test_layers_native.py compares them bit for bit). The exception is
-// the float32 RMS norm (`rms_rows`): seven ATen operators per norm, ~50 norms a pass, computed here in one loop over
-// each row with the same roundings in the same order, ATen's summation order included (`aten_row_sum`). The library
-// checks that on its first use against ATen on this machine (`FusedNorms`), and computes the norms with ATen's
-// operators where it does not hold. Both operators are registered without a dispatch key (CompositeImplicitAutograd): autograd, where
-// it is on, would see the ATen operators themselves, but the model calls them only with gradients off.
+// Two kinds of work, each giving ATen's bits (tests/test_layers_native.py compares every pass with the Python path):
+// - Products, attention, activations, the router's softmax and top-k, the experts' sort and gathers: the ATen
+//   operators the Python code calls, on tensors of the same dtypes and layouts, in the same order (`F.linear` of rows
+//   is at::mm with the transposed weight, which is what at::linear runs for them; `F.grouped_mm` on a CPU is one
+//   at::mm per expert into its rows, as here).
+// - The float32 elementwise chains around them, each in one loop: the RMS norms (7 operators each, ~50 a pass), with
+//   the residual additions and scales that follow them, and the rotary embedding (4 operators). Each element goes
+//   through the same float roundings in the same order as through the operators (none fused into a multiply-add:
+//   the library is built with -ffp-contract=off), and the norms' sums add in ATen's order (`aten_row_sum`). That
+//   order is checked once per process against ATen itself (`FusedNorms`); where it does not hold, or for other dtypes,
+//   strided inputs, or sums ATen would split between threads, the chains run as the ATen operators.
+// The operators are registered without a dispatch key (CompositeImplicitAutograd); the model calls them only with
+// gradients off.
 //
 // Only torch/library.h and ATen's per-operator headers: the library builds in seconds on a machine's first pass.
 #include <ATen/TensorOperators.h>
@@ -18,7 +23,6 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/bincount.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/cumsum.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/floor_divide.h>
@@ -26,6 +30,7 @@
 #include <ATen/ops/index.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mean.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/roll.h>
@@ -34,15 +39,13 @@
 #include <ATen/ops/sort.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/topk.h>
-#include <ATen/ops/_grouped_mm.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -84,48 +87,62 @@ int64_t ceil_log2(int64_t x) {  // ATen's utils::CeilLog2
   return bits;
 }
 
+// L float lanes added lane by lane (GCC's and Clang's vector extension: one vector instruction per addition, each
+// lane an IEEE float addition); one lane is a float.
+template <int L>
+struct LaneType {
+  typedef float type __attribute__((vector_size(sizeof(float) * L)));
+};
+template <>
+struct LaneType<1> {
+  using type = float;
+};
+template <int L>
+using Lanes = typename LaneType<L>::type;
+
+template <int L>
+inline Lanes<L> load(const float* p) {
+  Lanes<L> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 // The cascade over `size` groups of 4 interleaved elements of L lanes: element (i, k) starts at data + (4 i + k) L.
 template <int L>
-void four_sums(const float* data, int64_t size, float out[4][L]) {
+void four_sums(const float* data, int64_t size, Lanes<L> out[4]) {
   constexpr int kLevels = 4;
   const int64_t power = std::max<int64_t>(4, ceil_log2(size) / kLevels);
   const int64_t step = int64_t(1) << power, mask = step - 1;
-  float acc[kLevels][4][L] = {};
-  auto add_group = [&](int64_t i) {
-    for (int k = 0; k < 4; ++k)
-      for (int l = 0; l < L; ++l) acc[0][k][l] += data[(4 * i + k) * L + l];
-  };
+  Lanes<L> acc[kLevels][4] = {};
   int64_t i = 0;
   while (i + step <= size) {
-    for (int64_t j = 0; j < step; ++j, ++i) add_group(i);
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int k = 0; k < 4; ++k) acc[0][k] += load<L>(data + (4 * i + k) * L);
     for (int j = 1; j < kLevels; ++j) {
-      for (int k = 0; k < 4; ++k)
-        for (int l = 0; l < L; ++l) {
-          acc[j][k][l] += acc[j - 1][k][l];
-          acc[j - 1][k][l] = 0.0f;
-        }
+      for (int k = 0; k < 4; ++k) {
+        acc[j][k] += acc[j - 1][k];
+        acc[j - 1][k] = Lanes<L>{};
+      }
       if ((i & (mask << (j * power))) != 0) break;
     }
   }
-  for (; i < size; ++i) add_group(i);
+  for (; i < size; ++i)
+    for (int k = 0; k < 4; ++k) acc[0][k] += load<L>(data + (4 * i + k) * L);
   for (int j = 1; j < kLevels; ++j)
-    for (int k = 0; k < 4; ++k)
-      for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
-  std::memcpy(out, acc[0], sizeof(float) * 4 * L);
+    for (int k = 0; k < 4; ++k) acc[0][k] += acc[j][k];
+  for (int k = 0; k < 4; ++k) out[k] = acc[0][k];
 }
 
 // ATen's row_sum over `size` elements of L lanes: the four sequences, the elements after the last group of four
 // into the first, then the four in order.
 template <int L>
-void row_sum(const float* data, int64_t size, float out[L]) {
-  float sums[4][L];
+Lanes<L> row_sum(const float* data, int64_t size) {
+  Lanes<L> sums[4];
   const int64_t groups = size / 4;
   four_sums<L>(data, groups, sums);
-  for (int64_t i = groups * 4; i < size; ++i)
-    for (int l = 0; l < L; ++l) sums[0][l] += data[i * L + l];
-  for (int k = 1; k < 4; ++k)
-    for (int l = 0; l < L; ++l) sums[0][l] += sums[k][l];
-  std::memcpy(out, sums[0], sizeof(float) * L);
+  for (int64_t i = groups * 4; i < size; ++i) sums[0] += load<L>(data + i * L);
+  for (int k = 1; k < 4; ++k) sums[0] += sums[k];
+  return sums[0];
 }
 
 template <int W>
@@ -133,33 +150,41 @@ float aten_row_sum(const float* row, int64_t n) {
   float total;
   if (n >= W) {
     const int64_t vectors = n / W;
-    float lanes[W];
-    row_sum<W>(row, vectors, lanes);
+    const Lanes<W> lanes = row_sum<W>(row, vectors);
     total = 0.0f;
     for (int64_t k = vectors * W; k < n; ++k) total += row[k];
     for (int l = 0; l < W; ++l) total += lanes[l];
   } else {
-    row_sum<1>(row, n, &total);
+    total = row_sum<1>(row, n);
   }
   return 0.0f + total;
 }
 
-// rms_normalize (then the weight, if defined) of each row of a contiguous float32 x with ATen's vector width W:
-// h * (1 / sqrt(sum(h * h) / n + eps)), then * weight. ATen's pow(t, -0.5) is 1 / sqrt in float on its vector path
-// and in double on its scalar tail, which round alike (a double holds more than twice a float's digits).
+// 1 / sqrt(sum(h * h) / n + eps) of one row, as ATen's operators give it: ATen's pow(t, -0.5) is 1 / sqrt in float on
+// its vector path and in double on its scalar tail, which round alike (a double holds more than twice a float's
+// digits). `squares`: room for n floats.
 template <int W>
-void rms_rows(const float* x, const float* weight, float* out, int64_t rows, int64_t n, float eps) {
+float inverse_rms(const float* row, int64_t n, float eps, float* squares) {
+  for (int64_t i = 0; i < n; ++i) squares[i] = row[i] * row[i];
+  const float mean = aten_row_sum<W>(squares, n) / static_cast<float>(n);
+  return 1.0f / std::sqrt(mean + eps);
+}
+
+// The norms of the rows of x (rows x n, contiguous float32), each row's `epilogue(r, row, inverse)` writing what the
+// caller makes of it; with ATen's vector width W.
+template <int W, typename Epilogue>
+void rms_rows(const float* x, int64_t rows, int64_t n, float eps, Epilogue epilogue) {
   std::vector<float> squares(n);
-  const float count = static_cast<float>(n);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * n;
-    for (int64_t i = 0; i < n; ++i) squares[i] = row[i] * row[i];
-    const float mean = aten_row_sum<W>(squares.data(), n) / count;
-    const float inverse = 1.0f / std::sqrt(mean + eps);
-    float* dst = out + r * n;
-    for (int64_t i = 0; i < n; ++i) dst[i] = row[i] * inverse;
-    if (weight != nullptr)
-      for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] * weight[i];
+  for (int64_t r = 0; r < rows; ++r) epilogue(r, x + r * n, inverse_rms<W>(x + r * n, n, eps, squares.data()));
+}
+
+template <typename Epilogue>
+void rms_rows(const Tensor& x, double eps, int width, Epilogue epilogue) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  if (width == 16) {
+    rms_rows<16>(x.data_ptr<float>(), rows, n, static_cast<float>(eps), epilogue);
+  } else {
+    rms_rows<8>(x.data_ptr<float>(), rows, n, static_cast<float>(eps), epilogue);
   }
 }
 
@@ -200,37 +225,54 @@ class FusedNorms {
       }
       Tensor expected = aten_rms_normalize(x, 1e-6);
       Tensor got = at::empty_like(x);
-      rms_rows<W>(data, nullptr, got.data_ptr<float>(), rows, n, 1e-6f);
+      float* dst = got.data_ptr<float>();
+      rms_rows<W>(data, rows, n, 1e-6f, [&](int64_t r, const float* row, float inverse) {
+        for (int64_t i = 0; i < n; ++i) dst[r * n + i] = row[i] * inverse;
+      });
       if (std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), sizeof(float) * rows * n) != 0) return false;
     }
     return true;
   }
 };
 
-// Whether the one-loop norm stands in for ATen's operators for x: float32, contiguous, and a sum ATen would not
-// split between threads (it may, past 32768 elements, with more than one).
-bool fused_norm(const Tensor& x) {
-  return x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() > 0 && x.size(-1) > 0 &&
-         (x.numel() < 32768 || at::get_num_threads() == 1) && FusedNorms::width() != 0;
+// Whether the one-loop forms stand in for ATen's operators on x: float32, contiguous, and a sum ATen would not split
+// between threads (it may, past 32768 elements, with more than one); and every other tensor float32 and contiguous.
+bool fused(const Tensor& x, std::initializer_list<Tensor> others = {}) {
+  if (x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() == 0 || x.size(-1) == 0 ||
+      (x.numel() >= 32768 && at::get_num_threads() > 1) || FusedNorms::width() == 0)
+    return false;
+  for (const Tensor& t : others)
+    if (t.defined() && (t.scalar_type() != at::kFloat || !t.is_contiguous())) return false;
+  return true;
 }
 
-Tensor fused_rms(const Tensor& x, const Tensor& weight, double eps) {
-  Tensor out = at::empty_like(x);
-  const int64_t n = x.size(-1);
-  Tensor w = weight.defined() ? weight.contiguous() : weight;
-  const float* wp = w.defined() ? w.data_ptr<float>() : nullptr;
-  const float e = static_cast<float>(eps);
-  if (FusedNorms::width() == 16) {
-    rms_rows<16>(x.data_ptr<float>(), wp, out.data_ptr<float>(), x.numel() / n, n, e);
-  } else {
-    rms_rows<8>(x.data_ptr<float>(), wp, out.data_ptr<float>(), x.numel() / n, n, e);
-  }
+// residual + (rms_normalize(y) * weight), then * scalar: each part optional (undefined), as ATen's operators round
+// them, one after the other, for each element.
+Tensor fused_norm(const Tensor& y, const Tensor& weight, double eps, const Tensor& residual = Tensor(),
+                  const Tensor& scalar = Tensor()) {
+  Tensor out = at::empty_like(y);
+  const int64_t n = y.size(-1);
+  const float* w = weight.defined() ? weight.data_ptr<float>() : nullptr;
+  const float* add = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  const float factor = scalar.defined() ? scalar.item<float>() : 1.0f;
+  const bool scaled = scalar.defined();
+  float* dst = out.data_ptr<float>();
+  rms_rows(y, eps, FusedNorms::width(), [&](int64_t r, const float* row, float inverse) {
+    float* o = dst + r * n;  // each step rounded to float, in ATen's order
+    for (int64_t i = 0; i < n; ++i) o[i] = row[i] * inverse;
+    if (w != nullptr)
+      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * w[i];
+    if (add != nullptr)
+      for (int64_t i = 0; i < n; ++i) o[i] = add[r * n + i] + o[i];
+    if (scaled)
+      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * factor;
+  });
   return out;
 }
 
 // model.rms_normalize.
 Tensor rms_normalize(const Tensor& x, double eps) {
-  return fused_norm(x) ? fused_rms(x, Tensor(), eps) : aten_rms_normalize(x, eps);
+  return fused(x) ? fused_norm(x, Tensor(), eps) : aten_rms_normalize(x, eps);
 }
 
 // RMSNorm.scale: the weight applied in float32 (an undefined weight: a weightless norm), cast back to `dtype`.
@@ -242,24 +284,82 @@ Tensor scale(const Tensor& normalized, const Tensor& weight, at::ScalarType dtyp
 
 // RMSNorm.forward.
 Tensor norm(const Tensor& x, const Tensor& weight, double eps) {
-  if (fused_norm(x) && (!weight.defined() || weight.scalar_type() == at::kFloat)) return fused_rms(x, weight, eps);
+  if (fused(x, {weight})) return fused_norm(x, weight, eps);
   return scale(rms_normalize(x, eps), weight, x.scalar_type());
 }
 
-// model.rotate: x * cos + roll(x, D / 2) * signed_sin.
+// residual + norm(y, weight) (then * scalar, a one-element tensor, if defined).
+Tensor add_norm(const Tensor& residual, const Tensor& y, const Tensor& weight, double eps,
+                const Tensor& scalar = Tensor()) {
+  if (fused(y, {weight, residual, scalar}) && residual.sizes() == y.sizes())
+    return fused_norm(y, weight, eps, residual, scalar);
+  Tensor out = residual + norm(y, weight, eps);
+  return scalar.defined() ? out * scalar : out;
+}
+
+// model.rotate: x * cos + roll(x, D / 2) * signed_sin, x (B, T, heads, D) and the tables (1 or B, T, 1, D).
 Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
-  return x * cos + x.roll({x.size(-1) / 2}, {-1}) * signed_sin;
+  const bool one_loop = fused(x, {cos, signed_sin}) && x.dim() == 4 && cos.dim() == 4 && cos.sizes() == signed_sin.sizes() &&
+                        (cos.size(0) == 1 || cos.size(0) == x.size(0)) && cos.size(1) == x.size(1) &&
+                        cos.size(2) == 1 && cos.size(3) == x.size(3) && x.size(3) % 2 == 0;
+  if (!one_loop) return x * cos + x.roll({x.size(-1) / 2}, {-1}) * signed_sin;
+  Tensor out = at::empty_like(x);
+  const int64_t batch = x.size(0), length = x.size(1), heads = x.size(2), d = x.size(3), half = d / 2;
+  const float* src = x.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* sn = signed_sin.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < length; ++t) {
+      const int64_t table = ((cos.size(0) == 1 ? 0 : b) * length + t) * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t base = ((b * length + t) * heads + h) * d;
+        const float *in = src + base, *cs = c + table, *ss = sn + table;
+        float* o = dst + base;
+        for (int64_t i = 0; i < half; ++i) {  // the first half's partner is half ahead, the second's half behind
+          const float direct = in[i] * cs[i], swapped = in[i + half] * ss[i];
+          o[i] = direct + swapped;
+        }
+        for (int64_t i = half; i < d; ++i) {
+          const float direct = in[i] * cs[i], swapped = in[i - half] * ss[i];
+          o[i] = direct + swapped;
+        }
+      }
+    }
+  return out;
+}
+
+// F.linear without a bias on rows: at::linear's own path for a 2-D input (matmul, then mm), without its two layers.
+Tensor product(const Tensor& x, const Tensor& weight) {
+  return x.dim() == 2 ? at::mm(x, weight.t()) : at::linear(x, weight);
 }
 
 // GatedMLP.forward / SelfConditioning's MLP: down(act(gate(x)) * up(x)).
 Tensor gated_mlp(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down, int64_t code) {
-  return at::linear(act(at::linear(x, gate), code) * at::linear(x, up), down);
+  return product(act(product(x, gate), code) * product(x, up), down);
 }
 
 // Experts.expert_mlp: one expert's gated MLP from the packed weights.
 Tensor expert_mlp(const Tensor& x, const Tensor& gate_up, const Tensor& down, int64_t code) {
-  auto gate_up_out = at::linear(x, gate_up).chunk(2, -1);
-  return at::linear(act(gate_up_out[0], code) * gate_up_out[1], down);
+  auto gate_up_out = product(x, gate_up).chunk(2, -1);
+  return product(act(gate_up_out[0], code) * gate_up_out[1], down);
+}
+
+// F.grouped_mm(x, weights.transpose(-2, -1), offs=cumsum(counts)) on a CPU: ATen runs it as one mm per expert
+// into its rows of an output whose rows start at multiples of 16 bytes (`_grouped_mm_fallback`); the same products
+// into the same layout here, without the checks, the offsets' copy and the empty experts' calls.
+Tensor grouped_mm(const Tensor& x, const Tensor& weights, const Tensor& counts) {
+  const int64_t columns = weights.size(1), align = 16 / static_cast<int64_t>(x.element_size());
+  Tensor out = at::empty_strided({x.size(0), columns}, {(columns + align - 1) / align * align, 1}, x.options());
+  const int64_t* count = counts.data_ptr<int64_t>();
+  int64_t start = 0;
+  for (int64_t e = 0; e < counts.numel(); ++e) {
+    if (count[e] == 0) continue;
+    Tensor rows = out.slice(0, start, start + count[e]);
+    at::mm_out(rows, x.slice(0, start, start + count[e]), weights[e].transpose(-2, -1));
+    start += count[e];
+  }
+  return out;
 }
 
 // Experts.forward with gradients off: `_one_token` for one row, else the sort, the two grouped products and the
@@ -283,13 +383,40 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
   Tensor counts = at::bincount(flat, {}, gate_up_proj.size(0));
   Tensor gathered = x.index_select(0, at::floor_divide(order, top_k));
   Tensor slot_weights = weights.reshape(-1).index_select(0, order);
-  Tensor offsets = at::cumsum(counts, 0, at::kInt);
-  auto gate_up = at::_grouped_mm(gathered, gate_up_proj.transpose(-2, -1), offsets).chunk(2, -1);
-  Tensor out = at::_grouped_mm(act(gate_up[0], code) * gate_up[1], down_proj.transpose(-2, -1), offsets);
+  auto gate_up = grouped_mm(gathered, gate_up_proj, counts).chunk(2, -1);
+  Tensor out = grouped_mm(act(gate_up[0], code) * gate_up[1], down_proj, counts);
   Tensor weighted = at::empty_like(out, out.options().dtype(slot_weights.scalar_type()))
                         .index_copy_(0, order, out * slot_weights.unsqueeze(1));
   Tensor summed = weighted.view({-1, top_k, x.size(-1)}).sum(1);
   return summed.scalar_type() == x.scalar_type() ? summed : summed.to(x.scalar_type());
+}
+
+// The three inputs after_attention takes from one norm of x: the dense MLP's (its pre_feedforward_layernorm weight),
+// the router's (its weightless norm, * its scale, * root_size) and the experts' (pre_feedforward_layernorm_2).
+std::tuple<Tensor, Tensor, Tensor> shared_norm(const Tensor& x, const Tensor& dense_weight,
+                                               const Tensor& router_scale, double root_size,
+                                               const Tensor& experts_weight, double eps) {
+  const auto dtype = x.scalar_type();
+  if (!fused(x, {dense_weight, router_scale, experts_weight})) {
+    Tensor normalized = rms_normalize(x, eps);
+    return {scale(normalized, dense_weight, dtype), scale(normalized, Tensor(), dtype) * router_scale * root_size,
+            scale(normalized, experts_weight, dtype)};
+  }
+  Tensor dense = at::empty_like(x), routed = at::empty_like(x), experts = at::empty_like(x);
+  const int64_t n = x.size(-1);
+  const float *wd = dense_weight.data_ptr<float>(), *ws = router_scale.data_ptr<float>();
+  const float* we = experts_weight.data_ptr<float>();
+  const float root = static_cast<float>(root_size);
+  float *od = dense.data_ptr<float>(), *orr = routed.data_ptr<float>(), *oe = experts.data_ptr<float>();
+  rms_rows(x, eps, FusedNorms::width(), [&](int64_t r, const float* row, float inverse) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = row[i] * inverse;
+      od[r * n + i] = v * wd[i];
+      orr[r * n + i] = (v * ws[i]) * root;
+      oe[r * n + i] = v * we[i];
+    }
+  });
+  return {dense, routed, experts};
 }
 
 // Layer.attention_inputs: the input norm, then Attention.project. `w`: input_layernorm, q_proj, k_proj, q_norm and
@@ -301,11 +428,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_inputs(const Tensor& x, at::TensorL
   TORCH_CHECK(w.size() == 5 || w.size() == 6, "printpress_layers.attention_inputs: 5 or 6 weights, not ", w.size());
   const auto dtype = x.scalar_type();
   Tensor h = norm(x, w[0], eps);
-  Tensor q = rotate(norm(at::linear(h, w[1]).view({batch, length, -1, head_dim}), w[3], eps), cos, signed_sin);
-  Tensor k_normalized = rms_normalize(at::linear(h, w[2]).view({batch, length, -1, head_dim}), eps);
+  Tensor q = rotate(norm(product(h, w[1]).view({batch, length, -1, head_dim}), w[3], eps), cos, signed_sin);
+  Tensor k_normalized = rms_normalize(product(h, w[2]).view({batch, length, -1, head_dim}), eps);
   Tensor k = rotate(scale(k_normalized, w[4], dtype), cos, signed_sin).transpose(1, 2);
   Tensor v = w.size() == 5 ? scale(k_normalized, Tensor(), dtype)
-                           : norm(at::linear(h, w[5]).view({batch, length, -1, head_dim}), Tensor(), eps);
+                           : norm(product(h, w[5]).view({batch, length, -1, head_dim}), Tensor(), eps);
   return {q, k, v.transpose(1, 2)};
 }
 
@@ -317,18 +444,15 @@ Tensor after_attention(const Tensor& x_in, const Tensor& attended, at::TensorLis
                        double eps, int64_t code) {
   TORCH_CHECK(w.size() == 16, "printpress_layers.after_attention: 16 weights, not ", w.size());
   const auto dtype = x_in.scalar_type();
-  Tensor x = x_in + norm(at::linear(attended, w[0]), w[1], eps);
-  Tensor normalized = rms_normalize(x, eps);
-  Tensor dense = norm(gated_mlp(scale(normalized, w[2], dtype), w[3], w[4], w[5], code), w[6], eps);
-  // Router.route on the router's weightless norm of x.
-  Tensor routed = scale(normalized, Tensor(), dtype) * w[7] * root_size;
-  Tensor probs = at::softmax(at::linear(routed, w[8]), -1, at::kFloat);
+  Tensor x = add_norm(x_in, product(attended, w[0]), w[1], eps);
+  auto [pre, routed, pre2] = shared_norm(x, w[2], w[7], root_size, w[10], eps);
+  Tensor dense = norm(gated_mlp(pre, w[3], w[4], w[5], code), w[6], eps);
+  Tensor probs = at::softmax(product(routed, w[8]), -1, at::kFloat);
   auto [top, chosen] = at::topk(probs, top_k, -1);
   Tensor weights = top / top.sum(-1, /*keepdim=*/true);
   weights = weights * at::index(w[9], {chosen});
-  Tensor sparse = experts(scale(normalized, w[10], dtype), weights, chosen, w[11], w[12], code);
-  x = x + norm(dense + norm(sparse, w[13], eps), w[14], eps);
-  return x * w[15];
+  Tensor sparse = experts(pre2, weights, chosen, w[11], w[12], code);
+  return add_norm(x, add_norm(dense, sparse, w[13], eps), w[14], eps, w[15]);
 }
 
 }  // namespace
