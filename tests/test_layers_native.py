@@ -87,6 +87,14 @@ def test_every_activation(activation, monkeypatch):
     assert_bit_equal(*both_sides(tiny_model("gqa", hidden_activation=activation), monkeypatch))
 
 
+@pytest.mark.parametrize("top_k", [4, 5, 8])
+def test_tokens_with_many_experts(top_k, monkeypatch):
+    """From four slots a token's experts are summed in two orders, by column (ATen's sum over the slots: one after
+    the other for the columns in whole groups of vectors, in four interleaved sequences for the rest); hidden 48
+    has both kinds."""
+    assert_bit_equal(*both_sides(tiny_model("mha", top_k_experts=top_k), monkeypatch))
+
+
 def test_a_plan_follows_its_model_when_weights_modules_or_dtype_change(monkeypatch):
     model = tiny_model("gqa")
     passes(model)  # the plans are made
@@ -123,11 +131,13 @@ def test_layers_the_cpp_operators_do_not_cover_run_in_python():
 
 def test_the_one_loop_norm_holds_on_this_cpu_and_gives_atens_bits():
     """The float32 RMS norm in one loop (ATen's summation order, `rms_rows`): its self-check against ATen passes on
-    x86 CPUs, where ATen's sums run 8 float lanes (its AVX2 kernel, also on AVX-512 CPUs); and it gives
+    x86 CPUs, where ATen's sums run 8 float lanes (its AVX2 kernel, also on AVX-512 CPUs), and so does the experts'
+    weighted sums'; and the norm gives
     `RMSNorm`'s bits for rows of every length around the lane and level boundaries, with and without a weight.
     Inputs it does not take (bf16, a strided view) give ATen's bits through ATen's operators."""
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert torch.ops.printpress_layers.fused_norm_width() == 8
+        assert torch.ops.printpress_layers.fused_slot_sums()  # the experts' weighted sums' own check
     g = torch.Generator().manual_seed(0)
     for n in [1, 5, 8, 9, 31, 32, 33, 64, 192, 1023, 1024, 1025, 4100, 16400]:
         norm = model_module.RMSNorm(n, 1e-6)

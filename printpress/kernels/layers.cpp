@@ -9,11 +9,13 @@
 //   is at::mm with the transposed weight, which is what at::linear runs for them; `F.grouped_mm` on a CPU is one
 //   at::mm per expert into its rows, as here).
 // - The float32 elementwise chains around them, each in one loop: the RMS norms (7 operators each, ~50 a pass), with
-//   the residual additions and scales that follow them, and the rotary embedding (4 operators). Each element goes
+//   the residual additions and scales that follow them, the rotary embedding (4 operators), the router's weights
+//   after its top-k, and the experts' gather and weighted sum over slots (9 operators). Each element goes
 //   through the same float roundings in the same order as through the operators (none fused into a multiply-add:
-//   the library is built with -ffp-contract=off), and the norms' sums add in ATen's order (`aten_row_sum`). That
-//   order is checked once per process against ATen itself (`FusedNorms`); where it does not hold, or for other dtypes,
-//   strided inputs, or sums ATen would split between threads, the chains run as the ATen operators.
+//   the library is built with -ffp-contract=off), and the sums add in ATen's order (`aten_row_sum`,
+//   `weighted_slot_sum`). That order is checked once per process against ATen itself (`FusedNorms`); where it does not
+//   hold, or for other dtypes, strided inputs, or sums ATen would split between threads, the chains run as the ATen
+//   operators.
 // The operators are registered without a dispatch key (CompositeImplicitAutograd); the model calls them only with
 // gradients off.
 //
@@ -362,6 +364,99 @@ Tensor grouped_mm(const Tensor& x, const Tensor& weights, const Tensor& counts) 
   return out;
 }
 
+// x.index_select(0, order // top_k): the row of the token each sorted (token, slot) pair belongs to (copies).
+Tensor gather_rows(const Tensor& x, const Tensor& order, int64_t top_k) {
+  const int64_t rows = order.numel(), h = x.size(-1);
+  Tensor out = at::empty({rows, h}, x.options());
+  const int64_t* index = order.data_ptr<int64_t>();
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(dst + i * h, src + (index[i] / top_k) * h, sizeof(float) * h);
+  return out;
+}
+
+// What Experts.forward makes of the experts' outputs `out` (rows in sorted order, float32): each row times its
+// (token, slot) weight, put back in (token, slot) order, and each token's top_k rows summed, as ATen's sum over that
+// dimension adds them (`cascade_sum`'s outer reduction, for top_k < 16: the columns in whole groups of 4 vectors add
+// the slots one after the other from 0, then three zeros; the other columns as four interleaved sequences, like a
+// row's sum). The same bits as the operators, without the five intermediate tensors.
+Tensor weighted_slot_sum(const Tensor& out, const Tensor& order, const Tensor& weights, int64_t top_k) {
+  const int64_t pairs = order.numel(), tokens = pairs / top_k, h = out.size(1), stride = out.stride(0);
+  const int64_t grouped = h / (4 * FusedNorms::width()) * (4 * FusedNorms::width());
+  std::vector<int64_t> row_of(pairs);  // the sorted row of each (token, slot) pair
+  const int64_t* index = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pairs; ++i) row_of[index[i]] = i;
+  Tensor w = weights.contiguous();
+  const float* slot_weight = w.data_ptr<float>();
+  const float* src = out.data_ptr<float>();
+  Tensor result = at::empty({tokens, h}, out.options().memory_format(at::MemoryFormat::Contiguous));
+  float* dst = result.data_ptr<float>();
+  std::vector<float> products(top_k * h);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < top_k; ++j) {
+      const float* row = src + row_of[t * top_k + j] * stride;
+      const float weight = slot_weight[t * top_k + j];
+      for (int64_t c = 0; c < h; ++c) products[c * top_k + j] = row[c] * weight;
+    }
+    for (int64_t c = 0; c < h; ++c) {
+      const float* column = products.data() + c * top_k;
+      float sum;
+      if (c < grouped) {
+        sum = 0.0f;
+        for (int64_t j = 0; j < top_k; ++j) sum += column[j];
+        sum += 0.0f;
+        sum += 0.0f;
+        sum += 0.0f;
+      } else {
+        sum = row_sum<1>(column, top_k);
+      }
+      dst[t * h + c] = 0.0f + sum;
+    }
+  }
+  return result;
+}
+
+// Whether weighted_slot_sum gives the operators' bits on this machine: checked once per process against ATen itself,
+// on random outputs, weights and orders for 1 to 15 slots and widths from 16 to 200 columns.
+bool slot_sums_hold() {
+  static const bool holds = [] {
+    if (FusedNorms::width() == 0) return false;
+    uint64_t state = 0x2545f4914f6cdd1dull;
+    auto next = [&state] {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return state >> 11;
+    };
+    auto fill = [&](Tensor& t) {
+      float* data = t.data_ptr<float>();
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        const double unit = static_cast<double>(next()) * (1.0 / 9007199254740992.0);
+        data[i] = static_cast<float>((unit - 0.5) * std::ldexp(1.0, static_cast<int>(next() % 21) - 10));
+      }
+    };
+    const auto options = at::TensorOptions().dtype(at::kFloat);
+    for (int64_t k : {1, 2, 3, 4, 5, 8, 15}) {
+      for (int64_t h : {16, 24, 40, 72, 200}) {
+        const int64_t tokens = 7, pairs = tokens * k;
+        Tensor out = at::empty({pairs, h}, options), weights = at::empty({tokens, k}, options);
+        fill(out);
+        fill(weights);
+        Tensor order = at::empty({pairs}, at::TensorOptions().dtype(at::kLong));
+        int64_t* index = order.data_ptr<int64_t>();
+        for (int64_t i = 0; i < pairs; ++i) index[i] = i;
+        for (int64_t i = pairs - 1; i > 0; --i) std::swap(index[i], index[next() % (i + 1)]);
+        Tensor slot_weights = weights.reshape(-1).index_select(0, order);
+        Tensor expected = at::empty_like(out).index_copy_(0, order, out * slot_weights.unsqueeze(1))
+                              .view({tokens, k, h}).sum(1);
+        Tensor got = weighted_slot_sum(out, order, weights, k);
+        if (std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), sizeof(float) * tokens * h) != 0)
+          return false;
+      }
+    }
+    return true;
+  }();
+  return holds;
+}
+
 // Experts.forward with gradients off: `_one_token` for one row, else the sort, the two grouped products and the
 // slot-ordered sum.
 Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, const Tensor& gate_up_proj,
@@ -381,10 +476,12 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
   Tensor flat = chosen.reshape(-1);
   Tensor order = std::get<1>(at::sort(flat));
   Tensor counts = at::bincount(flat, {}, gate_up_proj.size(0));
-  Tensor gathered = x.index_select(0, at::floor_divide(order, top_k));
-  Tensor slot_weights = weights.reshape(-1).index_select(0, order);
+  Tensor gathered = fused(x) ? gather_rows(x, order, top_k) : x.index_select(0, at::floor_divide(order, top_k));
   auto gate_up = grouped_mm(gathered, gate_up_proj, counts).chunk(2, -1);
   Tensor out = grouped_mm(act(gate_up[0], code) * gate_up[1], down_proj, counts);
+  if (fused(x, {weights}) && out.scalar_type() == at::kFloat && top_k < 16 && x.size(-1) >= 16 && slot_sums_hold())
+    return weighted_slot_sum(out, order, weights, top_k);
+  Tensor slot_weights = weights.reshape(-1).index_select(0, order);
   Tensor weighted = at::empty_like(out, out.options().dtype(slot_weights.scalar_type()))
                         .index_copy_(0, order, out * slot_weights.unsqueeze(1));
   Tensor summed = weighted.view({-1, top_k, x.size(-1)}).sum(1);
@@ -419,6 +516,26 @@ std::tuple<Tensor, Tensor, Tensor> shared_norm(const Tensor& x, const Tensor& de
   return {dense, routed, experts};
 }
 
+// Router.route after its top-k: the chosen probabilities over their sum, times each chosen expert's scale. For
+// float32, one loop with ATen's roundings (the sum of a row's k values as ATen's sum adds them, then a division and
+// a product per value).
+Tensor route_weights(const Tensor& top, const Tensor& chosen, const Tensor& per_expert_scale) {
+  if (!fused(top, {per_expert_scale}) || !chosen.is_contiguous()) {
+    Tensor weights = top / top.sum(-1, /*keepdim=*/true);
+    return weights * at::index(per_expert_scale, {chosen});
+  }
+  Tensor weights = at::empty_like(top);
+  const int64_t k = top.size(-1), rows = top.numel() / k;
+  const float *p = top.data_ptr<float>(), *scale = per_expert_scale.data_ptr<float>();
+  const int64_t* index = chosen.data_ptr<int64_t>();
+  float* dst = weights.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float total = FusedNorms::width() == 16 ? aten_row_sum<16>(p + r * k, k) : aten_row_sum<8>(p + r * k, k);
+    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = (p[r * k + j] / total) * scale[index[r * k + j]];
+  }
+  return weights;
+}
+
 // Layer.attention_inputs: the input norm, then Attention.project. `w`: input_layernorm, q_proj, k_proj, q_norm and
 // k_norm weights, then v_proj's where the layer has one (not on K=V layers). Returns q (B, T, heads, D) and k, v
 // (B, kv_heads, T, D).
@@ -449,8 +566,7 @@ Tensor after_attention(const Tensor& x_in, const Tensor& attended, at::TensorLis
   Tensor dense = norm(gated_mlp(pre, w[3], w[4], w[5], code), w[6], eps);
   Tensor probs = at::softmax(product(routed, w[8]), -1, at::kFloat);
   auto [top, chosen] = at::topk(probs, top_k, -1);
-  Tensor weights = top / top.sum(-1, /*keepdim=*/true);
-  weights = weights * at::index(w[9], {chosen});
+  Tensor weights = route_weights(top, chosen, w[9]);
   Tensor sparse = experts(pre2, weights, chosen, w[11], w[12], code);
   return add_norm(x, add_norm(dense, sparse, w[13], eps), w[14], eps, w[15]);
 }
@@ -458,8 +574,11 @@ Tensor after_attention(const Tensor& x_in, const Tensor& attended, at::TensorLis
 }  // namespace
 
 // The width the one-loop norm found matching ATen's (16 or 8 lanes), or 0 where it computes norms with ATen's
-// operators; and the norm itself (`rms_norm(x, weight, eps)`, the weight optional), for the tests.
+// operators; whether the experts' weighted sums hold; and the norm itself (`rms_norm(x, weight, eps)`, the weight
+// optional), for the tests.
 int64_t fused_norm_width() { return FusedNorms::width(); }
+
+bool fused_slot_sums() { return slot_sums_hold(); }
 
 Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps) {
   return norm(x, weight.value_or(Tensor()), eps);
@@ -467,6 +586,7 @@ Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps
 
 TORCH_LIBRARY(printpress_layers, m) {
   m.def("fused_norm_width() -> int", &fused_norm_width);
+  m.def("fused_slot_sums() -> bool", &fused_slot_sums);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
   m.def("attention_inputs(Tensor x, Tensor[] w, int batch, int length, int head_dim, float eps, Tensor cos, "
         "Tensor signed_sin) -> (Tensor, Tensor, Tensor)",
