@@ -348,9 +348,12 @@ class NativePlan:
 
 
 def native_plan(layer: Layer) -> NativePlan | None:
-    """The layer's plan, or None where the C++ layers cannot stand in for the Python methods (another module
-    swapped in, a bias, an activation they do not know, norms with different eps, the library not built)."""
+    """The layer's plan, or None where the C++ layers cannot stand in for the Python methods (weights off the CPU,
+    another module swapped in, a bias, an activation they do not know, norms with different eps, the library not
+    built)."""
     attn, mlp, router, experts = layer.self_attn, layer.mlp, layer.router, layer.experts
+    if any(tensor.device.type != "cpu" for tensor in (*layer.parameters(), *layer.buffers())):
+        return None
     linears = [attn.q_proj, attn.k_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, router.proj]
     linears += [] if attn.v_proj is None else [attn.v_proj]
     norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,

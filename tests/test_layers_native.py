@@ -114,7 +114,8 @@ def test_a_plan_follows_its_model_when_weights_modules_or_dtype_change(monkeypat
 
 
 def test_layers_the_cpp_operators_do_not_cover_run_in_python():
-    """A quantized model's int8 modules, and passes that record gradients (training), take the Python methods."""
+    """A quantized model's int8 modules, passes that record gradients (training) and weights off the CPU (a GPU's;
+    here the meta device's) take the Python methods."""
     model = tiny_model("gqa")
     passes(model)
     quantize_model(model, kernel=False)
@@ -128,12 +129,16 @@ def test_layers_the_cpp_operators_do_not_cover_run_in_python():
     logits.sum().backward()
     assert model.layers[0].self_attn.q_proj.weight.grad is not None
 
+    model = tiny_model("gqa").to("meta")
+    with torch.no_grad():
+        assert all(layer._plan() is None for layer in model.layers)
+
 
 def test_the_one_loop_norm_holds_on_this_cpu_and_gives_atens_bits():
     """The float32 RMS norm in one loop (ATen's summation order, `rms_rows`): its self-check against ATen passes on
     x86 CPUs, where ATen's sums run 8 float lanes (its AVX2 kernel, also on AVX-512 CPUs), and so does the experts'
-    weighted sums'; and the norm gives
-    `RMSNorm`'s bits for rows of every length around the lane and level boundaries, with and without a weight.
+    weighted sums'; and the norm gives `RMSNorm`'s bits for rows of every length around the lane and level
+    boundaries, with and without a weight.
     Inputs it does not take (bf16, a strided view) give ATen's bits through ATen's operators."""
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert torch.ops.printpress_layers.fused_norm_width() == 8

@@ -237,14 +237,14 @@ class FusedNorms {
   }
 };
 
-// Whether the one-loop forms stand in for ATen's operators on x: float32, contiguous, and a sum ATen would not split
-// between threads (it may, past 32768 elements, with more than one); and every other tensor float32 and contiguous.
+// Whether the one-loop forms stand in for ATen's operators on x: on the CPU, float32, contiguous, and a sum ATen would
+// not split between threads (it may, past 32768 elements, with more than one); and every other tensor likewise.
 bool fused(const Tensor& x, std::initializer_list<Tensor> others = {}) {
-  if (x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() == 0 || x.size(-1) == 0 ||
+  if (!x.device().is_cpu() || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() == 0 || x.size(-1) == 0 ||
       (x.numel() >= 32768 && at::get_num_threads() > 1) || FusedNorms::width() == 0)
     return false;
   for (const Tensor& t : others)
-    if (t.defined() && (t.scalar_type() != at::kFloat || !t.is_contiguous())) return false;
+    if (t.defined() && (!t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous())) return false;
   return true;
 }
 
