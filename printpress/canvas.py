@@ -33,6 +33,7 @@ from printpress.sampling import (
     entropy_bound_accept,
     row_argmax,
     sample_canvas,
+    softmax_kernels,
     step_temperature,
     token_entropy,
     top_k_only,
@@ -93,13 +94,21 @@ def probabilities_and_entropy(processed: torch.Tensor, free: int,
     and faster from two rows on, because one row's (C, V) floats stay in the L2 cache (6 rows of 32 x 4096: 3.4
     against 6.2 ms on one thread, an Intel Xeon). A GPU takes the batch whole (one kernel each, not one per row).
 
-    Not `exact` (a compiled decoder's step), float32 on a CPU where printpress's kernel is loaded: both in one pass
-    per position (`printpress_fast::softmax_entropy`), ~5x faster, within float32's rounding of these (not their
-    bits, which are the reference's)."""
+    Exact, float32 on a CPU: printpress's one-pass form (printpress/kernels/softmax.cpp, `sampling.softmax_kernels`)
+    gives these bits a row at a time in cache, where it is built and its check against ATen holds. Not `exact` (a
+    compiled decoder's step), where printpress's fast kernels are loaded: both in one pass per position
+    (`printpress_fast::softmax_entropy`), ~5x faster, within float32's rounding of these (not their bits, which are
+    the reference's)."""
     if not exact and processed.dtype == torch.float32 and processed.device.type == "cpu" \
             and native.loaded("rows_linear.cpp"):
         probs, entropy = torch.ops.printpress_fast.softmax_entropy(processed.reshape(-1, processed.shape[-1]))
         return probs.view(processed.shape), entropy.view(processed.shape[:-1])[:, :free]
+    if processed.dtype == torch.float32 and processed.device.type == "cpu" and processed.is_contiguous() \
+            and softmax_kernels():
+        rows = [torch.ops.printpress_softmax.sampler_numbers(row, free) for row in processed]
+        if len(rows) == 1:
+            return rows[0][0][None], rows[0][1][None]
+        return torch.stack([probs for probs, _ in rows]), torch.stack([entropy for _, entropy in rows])
     if processed.shape[0] == 1 or processed.device.type != "cpu":
         return torch.softmax(processed, dim=-1, dtype=torch.float32), token_entropy(processed[:, :free])
     probs = torch.stack([torch.softmax(row, dim=-1, dtype=torch.float32) for row in processed])

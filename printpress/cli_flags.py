@@ -75,15 +75,17 @@ def load_options(args: argparse.Namespace) -> dict:
 
 
 def warm_up(pipe, args: argparse.Namespace) -> None:
-    """Before a server's or a chat's first request: on a CPU, load printpress's draw kernel and exact layers (each
-    built on a machine's first use, about 6 s: `sampling.draw_kernels`, `model.native_layers`); with --compile, compile what the first requests would
+    """Before a server's or a chat's first request: on a CPU, load printpress's exact kernels (draws, softmax and
+    entropy, layers: each built on a machine's first use in seconds, then cached: `sampling.draw_kernels`,
+    `sampling.softmax_kernels`, `model.native_layers`); with --compile, compile what the first requests would
     (`Pipeline.warm_up`), saying so on stderr. The first answers then come at full speed."""
     from printpress.model import native_layers
     from printpress.request import model_device
-    from printpress.sampling import draw_kernels
+    from printpress.sampling import draw_kernels, softmax_kernels
 
     if model_device(pipe.model).type == "cpu":
         draw_kernels()
+        softmax_kernels()
         native_layers()
     if args.compile is None:
         return

@@ -26,9 +26,9 @@ logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
 
-# Flags beyond -O3 -march=native, per source. layers.cpp gives ATen's bits, so no multiply and add may become one
-# fused multiply-add (GCC contracts them by default).
-CFLAGS = {"layers.cpp": ["-ffp-contract=off"]}
+# Flags beyond -O3 -march=native, per source. layers.cpp and softmax.cpp give ATen's bits, so no multiply and add may
+# become one fused multiply-add (GCC contracts them by default).
+CFLAGS = {"layers.cpp": ["-ffp-contract=off"], "softmax.cpp": ["-ffp-contract=off"]}
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # source file name -> whether it loaded in this process

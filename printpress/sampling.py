@@ -121,6 +121,15 @@ def draw_kernels() -> bool:
     return native.load("draw.cpp", "draws run through ATen's operators (the same tokens, slower)", lambda: None)
 
 
+def softmax_kernels() -> bool:
+    """Whether printpress's one-pass softmax and entropy (printpress/kernels/softmax.cpp) stand in for ATen's operators
+    in the exact sampler: built on this machine's first step (about 10 s, then cached) and checked once per process
+    against ATen's operators (`printpress_softmax::holds`); where either fails, ATen's operators run (the same
+    numbers, slower)."""
+    return native.load("softmax.cpp", "the sampler's softmax and entropy run through ATen's operators (the same "
+                       "numbers, slower)", lambda: None) and torch.ops.printpress_softmax.holds()
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, dim=-1)`, the same indices (both are documented to return the first of equal maxima, and
     both take a NaN as the maximum): for float32 on a CPU, `printpress_draw::row_argmax`, 3x faster than

@@ -388,8 +388,8 @@ def test_stats_say_when_the_time_includes_compiling(folders):
 def test_compiled_commands_warm_up_first_and_say_so(folders, capsys, monkeypatch):
     """`chat` and `serve` with --compile compile before the first request (`Pipeline.warm_up`, tested in
     tests/test_fast.py), with a line on stderr before and after; without --compile they say nothing. Either way,
-    on a CPU, the draw kernel and the exact layers are loaded first (built on a machine's first use), not in the
-    first request."""
+    on a CPU, the exact kernels (draws, softmax and entropy, layers) are loaded first (built on a machine's first
+    use), not in the first request."""
     import argparse
 
     from printpress import model, sampling
@@ -398,9 +398,10 @@ def test_compiled_commands_warm_up_first_and_say_so(folders, capsys, monkeypatch
     pipe = printpress.load(folders["text"])
     loads = []
     monkeypatch.setattr(sampling, "draw_kernels", lambda: loads.append("draw") or True)
+    monkeypatch.setattr(sampling, "softmax_kernels", lambda: loads.append("softmax") or True)
     monkeypatch.setattr(model, "native_layers", lambda: loads.append("layers") or True)
     warm_up(pipe, argparse.Namespace(compile=None))
-    assert capsys.readouterr().err == "" and loads == ["draw", "layers"]
+    assert capsys.readouterr().err == "" and loads == ["draw", "softmax", "layers"]
     warm_up(pipe, argparse.Namespace(compile="ar"))
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("printpress: compiling the passes (--compile ar) before the first request")

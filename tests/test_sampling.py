@@ -31,6 +31,7 @@ from printpress.sampling import (
     row_argmax,
     sample_canvas,
     sample_next_token,
+    softmax_kernels,
     step_temperature,
     token_entropy,
     top_k_only,
@@ -203,6 +204,32 @@ def test_probabilities_and_entropy_row_by_row_equal_the_whole_batch_bit_for_bit(
         assert torch.equal(probs, torch.softmax(processed, dim=-1, dtype=torch.float32))
         assert torch.equal(entropy, token_entropy(processed[:, :free]))
         assert entropy.shape == (rows, free)
+
+
+def test_the_one_pass_softmax_and_entropy_give_atens_bits():
+    """printpress_softmax (the exact sampler's softmax and entropy a row at a time, `sampling.softmax_kernels`): its
+    check against ATen holds with torch's x86 builds, and it gives torch.softmax's and Categorical's entropy's bits
+    for vocabularies with tails (no multiple of a vector width), banned tokens (-inf), a near one-hot row, wide logit
+    ranges and fewer free positions than rows; a strided or bf16 canvas takes ATen's operators."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert softmax_kernels() and torch.ops.printpress_softmax.form() in (108, 116, 208, 216)
+    elif not softmax_kernels():
+        pytest.skip("printpress's one-pass softmax does not hold (or cannot be built) on this machine")
+    g = torch.Generator().manual_seed(3)
+    for rows, vocab in [(32, 4096), (8, 37), (5, 1000), (3, 4099), (1, 8)]:
+        for scale in (1.0, 5.0, 30.0):
+            x = torch.randn(rows, vocab, generator=g) * scale
+            x[:, 2 : 2 + vocab // 5] = float("-inf")
+            x[0, vocab - 1] = 80.0
+            for free in sorted({rows, max(rows - 2, 1)}):
+                probs, entropy = torch.ops.printpress_softmax.sampler_numbers(x, free)
+                assert torch.equal(probs, torch.softmax(x, dim=-1, dtype=torch.float32)), (rows, vocab, scale)
+                assert torch.equal(entropy, token_entropy(x[:free])), (rows, vocab, scale, free)
+    processed = random_logits(4, batch=2)
+    for canvas in (processed.transpose(1, 2).contiguous().transpose(1, 2), processed.bfloat16()):
+        probs, entropy = probabilities_and_entropy(canvas, CANVAS)
+        assert torch.equal(probs, torch.softmax(canvas, dim=-1, dtype=torch.float32))
+        assert torch.equal(entropy, token_entropy(canvas))
 
 
 @pytest.mark.parametrize("rows", [1, 3])
