@@ -66,6 +66,7 @@ import torch
 
 import printpress
 from printpress import sampling
+from printpress.canvas import probabilities_and_entropy
 from printpress.config import SLIDING, TextConfig
 from printpress.errors import PrintpressError
 
@@ -579,13 +580,12 @@ def forward_costs(model, text: TextConfig, s: Settings, cache_bytes: dict[str, i
 
 
 def sampler_step(logits: torch.Tensor, vocab: int, s: Settings) -> None:
-    """The per-step sampler work, with the public sampling pieces the engine uses, for one row."""
+    """The per-step sampler work, with the pieces the engine uses, for one row."""
     gen = torch.Generator(logits.device).manual_seed(0)
     settings = sampling.SamplerSettings(max_denoising_steps=s.steps)
     processed = logits / sampling.step_temperature(s.steps, settings)
-    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-    entropy = sampling.token_entropy(processed)
-    torch.argmax(processed, dim=-1)
+    probs, entropy = probabilities_and_entropy(processed, processed.shape[1])
+    sampling.row_argmax(processed)
     sampled = sampling.sample_canvas(probs[0], gen)
     accepted = sampling.entropy_bound_accept(entropy, settings.entropy_bound)[0]
     noise = sampling.uniform_tokens(logits.shape[1], vocab, gen, logits.device)[0]
