@@ -7,8 +7,8 @@
 // - softmax: ATen's over a last dimension is vec::reduce_all for the maximum, vec::map of exp(x - max), vec::reduce_all
 //   for the sum and a product with its reciprocal; here the same functions of ATen's vector headers run, built for
 //   the CPU capability ATen dispatches to on this machine (AVX-512 or AVX2, from the compiler's -march=native).
-// - logsumexp: ATen's own operator, once for the rows (its exp is MKL's vector exp where torch is built with MKL,
-//   which no header here reproduces).
+// - logsumexp: ATen's own operator, once for the rows (its exp is not one a header offers: presumably MKL's vector
+//   exp, which torch's build links).
 // - the difference, clamp and products: single roundings whatever computes them (the library is built with
 //   -ffp-contract=off); the entropy's sum in ATen's order (aten_sum.h).
 // Which exp ATen's softmax uses (Sleef's or exp_u20) and how many lanes its sums take depend on torch's build: the
@@ -85,7 +85,7 @@ float sum_in_atens_order(const float* x, int64_t n, int width) {
 }
 
 // probs (rows x n) for every row, and the entropy of the first `free` rows, of x (rows x n, contiguous float32), given
-// `lse`, ATen's logsumexp of those rows (its exp is MKL's vector exp where torch has MKL, so it stays ATen's).
+// `lse`, ATen's logsumexp of those rows.
 template <Exp E>
 void probs_and_entropy(const float* x, int64_t rows, int64_t n, int64_t free, const float* lse, int width,
                        float* probs, float* entropy) {
