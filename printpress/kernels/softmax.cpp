@@ -1,6 +1,7 @@
 // The exact sampler's softmax and entropy a row at a time (printpress/canvas.py, `probabilities_and_entropy`):
-// ATen's bits, in cache, instead of ~14 operators each reading the whole canvas (0.82 -> 0.27 ms for 32 x 4096 on one
-// thread, an Intel Xeon).
+// ATen's bits, in cache, instead of ~14 operators each reading the whole canvas and allocating its result (0.25-0.29
+// against 0.31-0.90 ms for 32 x 4096 on one thread, an Intel Xeon; with more threads ATen's operators are faster and
+// run instead).
 //
 // What the sampler computes, as the reference does (torch.softmax, then Categorical's entropy):
 //   probs = softmax(x);  lse = logsumexp(x);  lp = x - lse;  q = softmax(lp);  entropy = -sum(clamp(lp) * q)
@@ -36,6 +37,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -86,21 +88,24 @@ float sum_in_atens_order(const float* x, int64_t n, int width) {
 
 // probs (rows x n) for every row, and the entropy of the first `free` rows, of x (rows x n, contiguous float32), given
 // `lse`, ATen's logsumexp of those rows.
+// With `all_products` (free x n), the products are left there for ATen to sum, and `entropy` is not written.
+// With `all_products` (free x n), the products are left there for ATen to sum, and `entropy` is not written.
 template <Exp E>
 void probs_and_entropy(const float* x, int64_t rows, int64_t n, int64_t free, const float* lse, int width,
-                       float* probs, float* entropy) {
+                       float* probs, float* entropy, float* all_products = nullptr) {
   for (int64_t r = 0; r < rows; ++r) softmax_row<E>(x + r * n, probs + r * n, n);
-  std::vector<float> log_probs(n), q(n), products(n);
+  std::vector<float> log_probs(n), q(n), row_products(all_products == nullptr ? n : 0);
   const float lowest = std::numeric_limits<float>::lowest();
   for (int64_t r = 0; r < free; ++r) {
     const float* row = x + r * n;
+    float* products = all_products == nullptr ? row_products.data() : all_products + r * n;
     for (int64_t i = 0; i < n; ++i) log_probs[i] = row[i] - lse[r];
     softmax_row<E>(log_probs.data(), q.data(), n);
     for (int64_t i = 0; i < n; ++i) {
       const float clamped = log_probs[i] < lowest ? lowest : log_probs[i];
       products[i] = clamped * q[i];
     }
-    entropy[r] = -sum_in_atens_order(products.data(), n, width);
+    if (all_products == nullptr) entropy[r] = -sum_in_atens_order(products, n, width);
   }
 }
 #endif
@@ -128,11 +133,16 @@ bool run(int64_t code, const Tensor& x, int64_t free, Tensor& probs, Tensor& ent
   Tensor lse = at::logsumexp(x.slice(0, 0, free), {-1}, false).contiguous();
   const float* in = x.data_ptr<float>();
   float *p = probs.data_ptr<float>(), *h = entropy.data_ptr<float>();
+  // ATen may split a sum of 32768 or more values between threads; then the entropy's sums stay ATen's.
+  Tensor products;
+  if (free * x.size(1) >= 32768 && at::get_num_threads() > 1) products = at::empty({free, x.size(1)}, x.options());
+  float* all = products.defined() ? products.data_ptr<float>() : nullptr;
   if (e == 1) {
-    probs_and_entropy<Exp::sleef>(in, x.size(0), x.size(1), free, lse.data_ptr<float>(), width, p, h);
+    probs_and_entropy<Exp::sleef>(in, x.size(0), x.size(1), free, lse.data_ptr<float>(), width, p, h, all);
   } else {
-    probs_and_entropy<Exp::u20>(in, x.size(0), x.size(1), free, lse.data_ptr<float>(), width, p, h);
+    probs_and_entropy<Exp::u20>(in, x.size(0), x.size(1), free, lse.data_ptr<float>(), width, p, h, all);
   }
+  if (products.defined()) entropy.copy_(-products.sum(-1));
   return true;
 #else
   return false;
@@ -173,14 +183,15 @@ int64_t form() {
 
 bool holds() { return form() != 0; }
 
-// probs (rows, n) and the entropy (free,) of x (rows, n), with ATen's bits: the one-pass form where it holds (and
-// ATen would not split the work between threads), else ATen's operators.
+// probs (rows, n) and the entropy (free,) of x (rows, n), with ATen's bits: the one-pass form where it holds, on one
+// thread; ATen's operators elsewhere (with more threads they share the rows out, which the one-pass form, built
+// without OpenMP to stay out of torch's runtime, does not: 0.17 against 0.27 ms at canvas 32 on two threads).
 std::tuple<Tensor, Tensor> sampler_numbers(const Tensor& x, int64_t free) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "printpress_softmax.sampler_numbers: a contiguous float32 CPU matrix");
   TORCH_CHECK(0 <= free && free <= x.size(0), "printpress_softmax.sampler_numbers: free out of range");
   const int64_t code = form();
-  if (code == 0 || (x.numel() >= 32768 && at::get_num_threads() > 1)) return with_aten(x, free);
+  if (code == 0 || at::get_num_threads() > 1) return with_aten(x, free);
   Tensor probs = at::empty_like(x), entropy = at::empty({free}, x.options());
   run(code, x, free, probs, entropy);
   return {probs, entropy};
