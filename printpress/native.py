@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,8 @@ def _build(source: str, fallback: str) -> bool:
 
     name = library_name(KERNELS / source)
     logger.info("loading the kernel %s (compiled on first use, then cached)", name)
+    if not _built(name):
+        print(f"printpress: compiling {source} for this machine (once; then cached)", file=sys.stderr, flush=True)
     try:
         cpp_extension.load(name=name, sources=[str(KERNELS / source)], is_python_module=False, verbose=False,
                            extra_cflags=["-O3", "-march=native", *CFLAGS.get(source, [])])
@@ -83,3 +86,29 @@ def _build(source: str, fallback: str) -> bool:
                        fallback)
         return False
     return True
+
+
+def _built(name: str) -> bool:
+    """Whether torch's extension cache already holds the library `name` (then loading it takes milliseconds)."""
+    from torch.utils import cpp_extension
+
+    try:
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except Exception:  # noqa: BLE001 - a private helper of torch's: when it changes, say nothing rather than fail
+        return True
+    return (folder / f"{name}.so").exists()
+
+
+def main() -> None:
+    """`python -m printpress.native`: build the exact path's kernels now (`make setup` does), so that the first
+    generation on this machine does not wait for them."""
+    from printpress.model import native_layers
+    from printpress.sampling import draw_kernels, softmax_kernels
+
+    draw_kernels()
+    softmax_kernels()
+    native_layers()
+
+
+if __name__ == "__main__":
+    main()
