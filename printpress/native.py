@@ -4,9 +4,11 @@ cached per machine, loaded once per process.
 Each source registers its operators with `TORCH_LIBRARY`, so they are called as `torch.ops.<library>.<op>` and
 appear inside compiled graphs as opaque operators (their shapes come from the fake implementations given here).
 `printpress.quantize`'s int8 linear and `printpress.fast`'s few-row float32 linear are opt-in fast paths that are
-not bit-exact anyway; `printpress.sampling`'s draws (draw.cpp) serve the exact path: the same bits as ATen's. Where
-a kernel cannot be built (no compiler, no ninja), `load` warns once and returns False, and its caller runs its
-slower fallback.
+not bit-exact anyway; the exact path's three give the same bits as ATen's: the draws (draw.cpp,
+`sampling.draw_kernels`), the sampler's softmax and entropy (softmax.cpp, `sampling.softmax_kernels`) and the layers
+(layers.cpp, `model.native_layers`). Where a kernel cannot be built (no compiler, no ninja), `load` warns once and
+returns False, and its caller runs its slower fallback. A first build on a machine says so on stderr;
+`python -m printpress.native` builds the exact path's kernels ahead (`make setup` does).
 """
 
 from __future__ import annotations
