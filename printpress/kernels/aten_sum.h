@@ -1,6 +1,6 @@
 // ATen's float32 sums, in ATen's order (aten/src/ATen/native/cpu/SumKernel.cpp, `cascade_sum`), for printpress's
-// kernels that must give ATen's bits (layers.cpp, softmax.cpp). Each kernel checks the order against ATen itself on
-// its first use and uses ATen's operators where it does not hold.
+// kernels that must give ATen's bits (layers.cpp, softmax.cpp), and the numbers of their self-checks: each kernel
+// checks the order against ATen itself on its first use and uses ATen's operators where it does not hold.
 #pragma once
 
 #include <algorithm>
@@ -96,5 +96,25 @@ float aten_row_sum(const float* row, int64_t n) {
   }
   return 0.0f + total;
 }
+
+// ATen's sum of n contiguous floats, with its vector width (8 or 16 lanes).
+inline float aten_sum(const float* x, int64_t n, int width) {
+  return width == 16 ? aten_row_sum<16>(x, n) : aten_row_sum<8>(x, n);
+}
+
+// The numbers the kernels' self-checks feed ATen and themselves: a 64-bit linear congruential generator, so that no
+// torch generator moves.
+class CheckNumbers {
+ public:
+  explicit CheckNumbers(uint64_t seed) : state_(seed) {}
+  uint64_t next() {
+    state_ = state_ * 6364136223846793005ull + 1442695040888963407ull;
+    return state_ >> 11;
+  }
+  double unit() { return static_cast<double>(next()) * (1.0 / 9007199254740992.0); }  // in [0, 1)
+
+ private:
+  uint64_t state_;
+};
 
 }  // namespace printpress_sum

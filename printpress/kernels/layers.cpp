@@ -133,15 +133,14 @@ class FusedNorms {
   template <int W>
   static bool check() {
     const int64_t lengths[] = {1, 3, 7, 8, 15, 16, 17, 31, 64, 100, 192, 257, 1000, 1024, 4096, 5000, 20000};
-    uint64_t state = 0x9e3779b97f4a7c15ull;
+    printpress_sum::CheckNumbers numbers(0x9e3779b97f4a7c15ull);
     for (int64_t n : lengths) {
       const int64_t rows = n > 4096 ? 1 : 5;
       Tensor x = at::empty({rows, n}, at::TensorOptions().dtype(at::kFloat));
       float* data = x.data_ptr<float>();
-      for (int64_t i = 0; i < rows * n; ++i) {  // a cheap generator: magnitudes over ~30 octaves, both signs
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        const double unit = static_cast<double>(state >> 11) * (1.0 / 9007199254740992.0);
-        data[i] = static_cast<float>((unit - 0.5) * std::ldexp(1.0, static_cast<int>(state % 31) - 15));
+      for (int64_t i = 0; i < rows * n; ++i) {  // magnitudes over ~30 octaves, both signs
+        const double unit = numbers.unit();
+        data[i] = static_cast<float>((unit - 0.5) * std::ldexp(1.0, static_cast<int>(numbers.next() % 31) - 15));
       }
       Tensor expected = aten_rms_normalize(x, 1e-6);
       Tensor got = at::empty_like(x);
@@ -339,16 +338,12 @@ Tensor weighted_slot_sum(const Tensor& out, const Tensor& order, const Tensor& w
 bool slot_sums_hold() {
   static const bool holds = [] {
     if (FusedNorms::width() == 0) return false;
-    uint64_t state = 0x2545f4914f6cdd1dull;
-    auto next = [&state] {
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      return state >> 11;
-    };
+    printpress_sum::CheckNumbers numbers(0x2545f4914f6cdd1dull);
     auto fill = [&](Tensor& t) {
       float* data = t.data_ptr<float>();
       for (int64_t i = 0; i < t.numel(); ++i) {
-        const double unit = static_cast<double>(next()) * (1.0 / 9007199254740992.0);
-        data[i] = static_cast<float>((unit - 0.5) * std::ldexp(1.0, static_cast<int>(next() % 21) - 10));
+        const double unit = numbers.unit();
+        data[i] = static_cast<float>((unit - 0.5) * std::ldexp(1.0, static_cast<int>(numbers.next() % 21) - 10));
       }
     };
     const auto options = at::TensorOptions().dtype(at::kFloat);
@@ -361,7 +356,7 @@ bool slot_sums_hold() {
         Tensor order = at::empty({pairs}, at::TensorOptions().dtype(at::kLong));
         int64_t* index = order.data_ptr<int64_t>();
         for (int64_t i = 0; i < pairs; ++i) index[i] = i;
-        for (int64_t i = pairs - 1; i > 0; --i) std::swap(index[i], index[next() % (i + 1)]);
+        for (int64_t i = pairs - 1; i > 0; --i) std::swap(index[i], index[numbers.next() % (i + 1)]);
         Tensor slot_weights = weights.reshape(-1).index_select(0, order);
         Tensor expected = at::empty_like(out).index_copy_(0, order, out * slot_weights.unsqueeze(1))
                               .view({tokens, k, h}).sum(1);
@@ -448,7 +443,7 @@ Tensor route_weights(const Tensor& top, const Tensor& chosen, const Tensor& per_
   const int64_t* index = chosen.data_ptr<int64_t>();
   float* dst = weights.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float total = FusedNorms::width() == 16 ? aten_row_sum<16>(p + r * k, k) : aten_row_sum<8>(p + r * k, k);
+    const float total = printpress_sum::aten_sum(p + r * k, k, FusedNorms::width());
     for (int64_t j = 0; j < k; ++j) dst[r * k + j] = (p[r * k + j] / total) * scale[index[r * k + j]];
   }
   return weights;

@@ -82,30 +82,21 @@ void softmax_row(const float* in, float* out, int64_t n) {
   at::vec::map([sum](Vec x) { return x * Vec(sum); }, out, out, n);
 }
 
-float sum_in_atens_order(const float* x, int64_t n, int width) {
-  return width == 16 ? printpress_sum::aten_row_sum<16>(x, n) : printpress_sum::aten_row_sum<8>(x, n);
-}
-
-// probs (rows x n) for every row, and the entropy of the first `free` rows, of x (rows x n, contiguous float32), given
-// `lse`, ATen's logsumexp of those rows.
-// With `all_products` (free x n), the products are left there for ATen to sum, and `entropy` is not written.
-// With `all_products` (free x n), the products are left there for ATen to sum, and `entropy` is not written.
 template <Exp E>
 void probs_and_entropy(const float* x, int64_t rows, int64_t n, int64_t free, const float* lse, int width,
-                       float* probs, float* entropy, float* all_products = nullptr) {
+                       float* probs, float* entropy) {
   for (int64_t r = 0; r < rows; ++r) softmax_row<E>(x + r * n, probs + r * n, n);
-  std::vector<float> log_probs(n), q(n), row_products(all_products == nullptr ? n : 0);
+  std::vector<float> log_probs(n), q(n), products(n);
   const float lowest = std::numeric_limits<float>::lowest();
   for (int64_t r = 0; r < free; ++r) {
     const float* row = x + r * n;
-    float* products = all_products == nullptr ? row_products.data() : all_products + r * n;
     for (int64_t i = 0; i < n; ++i) log_probs[i] = row[i] - lse[r];
     softmax_row<E>(log_probs.data(), q.data(), n);
     for (int64_t i = 0; i < n; ++i) {
       const float clamped = log_probs[i] < lowest ? lowest : log_probs[i];
       products[i] = clamped * q[i];
     }
-    if (all_products == nullptr) entropy[r] = -sum_in_atens_order(products, n, width);
+    entropy[r] = -printpress_sum::aten_sum(products.data(), n, width);
   }
 }
 #endif
@@ -124,7 +115,8 @@ std::tuple<Tensor, Tensor> with_aten(const Tensor& x, int64_t free) {
 // 16): what ATen's build may do on an x86 CPU.
 constexpr int64_t kForms[] = {108, 116, 208, 216};
 
-// probs and entropy of x by form `code`; false for a form this build cannot run.
+// probs and entropy of x by form `code`, on one thread (a sum ATen may split between threads is not its);
+// false for a form this build cannot run.
 bool run(int64_t code, const Tensor& x, int64_t free, Tensor& probs, Tensor& entropy) {
 #ifdef PRINTPRESS_VEC
   const int64_t e = code / 100;
@@ -133,16 +125,11 @@ bool run(int64_t code, const Tensor& x, int64_t free, Tensor& probs, Tensor& ent
   Tensor lse = at::logsumexp(x.slice(0, 0, free), {-1}, false).contiguous();
   const float* in = x.data_ptr<float>();
   float *p = probs.data_ptr<float>(), *h = entropy.data_ptr<float>();
-  // ATen may split a sum of 32768 or more values between threads; then the entropy's sums stay ATen's.
-  Tensor products;
-  if (free * x.size(1) >= 32768 && at::get_num_threads() > 1) products = at::empty({free, x.size(1)}, x.options());
-  float* all = products.defined() ? products.data_ptr<float>() : nullptr;
   if (e == 1) {
-    probs_and_entropy<Exp::sleef>(in, x.size(0), x.size(1), free, lse.data_ptr<float>(), width, p, h, all);
+    probs_and_entropy<Exp::sleef>(in, x.size(0), x.size(1), free, lse.data_ptr<float>(), width, p, h);
   } else {
-    probs_and_entropy<Exp::u20>(in, x.size(0), x.size(1), free, lse.data_ptr<float>(), width, p, h, all);
+    probs_and_entropy<Exp::u20>(in, x.size(0), x.size(1), free, lse.data_ptr<float>(), width, p, h);
   }
-  if (products.defined()) entropy.copy_(-products.sum(-1));
   return true;
 #else
   return false;
@@ -155,15 +142,13 @@ int64_t form() {
   static const int64_t chosen = [] {
     for (int64_t code : kForms) {
       bool ok = true;
-      uint64_t state = 0x9e3779b97f4a7c15ull;
+      printpress_sum::CheckNumbers numbers(0x9e3779b97f4a7c15ull);
       for (int64_t n : {8, 37, 100, 1000, 4096, 4099}) {
         const int64_t rows = 5, free = 3;
         Tensor x = at::empty({rows, n}, at::TensorOptions().dtype(at::kFloat));
         float* data = x.data_ptr<float>();
         for (int64_t i = 0; i < rows * n; ++i) {
-          state = state * 6364136223846793005ull + 1442695040888963407ull;
-          const double unit = static_cast<double>(state >> 11) * (1.0 / 9007199254740992.0);
-          data[i] = static_cast<float>((unit - 0.5) * 12.0 * (1 + (i / n)));
+          data[i] = static_cast<float>((numbers.unit() - 0.5) * 12.0 * (1 + (i / n)));
           if (i % 97 == 5) data[i] = -std::numeric_limits<float>::infinity();  // banned tokens
         }
         auto [probs, entropy] = with_aten(x, free);
@@ -197,20 +182,10 @@ std::tuple<Tensor, Tensor> sampler_numbers(const Tensor& x, int64_t free) {
   return {probs, entropy};
 }
 
-// The numbers by a given form, checked or not (for the tests); an error for a form this build lacks.
-std::tuple<Tensor, Tensor> by_form(const Tensor& x, int64_t free, int64_t code) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "printpress_softmax.by_form: a contiguous float32 CPU matrix");
-  Tensor probs = at::empty_like(x), entropy = at::empty({free}, x.options());
-  TORCH_CHECK(run(code, x, free, probs, entropy), "printpress_softmax.by_form: no form ", code, " in this build");
-  return {probs, entropy};
-}
-
 }  // namespace
 
 TORCH_LIBRARY(printpress_softmax, m) {
   m.def("holds() -> bool", &holds);
   m.def("form() -> int", &form);
-  m.def("by_form(Tensor x, int free, int form) -> (Tensor, Tensor)", &by_form);
   m.def("sampler_numbers(Tensor x, int free) -> (Tensor, Tensor)", &sampler_numbers);
 }
