@@ -13,6 +13,7 @@ Module and parameter names follow the checkpoint keys under `model.decoder.` one
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LogitsMode = Literal["all", "last", "none"]
+
+logger = logging.getLogger(__name__)
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -327,6 +330,32 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_bump_genera
 torch.nn.modules.module.register_module_buffer_registration_hook(_bump_generation)
 
 
+# Whether the C++ layers read each weight ahead of its product (layers.cpp, `warm`: the same numbers, faster where
+# the weights leave the caches between passes): None measures it once per process, on the first model that runs
+# through them (`choose_warm_weights`, ~10 ms on the shipped model); True or False decides without measuring.
+WARM_WEIGHTS: bool | None = None
+WARM_ROUNDS = 7  # cycles over the weights with and without, the medians compared
+_warm_chosen = False
+warm_measurement: tuple[float, float] | None = None  # (seconds per cycle without, with), where it was measured
+
+
+def choose_warm_weights(model: DiffusionGemma) -> None:
+    """Turns the C++ layers' weight warming on or off for this process (WARM_WEIGHTS, or measured on `model`'s
+    weights), once; nothing where `model`'s layers do not run through the C++ layers."""
+    global _warm_chosen, warm_measurement
+    plans = [layer._plan() for layer in model.layers]
+    if _warm_chosen or any(plan is None for plan in plans):
+        return
+    _warm_chosen = True
+    if WARM_WEIGHTS is None:
+        weights = [w for plan in plans for w in plan.attention + plan.after_decoder]
+        warm_measurement = torch.ops.printpress_layers.choose_warm(weights, WARM_ROUNDS)
+        logger.info("weights read ahead of their products: %s (a cycle over them %.2f ms without, %.2f ms with)",
+                    torch.ops.printpress_layers.warm_enabled(), *(1e3 * t for t in warm_measurement))
+    else:
+        torch.ops.printpress_layers.set_warm(WARM_WEIGHTS)
+
+
 def native_layers() -> bool:
     """Whether printpress_layers is loaded (built on a machine's first inference pass, ~10 s, then cached)."""
     return native.load("layers.cpp", "the layers run through Python (the same numbers, slower)", lambda: None)
@@ -591,6 +620,8 @@ class DiffusionGemma(nn.Module):
             ropes = self.rope(positions)
         b, t, h = x.shape
         x = x.reshape(b * t, h)
+        if not _warm_chosen:
+            choose_warm_weights(self)
         for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
             layer_kv = _identity_kv if kv_fn is None else (lambda k, v, i=index: kv_fn(i, k, v))
             x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)

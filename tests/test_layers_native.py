@@ -20,9 +20,17 @@ from printpress.quantize import quantize_model
 
 @pytest.fixture(autouse=True)
 def native(monkeypatch):
+    """The C++ layers on, with their weights read ahead of each product (the path of a machine where that pays), and
+    the process's own choice back afterwards."""
     if not native_layers():
         pytest.skip("no C++ compiler for printpress's layers on this machine")
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
+    monkeypatch.setattr(model_module, "_warm_chosen", True)
+    ops = torch.ops.printpress_layers
+    before = ops.warm_enabled()
+    ops.set_warm(True)
+    yield
+    ops.set_warm(before)
 
 
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides) -> DiffusionGemma:
@@ -111,6 +119,46 @@ def test_a_plan_follows_its_model_when_weights_modules_or_dtype_change(monkeypat
     passes(model)
     layer.self_attn.o_proj = replacement
     assert_bit_equal(*both_sides(model, monkeypatch))
+
+
+def test_reading_weights_ahead_changes_no_number():
+    model = tiny_model("mha")
+    weights = [tensor.clone() for tensor in model.state_dict().values()]
+    ops = torch.ops.printpress_layers
+    ops.set_warm(False)
+    cold = passes(model)
+    ops.set_warm(True)
+    assert_bit_equal(cold, passes(model))
+    assert_bit_equal(weights, list(model.state_dict().values()))
+
+
+def test_whether_to_read_weights_ahead_is_measured_once_on_the_first_model_that_runs_the_cpp_layers(monkeypatch):
+    ops = torch.ops.printpress_layers
+    monkeypatch.setattr(model_module, "_warm_chosen", False)
+    monkeypatch.setattr(model_module, "warm_measurement", None)
+    quantized = tiny_model("gqa")
+    quantize_model(quantized, kernel=False)  # no C++ layers: nothing chosen
+    passes(quantized)
+    assert not model_module._warm_chosen and model_module.warm_measurement is None
+
+    model = tiny_model("gqa")
+    passes(model)
+    measured = model_module.warm_measurement
+    without, with_warm = measured
+    assert 0 < without < 1 and 0 < with_warm < 1
+    assert ops.warm_enabled() == (with_warm < without)
+    passes(tiny_model("mha"))
+    assert model_module.warm_measurement is measured  # once per process
+
+    for forced in (False, True):
+        monkeypatch.setattr(model_module, "_warm_chosen", False)
+        monkeypatch.setattr(model_module, "warm_measurement", None)
+        monkeypatch.setattr(model_module, "WARM_WEIGHTS", forced)
+        ops.set_warm(not forced)
+        passes(model)
+        assert ops.warm_enabled() == forced and model_module.warm_measurement is None
+    with pytest.raises(RuntimeError, match="at least one round, not 0"):
+        ops.choose_warm([model.layers[0].mlp.up_proj.weight], 0)
 
 
 def test_layers_the_cpp_operators_do_not_cover_run_in_python():
