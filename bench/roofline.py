@@ -17,7 +17,10 @@ One process, one thread (by default). It measures the machine, then the engine:
    far the engine is from the machine (1.0 = at the limit). `--compiled` adds the opt-in compiled AR step
    (`printpress.fast.compile_ar_step`, not bit-exact) on the same weights. Where the CPU has native bf16 (or with
    `--bf16`) the AR step and the decoder passes are timed again on a bf16 copy of the weights (`dtype="bfloat16"`,
-   not exact), predicted with 2-byte weights at the bf16 GEMM roof.
+   not exact), predicted with 2-byte weights at the bf16 GEMM roof. `--warm-ab` times the AR step and the decoder
+   passes again with the C++ layers' weights not read ahead of their products (`printpress.model.choose_warm_weights`
+   decides that per process; the report's machine entry says what it chose), interleaved with the rest: an A/B of
+   the same bits.
 
 The workloads of one model are timed interleaved (one repetition of each in turn), so a change in the machine's
 load hits them alike; medians and minima are reported, and the 1-minute load average at the start and the end
@@ -47,11 +50,12 @@ import torch
 
 import printpress
 from printpress import canvas as canvas_step
+from printpress import model as model_module
 from printpress.checkpoint import convert
 from printpress.config import TextConfig
 from printpress.eval.report import cpu_name
 from printpress.fast import compile_ar_step
-from printpress.model import DiffusionGemma
+from printpress.model import DiffusionGemma, native_layers
 from printpress.precision import native_bf16_flags, read_cpuinfo
 from printpress.sampling import SamplerSettings, StabilityTracker
 
@@ -319,6 +323,32 @@ def workloads(model: DiffusionGemma, canvases: tuple[int, ...], context: int,
     return out
 
 
+NOT_AHEAD = "weights not read ahead"
+
+
+def without_warming(run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with the C++ layers' weight warming off (the process's choice back after it): the other side of an
+    interleaved A/B of `printpress.model.choose_warm_weights`."""
+    ops = torch.ops.printpress_layers
+
+    def cold() -> None:
+        chosen = ops.warm_enabled()
+        ops.set_warm(False)
+        try:
+            run()
+        finally:
+            ops.set_warm(chosen)
+
+    return cold
+
+
+def warm_choice() -> dict[str, Any]:
+    """What this process chose for the C++ layers' weight warming, and what it measured to choose."""
+    measured = model_module.warm_measurement
+    return {"enabled": bool(native_layers() and torch.ops.printpress_layers.warm_enabled()),
+            "cycle_ms_without_with": None if measured is None else [1e3 * t for t in measured]}
+
+
 def measure(loads: list[Workload], reps: int) -> dict[str, list[float]]:
     """Seconds per call of each workload, interleaved: one call of each in turn, `reps` rounds."""
     for load in loads:
@@ -352,6 +382,9 @@ def bench_model(label: str, model: DiffusionGemma, roofs: dict[str, Any], args: 
                 compile_ar_step(low_compiled)
             for load in workloads(low, tuple(args.canvases), args.context, low_compiled, sampler=False):
                 loads.append(Workload(f"{load.name}, bf16", load.run, load.work))
+        if args.warm_ab and native_layers():
+            loads += [Workload(f"{load.name}, {NOT_AHEAD}", without_warming(load.run), load.work)
+                      for load in list(loads) if "sampler" not in load.name and "compiled" not in load.name]
         seconds = measure(loads, args.reps)
     rows = []
     for load in loads:
@@ -418,6 +451,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="also time the AR step and decoder passes of a bf16 copy (default: where the CPU has "
                              "native bf16 matmuls, amx_bf16 or avx512_bf16)")
+    parser.add_argument("--warm-ab", action="store_true",
+                        help="also time the AR step and decoder passes with the C++ layers' weight warming off "
+                             f"(rows named '..., {NOT_AHEAD}'), interleaved with the process's own choice")
     args = parser.parse_args(argv)
     if args.bf16 is None:
         args.bf16 = bool(native_bf16_flags(read_cpuinfo()))
@@ -438,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
                    + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                     "caches_bytes": caches, "native_bf16": bool(native_bf16_flags(read_cpuinfo())),
+                    "weights_read_ahead": warm_choice(),
                     "torch": torch.__version__, "python": platform.python_version()},
         "load_average": [load_start, os.getloadavg()[0]],
         "context": args.context,
