@@ -331,8 +331,9 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_bump_generatio
 
 
 # Whether the C++ layers read each weight ahead of its product (layers.cpp, `warm`: the same numbers, faster where
-# the weights leave the caches between passes): None measures it once per process, on the first model that runs
-# through them (`choose_warm_weights`, ~10 ms on the shipped model); True or False decides without measuring.
+# the weights leave the caches between passes): None measures it once per process, after the first pass of a model
+# whose layers all ran through them (`choose_warm_weights`, ~10 ms on the shipped model); True or False decides
+# without measuring.
 WARM_WEIGHTS: bool | None = None
 WARM_ROUNDS = 7  # cycles over the weights with and without, the medians compared
 _warm_chosen = False
@@ -341,14 +342,17 @@ warm_measurement: tuple[float, float] | None = None  # (seconds per cycle withou
 
 def choose_warm_weights(model: DiffusionGemma) -> None:
     """Turns the C++ layers' weight warming on or off for this process (WARM_WEIGHTS, or measured on `model`'s
-    weights), once; nothing where `model`'s layers do not run through the C++ layers."""
+    weights), once, after a pass in which all of `model`'s layers ran through the C++ layers (their plans current,
+    their weights plain tensors holding their data: not FSDP's shards or freed gathers). Makes no plan itself."""
     global _warm_chosen, warm_measurement
-    plans = [layer._plan() for layer in model.layers]
-    if _warm_chosen or any(plan is None for plan in plans):
+    plans = [layer._native for layer in model.layers]
+    if _warm_chosen or not all(isinstance(plan, NativePlan) and plan.generation == _generation for plan in plans):
+        return
+    weights = [w for plan in plans for w in plan.attention + plan.after_decoder]
+    if any(type(w) not in (torch.Tensor, nn.Parameter) or w.untyped_storage().nbytes() == 0 for w in weights):
         return
     _warm_chosen = True
     if WARM_WEIGHTS is None:
-        weights = [w for plan in plans for w in plan.attention + plan.after_decoder]
         warm_measurement = torch.ops.printpress_layers.choose_warm(weights, WARM_ROUNDS)
         logger.info("weights read ahead of their products: %s (a cycle over them %.2f ms without, %.2f ms with)",
                     torch.ops.printpress_layers.warm_enabled(), *(1e3 * t for t in warm_measurement))
@@ -620,11 +624,11 @@ class DiffusionGemma(nn.Module):
             ropes = self.rope(positions)
         b, t, h = x.shape
         x = x.reshape(b * t, h)
-        if not _warm_chosen:
-            choose_warm_weights(self)
         for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
             layer_kv = _identity_kv if kv_fn is None else (lambda k, v, i=index: kv_fn(i, k, v))
             x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
+        if not _warm_chosen:
+            choose_warm_weights(self)
         return self.norm(x).view(b, t, h)
 
     # -- encoder --------------------------------------------------------------------------------------------
