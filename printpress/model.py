@@ -409,7 +409,31 @@ def native_plan(layer: Layer) -> NativePlan | None:
                       attn.head_dim, layer.input_layernorm.eps, router.top_k, router.root_size, act)
 
 
-class Layer(nn.Module):
+class Planned(nn.Module):
+    """A module printpress_layers can stand in for: its plan (the weights it hands the C++ operator, in order) is
+    made on first use and remade when the generation it was made in has passed; None where the C++ operator cannot
+    stand in (`make_plan`)."""
+
+    _native: object = False  # the plan once made (None: not possible)
+
+    def make_plan(self):
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        _bump_generation()  # the tensors a plan holds may be replaced (buffers are, on a dtype or device change)
+        return super()._apply(fn, recurse)
+
+    def _plan(self):
+        """The plan, where the C++ operator stands in for the Python methods now (gradients off, not compiling)."""
+        if not NATIVE_LAYERS or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        plan = self._native
+        if plan is False or (plan is not None and plan.generation != _generation):
+            plan = self._native = self.make_plan()
+        return plan
+
+
+class Layer(Planned):
     def __init__(self, config: TextConfig, spec: LayerSpec) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
@@ -427,20 +451,9 @@ class Layer(nn.Module):
         # The checkpoint stores a scalar per mode; they are equal in released weights but kept apart to be exact.
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
-        self._native: NativePlan | None | bool = False  # `native_plan(self)` once made (None: not possible)
 
-    def _apply(self, fn, recurse=True):
-        _bump_generation()  # the tensors a plan holds may be replaced (buffers are, on a dtype or device change)
-        return super()._apply(fn, recurse)
-
-    def _plan(self) -> NativePlan | None:
-        """The C++ layers' plan, where they stand in for the Python methods now (gradients off, not compiling)."""
-        if not NATIVE_LAYERS or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return None
-        plan = self._native
-        if plan is False or (plan is not None and plan.generation != _generation):
-            plan = self._native = native_plan(self)
-        return plan
+    def make_plan(self) -> NativePlan | None:
+        return native_plan(self)
 
     def forward(self, x, shape: tuple[int, int], rope, mask, kv_fn, encoder: bool | torch.Tensor) -> torch.Tensor:
         """One layer over x (B*T, H), the rows of `shape` = (B, T) sequences. Rows, not (B, T, H): every linear
@@ -480,7 +493,17 @@ class Layer(nn.Module):
         return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
 
 
-class SelfConditioning(nn.Module):
+@dataclass
+class SelfConditioningPlan:
+    """What printpress_layers.self_conditioning takes: the pre-norm's and the MLP's weights, eps, the activation."""
+
+    generation: int
+    weights: list[torch.Tensor]
+    eps: float
+    act: int
+
+
+class SelfConditioning(Planned):
     """Mixes the previous step's soft predictions into the canvas embeddings (zeros at the first step)."""
 
     def __init__(self, config: TextConfig) -> None:
@@ -496,8 +519,24 @@ class SelfConditioning(nn.Module):
     def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
         if soft is None:  # the MLP of zeros is zero: skip it
             return self.post_norm(embeds)
+        plan = self._plan()
+        if plan is not None:
+            return torch.ops.printpress_layers.self_conditioning(embeds, soft, plan.weights, plan.eps, plan.act)
         normed = self.pre_norm(soft)
         return self.post_norm(embeds + self.down_proj(self.act(self.gate_proj(normed)) * self.up_proj(normed)))
+
+    def make_plan(self) -> SelfConditioningPlan | None:
+        """The plan where printpress_layers can stand in (CPU weights, the stock modules, a known activation)."""
+        linears = [self.gate_proj, self.up_proj, self.down_proj]
+        norms = [self.pre_norm, self.post_norm]
+        act = ACTIVATION_CODES.get(self.act)
+        if (any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears)
+                or any(type(norm) is not RMSNorm for norm in norms) or act is None
+                or self.pre_norm.eps != self.post_norm.eps or self.post_norm.weight is not None
+                or any(tensor.device.type != "cpu" for tensor in self.parameters()) or not native_layers()):
+            return None
+        weights = [self.pre_norm.weight] + [linear.weight for linear in linears]
+        return SelfConditioningPlan(_generation, weights, self.pre_norm.eps, act)
 
 
 @dataclass

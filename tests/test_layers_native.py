@@ -14,7 +14,7 @@ from torch import nn
 
 import printpress.model as model_module
 from printpress.config import TextConfig
-from printpress.model import DiffusionGemma, NativePlan, native_layers
+from printpress.model import DiffusionGemma, NativePlan, SelfConditioningPlan, native_layers
 from printpress.quantize import quantize_model
 
 
@@ -70,6 +70,7 @@ def passes(model: DiffusionGemma) -> list[torch.Tensor]:
 def both_sides(model: DiffusionGemma, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     native_out = passes(model)
     assert all(isinstance(layer._native, NativePlan) for layer in model.layers)  # the C++ layers ran
+    assert isinstance(model.self_conditioning._native, SelfConditioningPlan)  # and the self-conditioning
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", False)
     python_out = passes(model)
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
@@ -168,7 +169,7 @@ def test_layers_the_cpp_operators_do_not_cover_run_in_python():
     passes(model)
     quantize_model(model, kernel=False)
     passes(model)
-    assert all(layer._native is None for layer in model.layers)
+    assert all(layer._native is None for layer in model.layers) and model.self_conditioning._native is None
 
     model = tiny_model("gqa").requires_grad_(True)
     cache = model.new_cache(1, 16)

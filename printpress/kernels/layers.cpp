@@ -509,6 +509,13 @@ Tensor after_attention(const Tensor& x_in, const Tensor& attended, at::TensorLis
   return add_norm(x, add_norm(dense, sparse, w[13], eps), w[14], eps, w[15]);
 }
 
+// SelfConditioning.forward with a previous step's signal `soft`: post_norm(embeds + MLP(pre_norm(soft))), the MLP's
+// weights and the pre-norm's in `w` (pre_norm, gate, up, down); the post-norm has no weight.
+Tensor self_conditioning(const Tensor& embeds, const Tensor& soft, at::TensorList w, double eps, int64_t code) {
+  TORCH_CHECK(w.size() == 4, "printpress_layers.self_conditioning: 4 weights, not ", w.size());
+  return norm(embeds + gated_mlp(norm(soft, w[0], eps), w[1], w[2], w[3], code), Tensor(), eps);
+}
+
 }  // namespace
 
 // The width the one-loop norm found matching ATen's (16 or 8 lanes), or 0 where it computes norms with ATen's
@@ -572,6 +579,8 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("attention_inputs(Tensor x, Tensor[] w, int batch, int length, int head_dim, float eps, Tensor cos, "
         "Tensor signed_sin) -> (Tensor, Tensor, Tensor)",
         &attention_inputs);
+  m.def("self_conditioning(Tensor embeds, Tensor soft, Tensor[] w, float eps, int act) -> Tensor",
+        &self_conditioning);
   m.def("after_attention(Tensor x, Tensor attended, Tensor[] w, int top_k, float root_size, float eps, int act) "
         "-> Tensor",
         &after_attention);
