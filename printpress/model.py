@@ -635,7 +635,13 @@ class DiffusionGemma(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
-        logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
+        if (head is None and NATIVE_LAYERS and native.loaded("layers.cpp") and hidden.is_contiguous()
+                and hidden.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            # F.linear's mm, its weight read ahead in blocks where that pays (layers.cpp, `head`): the same bits.
+            rows = torch.ops.printpress_layers.head(hidden.view(-1, hidden.shape[-1]), self.embed_tokens.weight)
+            logits = rows.view(*hidden.shape[:-1], -1).float()
+        else:
+            logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
         cap = self.config.final_logit_softcapping
         return softcap(logits, cap) if cap else logits
 

@@ -133,6 +133,21 @@ def test_reading_weights_ahead_changes_no_number():
     assert_bit_equal(weights, list(model.state_dict().values()))
 
 
+def test_the_head_read_ahead_in_blocks_gives_the_whole_products_bits(monkeypatch):
+    """An embedding larger than the head's blocks (8192 x 32 floats: 1 MiB, blocks of 3072 rows): every pass,
+    its last block short, bit-equal with the Python path; the blocks checked against the whole product on the first
+    call of each shape, and holding (MKL computes each column alike) where torch has MKL."""
+    ops = torch.ops.printpress_layers
+    checked, held = ops.head_checks()
+    model = tiny_model("gqa", vocab_size=8192)
+    assert_bit_equal(*both_sides(model, monkeypatch))
+    new_checked, new_held = ops.head_checks()
+    assert new_checked > checked
+    if torch.backends.mkl.is_available():
+        assert new_held - held == new_checked - checked
+    assert_bit_equal(*both_sides(model, monkeypatch))  # the shapes known now: through the blocks
+
+
 def test_whether_to_read_weights_ahead_is_measured_once_on_the_first_model_that_runs_the_cpp_layers(monkeypatch):
     ops = torch.ops.printpress_layers
     monkeypatch.setattr(model_module, "_warm_chosen", False)
