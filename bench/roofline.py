@@ -333,11 +333,11 @@ def without_warming(run: Callable[[], None]) -> Callable[[], None]:
 
     def cold() -> None:
         chosen = ops.warm_enabled()
-        ops.set_warm(False)
+        ops.set_warm(False, False)
         try:
             run()
         finally:
-            ops.set_warm(chosen)
+            ops.set_warm(*chosen)
 
     return cold
 
@@ -345,8 +345,10 @@ def without_warming(run: Callable[[], None]) -> Callable[[], None]:
 def warm_choice() -> dict[str, Any]:
     """What this process chose for the C++ layers' weight warming, and what it measured to choose."""
     measured = model_module.warm_measurement
-    return {"enabled": bool(native_layers() and torch.ops.printpress_layers.warm_enabled()),
-            "cycle_ms_without_with": None if measured is None else [1e3 * t for t in measured]}
+    few, many = torch.ops.printpress_layers.warm_enabled() if native_layers() else (False, False)
+    return {"few_rows": few, "many_rows": many,
+            "cycle_ms_1_row_without_with_32_rows_without_with": None if measured is None else
+            [1e3 * t for t in measured]}
 
 
 def measure(loads: list[Workload], reps: int) -> dict[str, list[float]]:

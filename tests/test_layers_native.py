@@ -28,9 +28,9 @@ def native(monkeypatch):
     monkeypatch.setattr(model_module, "_warm_chosen", True)
     ops = torch.ops.printpress_layers
     before = ops.warm_enabled()
-    ops.set_warm(True)
+    ops.set_warm(True, True)
     yield
-    ops.set_warm(before)
+    ops.set_warm(*before)
 
 
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides) -> DiffusionGemma:
@@ -126,9 +126,9 @@ def test_reading_weights_ahead_changes_no_number():
     model = tiny_model("mha")
     weights = [tensor.clone() for tensor in model.state_dict().values()]
     ops = torch.ops.printpress_layers
-    ops.set_warm(False)
+    ops.set_warm(False, False)
     cold = passes(model)
-    ops.set_warm(True)
+    ops.set_warm(True, True)
     assert_bit_equal(cold, passes(model))
     assert_bit_equal(weights, list(model.state_dict().values()))
 
@@ -160,9 +160,9 @@ def test_whether_to_read_weights_ahead_is_measured_once_on_the_first_model_that_
     model = tiny_model("gqa")
     passes(model)
     measured = model_module.warm_measurement
-    without, with_warm = measured
-    assert 0 < without < 1 and 0 < with_warm < 1
-    assert ops.warm_enabled() == (with_warm < without)
+    few_without, few_with, many_without, many_with = measured
+    assert all(0 < seconds < 1 for seconds in measured)
+    assert ops.warm_enabled() == (few_with < few_without, many_with < many_without)
     passes(tiny_model("mha"))
     assert model_module.warm_measurement is measured  # once per process
 
@@ -170,9 +170,9 @@ def test_whether_to_read_weights_ahead_is_measured_once_on_the_first_model_that_
         monkeypatch.setattr(model_module, "_warm_chosen", False)
         monkeypatch.setattr(model_module, "warm_measurement", None)
         monkeypatch.setattr(model_module, "WARM_WEIGHTS", forced)
-        ops.set_warm(not forced)
+        ops.set_warm(not forced, not forced)
         passes(model)
-        assert ops.warm_enabled() == forced and model_module.warm_measurement is None
+        assert ops.warm_enabled() == (forced, forced) and model_module.warm_measurement is None
     with pytest.raises(RuntimeError, match="at least one round, not 0"):
         ops.choose_warm([model.layers[0].mlp.up_proj.weight], 0)
 

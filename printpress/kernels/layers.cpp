@@ -259,12 +259,19 @@ Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
 // tenants), MKL's small products read them at the latency of scattered misses: a 1-row product of a 192 x 384 weight
 // took ~40-60 us there against 7 us from the L2. One load per cache line in address order first is a stream the
 // hardware prefetcher follows, so the product then finds the weight in the L2 (10 + 7 us). It reads, writes nothing
-// and changes no number. Where the weights stay in the caches it only costs, so the model measures it once per
-// process on its own weights (`choose_warm`, called from model.py) and turns it on where it wins.
-std::atomic<bool> warm_weights{false};
+// and changes no number. Where the weights stay in the caches it only costs, and where a product is shared between
+// threads the other threads' parts are not in their caches, so the model measures it once per process on its own
+// weights, for products of a few rows and of many apart (`choose_warm`, called from model.py), and turns each on
+// where it wins.
+constexpr int64_t kManyRows = 8;  // products of at least this many rows are "many" (canvases; AR steps are "few")
+std::atomic<bool> warm_few{false}, warm_many{false};
 
-void warm(const Tensor& weight) {
-  if (!warm_weights.load(std::memory_order_relaxed) || !weight.is_contiguous()) return;
+bool warming(int64_t rows) {
+  return (rows < kManyRows ? warm_few : warm_many).load(std::memory_order_relaxed);
+}
+
+void warm(const Tensor& weight, int64_t rows) {
+  if (!warming(rows) || !weight.is_contiguous()) return;
   const char* bytes = static_cast<const char*>(weight.data_ptr());
   const int64_t size = weight.numel() * static_cast<int64_t>(weight.element_size());
   uint32_t seen = 0;
@@ -275,7 +282,7 @@ void warm(const Tensor& weight) {
 
 // F.linear without a bias on rows: at::linear's own path for a 2-D input (matmul, then mm), without its two layers.
 Tensor product(const Tensor& x, const Tensor& weight) {
-  warm(weight);
+  warm(weight, x.size(-1) == 0 ? 0 : x.numel() / x.size(-1));
   return x.dim() == 2 ? at::mm(x, weight.t()) : at::linear(x, weight);
 }
 
@@ -295,7 +302,7 @@ Tensor head_in_blocks(const Tensor& x, const Tensor& weight, int64_t block) {
   for (int64_t start = 0; start < weight.size(0); start += block) {
     const int64_t end = std::min(start + block, weight.size(0));
     const Tensor rows = weight.slice(0, start, end);
-    warm(rows);
+    warm(rows, x.size(0));
     Tensor columns = out.slice(1, start, end);
     at::mm_out(columns, x, rows.t());
   }
@@ -305,7 +312,7 @@ Tensor head_in_blocks(const Tensor& x, const Tensor& weight, int64_t block) {
 Tensor head(const Tensor& x, const Tensor& weight) {
   const int64_t row_bytes = weight.size(1) * static_cast<int64_t>(weight.element_size());
   const int64_t block = std::max<int64_t>(16, kHeadBlockBytes / row_bytes / 16 * 16);
-  if (!warm_weights.load(std::memory_order_relaxed) || x.dim() != 2 || !x.is_contiguous() ||
+  if (x.dim() != 2 || !warming(x.size(0)) || !x.is_contiguous() ||
       !weight.is_contiguous() || !x.device().is_cpu() || block >= weight.size(0))
     return at::mm(x, weight.t());
   const std::vector<int64_t> key{x.size(0), weight.size(1), weight.size(0), static_cast<int64_t>(x.scalar_type()),
@@ -356,7 +363,7 @@ Tensor grouped_mm(const Tensor& x, const Tensor& weights, const Tensor& counts) 
     if (count[e] == 0) continue;
     Tensor rows = out.slice(0, start, start + count[e]);
     const Tensor weight = weights[e];
-    warm(weight);
+    warm(weight, count[e]);
     at::mm_out(rows, x.slice(0, start, start + count[e]), weight.transpose(-2, -1));
     start += count[e];
   }
@@ -586,52 +593,61 @@ Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps
   return norm(x, weight.value_or(Tensor()), eps);
 }
 
-// Whether reading weights ahead pays on this machine: one 1-row product per weight (every matrix of every layer, as
-// an AR step reads them), cycled with and without `warm` in alternation, `rounds` times each after one cycle each to
-// warm up (fewer rounds, at least one, where they would take over ~0.15 s: a large model); turned on where the median
-// cycle with it is faster. Vectors (norm weights, scalars) among `weights` are skipped. Returns the two medians in
-// seconds (without, with).
-std::tuple<double, double> choose_warm(const std::vector<Tensor>& weights, int64_t rounds) {
+// Whether reading weights ahead pays on this machine: 1-row products, then 32-row products, one per weight (every
+// matrix of every layer, as an AR step and a canvas pass read them), cycled with and without `warm` in alternation,
+// `rounds` times each after one cycle each to warm up (fewer rounds, at least one, where they would take over ~0.15 s:
+// a large model); each kind turned on where its median cycle with it is faster. Vectors (norm weights, scalars) among
+// `weights` are skipped. Returns the medians in seconds: (few rows without, with, many rows without, with).
+std::vector<double> choose_warm(const std::vector<Tensor>& weights, int64_t rounds) {
   TORCH_CHECK(rounds >= 1, "printpress_layers.choose_warm: at least one round, not ", rounds);
-  std::vector<Tensor> matrices, rows;
+  std::vector<Tensor> matrices;
   for (const Tensor& w : weights) {
     if (w.dim() < 2) continue;
-    for (const Tensor& matrix : w.dim() == 3 ? w.unbind(0) : std::vector<Tensor>{w}) {
-      matrices.push_back(matrix);
-      rows.push_back(at::ones({1, matrix.size(1)}, matrix.options()));
-    }
+    for (const Tensor& matrix : w.dim() == 3 ? w.unbind(0) : std::vector<Tensor>{w}) matrices.push_back(matrix);
   }
-  std::vector<double> times[2];
-  for (int64_t round = 0; round < 1 + rounds; ++round) {
-    for (int on = 0; on < 2; ++on) {
-      warm_weights.store(on == 1);
-      const auto start = std::chrono::steady_clock::now();
-      for (size_t i = 0; i < matrices.size(); ++i) product(rows[i], matrices[i]);
-      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-      times[on].push_back(took.count());
+  std::vector<double> medians;
+  for (const int64_t rows : {int64_t{1}, int64_t{32}}) {
+    std::vector<Tensor> inputs;
+    for (const Tensor& matrix : matrices) inputs.push_back(at::ones({rows, matrix.size(1)}, matrix.options()));
+    std::atomic<bool>& flag = rows < kManyRows ? warm_few : warm_many;
+    std::vector<double> times[2];
+    int64_t wanted = rounds;
+    for (int64_t round = 0; round < 1 + wanted; ++round) {
+      for (int on = 0; on < 2; ++on) {
+        flag.store(on == 1);
+        const auto start = std::chrono::steady_clock::now();
+        for (size_t i = 0; i < matrices.size(); ++i) product(inputs[i], matrices[i]);
+        const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+        times[on].push_back(took.count());
+      }
+      if (round == 0) {  // it warmed up both; fewer rounds where a cycle is long
+        wanted = std::min(wanted, std::max<int64_t>(1, static_cast<int64_t>(0.15 / (times[0][0] + times[1][0]))));
+        times[0].clear();
+        times[1].clear();
+      }
     }
-    if (round == 0) {  // it warmed up both; fewer rounds where a cycle is long (a large model: ~0.3 s in all)
-      rounds = std::min(rounds, std::max<int64_t>(1, static_cast<int64_t>(0.15 / (times[0][0] + times[1][0]))));
-      times[0].clear();
-      times[1].clear();
-    }
+    for (auto& t : times) std::sort(t.begin(), t.end());
+    const double without = times[0][times[0].size() / 2], with = times[1][times[1].size() / 2];
+    flag.store(with < without);
+    medians.push_back(without);
+    medians.push_back(with);
   }
-  for (auto& t : times) std::sort(t.begin(), t.end());
-  const double without = times[0][times[0].size() / 2], with = times[1][times[1].size() / 2];
-  warm_weights.store(with < without);
-  return {without, with};
+  return medians;
 }
 
-void set_warm(bool on) { warm_weights.store(on); }
+void set_warm(bool few, bool many) {
+  warm_few.store(few);
+  warm_many.store(many);
+}
 
-bool warm_enabled() { return warm_weights.load(); }
+std::tuple<bool, bool> warm_enabled() { return {warm_few.load(), warm_many.load()}; }
 
 TORCH_LIBRARY(printpress_layers, m) {
-  m.def("choose_warm(Tensor[] weights, int rounds) -> (float, float)", &choose_warm);
-  m.def("set_warm(bool on) -> ()", &set_warm);
+  m.def("choose_warm(Tensor[] weights, int rounds) -> float[]", &choose_warm);
+  m.def("set_warm(bool few, bool many) -> ()", &set_warm);
+  m.def("warm_enabled() -> (bool, bool)", &warm_enabled);
   m.def("head(Tensor x, Tensor weight) -> Tensor", &head);
   m.def("head_checks() -> (int, int)", &head_checks);
-  m.def("warm_enabled() -> bool", &warm_enabled);
   m.def("fused_norm_width() -> int", &fused_norm_width);
   m.def("fused_slot_sums() -> bool", &fused_slot_sums);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
