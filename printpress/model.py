@@ -332,8 +332,8 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_bump_generatio
 
 # Whether the C++ layers read each weight ahead of its product (layers.cpp, `warm`: the same numbers, faster where
 # the weights leave the caches between passes): None measures it once per process, after the first pass of a model
-# whose layers all ran through them (`choose_warm_weights`, ~10 ms on the shipped model); True or False decides
-# without measuring.
+# whose layers all ran through them (`choose_warm_weights`, ~60 ms on the shipped model), for products of a few rows
+# and of many apart; True or False decides both without measuring.
 WARM_WEIGHTS: bool | None = None
 WARM_ROUNDS = 7  # cycles over the weights with and without, the medians compared
 _warm_chosen = False
@@ -535,7 +535,8 @@ class SelfConditioning(Planned):
         act = ACTIVATION_CODES.get(self.act)
         if (any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears)
                 or any(type(norm) is not RMSNorm for norm in norms) or act is None
-                or self.pre_norm.eps != self.post_norm.eps or self.post_norm.weight is not None
+                or self.pre_norm.eps != self.post_norm.eps or self.pre_norm.weight is None
+                or self.post_norm.weight is not None
                 or any(tensor.device.type != "cpu" for tensor in self.parameters()) or not native_layers()):
             return None
         weights = [self.pre_norm.weight] + [linear.weight for linear in linears]

@@ -16,6 +16,8 @@
 //   `weighted_slot_sum`). That order is checked once per process against ATen itself (`FusedNorms`); where it does not
 //   hold, or for other dtypes, strided inputs, or sums ATen would split between threads, the chains run as the ATen
 //   operators.
+// Also here: the self-conditioning MLP (`self_conditioning`), the logits' product (`head`), and the reading of weights
+// ahead of their products where that pays on the machine (`warm`, `choose_warm`): none of them changes a number.
 // The operators are registered without a dispatch key (CompositeImplicitAutograd); the model calls them only with
 // gradients off.
 //
