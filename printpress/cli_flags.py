@@ -77,16 +77,18 @@ def load_options(args: argparse.Namespace) -> dict:
 def warm_up(pipe, args: argparse.Namespace) -> None:
     """Before a server's or a chat's first request: on a CPU, load printpress's exact kernels (draws, softmax and
     entropy, layers: each built on a machine's first use in seconds, then cached: `sampling.draw_kernels`,
-    `sampling.softmax_kernels`, `model.native_layers`); with --compile, compile what the first requests would
+    `sampling.softmax_kernels`, `model.native_layers`) and make the layers' choice of reading weights ahead
+    (`model.settle_warm_weights`, ~60 ms); with --compile, compile what the first requests would
     (`Pipeline.warm_up`), saying so on stderr. The first answers then come at full speed."""
-    from printpress.model import native_layers
+    from printpress.model import native_layers, settle_warm_weights
     from printpress.request import model_device
     from printpress.sampling import draw_kernels, softmax_kernels
 
     if model_device(pipe.model).type == "cpu":
         draw_kernels()
         softmax_kernels()
-        native_layers()
+        if native_layers():
+            settle_warm_weights(pipe.model)
     if args.compile is None:
         return
     import time

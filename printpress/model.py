@@ -363,6 +363,15 @@ def choose_warm_weights(model: DiffusionGemma) -> None:
         torch.ops.printpress_layers.set_warm(WARM_WEIGHTS, WARM_WEIGHTS)
 
 
+def settle_warm_weights(model: DiffusionGemma) -> None:
+    """Makes `model`'s layer plans and this process's weight-reading choice now rather than in its first pass (a
+    server's or a chat's first request); nothing where the C++ layers do not run or the choice is made."""
+    with torch.no_grad():
+        for layer in model.layers:
+            layer._plan()
+        choose_warm_weights(model)
+
+
 def native_layers() -> bool:
     """Whether printpress_layers is loaded (built on a machine's first inference pass, ~10 s, then cached)."""
     return native.load("layers.cpp", "the layers run through Python (the same numbers, slower)", lambda: None)

@@ -389,7 +389,7 @@ def test_compiled_commands_warm_up_first_and_say_so(folders, capsys, monkeypatch
     """`chat` and `serve` with --compile compile before the first request (`Pipeline.warm_up`, tested in
     tests/test_fast.py), with a line on stderr before and after; without --compile they say nothing. Either way,
     on a CPU, the exact kernels (draws, softmax and entropy, layers) are loaded first (built on a machine's first
-    use), not in the first request."""
+    use), not in the first request, and the layers' choice of reading weights ahead is made."""
     import argparse
 
     from printpress import model, sampling
@@ -399,9 +399,13 @@ def test_compiled_commands_warm_up_first_and_say_so(folders, capsys, monkeypatch
     loads = []
     monkeypatch.setattr(sampling, "draw_kernels", lambda: loads.append("draw") or True)
     monkeypatch.setattr(sampling, "softmax_kernels", lambda: loads.append("softmax") or True)
-    monkeypatch.setattr(model, "native_layers", lambda: loads.append("layers") or True)
+    native_layers = model.native_layers
+    monkeypatch.setattr(model, "native_layers", lambda: loads.append("layers") or native_layers())
+    monkeypatch.setattr(model, "_warm_chosen", False)
+    monkeypatch.setattr(model, "warm_measurement", None)
     warm_up(pipe, argparse.Namespace(compile=None))
-    assert capsys.readouterr().err == "" and loads == ["draw", "softmax", "layers"]
+    assert capsys.readouterr().err == "" and loads[:3] == ["draw", "softmax", "layers"]
+    assert model._warm_chosen == native_layers()
     warm_up(pipe, argparse.Namespace(compile="ar"))
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("printpress: compiling the passes (--compile ar) before the first request")
