@@ -342,15 +342,6 @@ def without_warming(run: Callable[[], None]) -> Callable[[], None]:
     return cold
 
 
-def warm_choice() -> dict[str, Any]:
-    """What this process chose for the C++ layers' weight warming, and what it measured to choose."""
-    measured = model_module.warm_measurement
-    few, many = torch.ops.printpress_layers.warm_enabled() if native_layers() else (False, False)
-    return {"few_rows": few, "many_rows": many,
-            "cycle_ms_1_row_without_with_32_rows_without_with": None if measured is None else
-            [1e3 * t for t in measured]}
-
-
 def measure(loads: list[Workload], reps: int) -> dict[str, list[float]]:
     """Seconds per call of each workload, interleaved: one call of each in turn, `reps` rounds."""
     for load in loads:
@@ -476,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
                    + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                     "caches_bytes": caches, "native_bf16": bool(native_bf16_flags(read_cpuinfo())),
-                    "weights_read_ahead": warm_choice(),
+                    "weights_read_ahead": model_module.warm_choice(),
                     "torch": torch.__version__, "python": platform.python_version()},
         "load_average": [load_start, os.getloadavg()[0]],
         "context": args.context,

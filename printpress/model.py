@@ -363,6 +363,17 @@ def choose_warm_weights(model: DiffusionGemma) -> None:
         torch.ops.printpress_layers.set_warm(WARM_WEIGHTS, WARM_WEIGHTS)
 
 
+def warm_choice() -> dict | None:
+    """What this process chose for reading weights ahead (which kinds of products, and the cycle times in ms it
+    measured to choose, if it measured): speed figures depend on it, so reports record it. None before a choice."""
+    if not _warm_chosen:
+        return None
+    few, many = torch.ops.printpress_layers.warm_enabled()
+    return {"few_rows": few, "many_rows": many,
+            "cycle_ms_1_row_without_with_32_rows_without_with":
+                None if warm_measurement is None else [round(1e3 * t, 3) for t in warm_measurement]}
+
+
 def settle_warm_weights(model: DiffusionGemma) -> None:
     """Makes `model`'s layer plans and this process's weight-reading choice now rather than in its first pass (a
     server's or a chat's first request); nothing where the C++ layers do not run or the choice is made."""

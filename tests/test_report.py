@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import printpress
+from printpress import model as model_module
 from printpress.errors import PrintpressError
 from printpress.eval.report import command_line, machine, write_report
 
@@ -86,3 +87,17 @@ def test_machine_facts_name_the_cpu_and_memory():
     assert facts["memory_gb"] is None or facts["memory_gb"] > 0
     assert facts["torch_threads"] == torch.get_num_threads()
     assert facts["load_average_1m"] >= 0
+    assert facts["weights_read_ahead"] == model_module.warm_choice()
+
+
+def test_machine_facts_say_what_the_exact_layers_chose_for_reading_weights_ahead(monkeypatch):
+    monkeypatch.setattr(model_module, "_warm_chosen", False)
+    assert machine()["weights_read_ahead"] is None
+    if not model_module.native_layers():
+        return
+    chosen = torch.ops.printpress_layers.warm_enabled()
+    monkeypatch.setattr(model_module, "_warm_chosen", True)
+    monkeypatch.setattr(model_module, "warm_measurement", (0.002, 0.001, 0.006, 0.007))
+    assert machine()["weights_read_ahead"] == {
+        "few_rows": chosen[0], "many_rows": chosen[1],
+        "cycle_ms_1_row_without_with_32_rows_without_with": [2.0, 1.0, 6.0, 7.0]}

@@ -33,6 +33,7 @@ def machine() -> dict[str, Any]:
     import torch
 
     import printpress
+    from printpress.model import warm_choice
 
     facts: dict[str, Any] = {
         "cpu": cpu_name(),
@@ -47,6 +48,7 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "printpress": printpress.__version__,
+        "weights_read_ahead": warm_choice(),  # the exact layers' choice for this process (printpress.model)
     }
     facts.update(git_state())
     return facts
