@@ -403,23 +403,29 @@ class NativePlan:
     act: int
 
 
+def stock_modules(module: nn.Module, linears: list[nn.Module], norms: list[nn.Module]) -> bool:
+    """Whether printpress_layers can run `module`'s part: its tensors on the CPU, its `linears` plain nn.Linear
+    without a bias, its `norms` RMSNorm with one eps, and the library built."""
+    return (all(tensor.device.type == "cpu" for tensor in (*module.parameters(), *module.buffers()))
+            and all(type(linear) is nn.Linear and linear.bias is None for linear in linears)
+            and all(type(norm) is RMSNorm for norm in norms) and len({norm.eps for norm in norms}) == 1
+            and native_layers())
+
+
 def native_plan(layer: Layer) -> NativePlan | None:
     """The layer's plan, or None where the C++ layers cannot stand in for the Python methods (weights off the CPU,
     another module swapped in, a bias, an activation they do not know, norms with different eps, the library not
     built)."""
     attn, mlp, router, experts = layer.self_attn, layer.mlp, layer.router, layer.experts
-    if any(tensor.device.type != "cpu" for tensor in (*layer.parameters(), *layer.buffers())):
-        return None
     linears = [attn.q_proj, attn.k_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, router.proj]
     linears += [] if attn.v_proj is None else [attn.v_proj]
     norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
              layer.post_feedforward_layernorm, layer.post_feedforward_layernorm_1, layer.pre_feedforward_layernorm_2,
              layer.post_feedforward_layernorm_2, attn.q_norm, attn.k_norm, attn.v_norm, router.norm]
     act = ACTIVATION_CODES.get(mlp.act)
-    if (any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears)
-            or any(type(norm) is not RMSNorm for norm in norms) or type(experts) is not Experts
-            or act is None or ACTIVATION_CODES.get(experts.act) != act or len({norm.eps for norm in norms}) != 1
-            or attn.v_norm.weight is not None or router.norm.weight is not None or not native_layers()):
+    if (type(experts) is not Experts or act is None or ACTIVATION_CODES.get(experts.act) != act
+            or attn.v_norm.weight is not None or router.norm.weight is not None
+            or not stock_modules(layer, linears, norms)):
         return None
     attention = [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.q_norm.weight,
                  attn.k_norm.weight] + ([] if attn.v_proj is None else [attn.v_proj.weight])
@@ -551,13 +557,9 @@ class SelfConditioning(Planned):
     def make_plan(self) -> SelfConditioningPlan | None:
         """The plan where printpress_layers can stand in (CPU weights, the stock modules, a known activation)."""
         linears = [self.gate_proj, self.up_proj, self.down_proj]
-        norms = [self.pre_norm, self.post_norm]
         act = ACTIVATION_CODES.get(self.act)
-        if (any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears)
-                or any(type(norm) is not RMSNorm for norm in norms) or act is None
-                or self.pre_norm.eps != self.post_norm.eps or self.pre_norm.weight is None
-                or self.post_norm.weight is not None
-                or any(tensor.device.type != "cpu" for tensor in self.parameters()) or not native_layers()):
+        if (act is None or self.pre_norm.weight is None or self.post_norm.weight is not None
+                or not stock_modules(self, linears, [self.pre_norm, self.post_norm])):
             return None
         weights = [self.pre_norm.weight] + [linear.weight for linear in linears]
         return SelfConditioningPlan(_generation, weights, self.pre_norm.eps, act)
