@@ -29,6 +29,43 @@ class LayerKV:
 
 
 @dataclass
+class KVJoin:
+    """How one layer's block keys/values (B, H_kv, T, D) join its cached ones for attention, described plainly so
+    that the C++ layers (`printpress_layers.layer`) run it as `__call__` does.
+
+    In place (full layers with room): the block is written at slot `start` and attention reads slots
+    [0, start + T), no copy of the prefix. Otherwise the prefix (slots [0, start), or the slots `order` in that
+    order once a ring has wrapped) is concatenated before the block; then, where `slots` is given, the block's last
+    `keep` keys/values are written to those ring slots (after the concatenation: the ring may overwrite what it
+    just read)."""
+
+    keys: torch.Tensor  # the layer's cache (B, H_kv, S, D)
+    values: torch.Tensor
+    in_place: bool
+    start: int
+    order: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    keep: int = 0
+
+    def __call__(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = keys.shape[2]
+        if self.in_place:
+            end = self.start + t
+            self.keys[:, :, self.start : end] = keys
+            self.values[:, :, self.start : end] = values
+            return self.keys[:, :, :end], self.values[:, :, :end]
+        if self.order is None:
+            past_k, past_v = self.keys[:, :, : self.start], self.values[:, :, : self.start]
+        else:
+            past_k, past_v = self.keys.index_select(2, self.order), self.values.index_select(2, self.order)
+        joined = torch.cat([past_k, keys], dim=2), torch.cat([past_v, values], dim=2)
+        if self.slots is not None and self.keep:
+            self.keys.index_copy_(2, self.slots, keys[:, :, t - self.keep :])
+            self.values.index_copy_(2, self.slots, values[:, :, t - self.keep :])
+        return joined
+
+
+@dataclass
 class RingSnapshot:
     """Sliding-ring contents a block is about to overwrite (see `KVCache.snapshot`)."""
 
@@ -93,10 +130,35 @@ class KVCache:
 
         No copy of the prefix: `encode` then commits the block with `advance`; `denoise` leaves `length`
         alone, so its canvas only borrows the free slots as scratch space."""
-        layer, end = self.layers[index], self.length + keys.shape[2]
-        layer.keys[:, :, self.length : end] = keys
-        layer.values[:, :, self.length : end] = values
-        return layer.keys[:, :, :end], layer.values[:, :, :end]
+        layer = self.layers[index]
+        return KVJoin(layer.keys, layer.values, True, self.length)(keys, values)
+
+    def prefix_join(self, index: int) -> KVJoin:
+        """The layer's cached keys/values in the order `sliding_prefix` / `full_prefix` give them, concatenated
+        before a block's (nothing written)."""
+        layer = self.layers[index]
+        if not layer.sliding:
+            return KVJoin(layer.keys, layer.values, False, self.length)
+        return KVJoin(layer.keys, layer.values, False, self.filled_slots, self._chronological_slots())
+
+    def encoder_join(self, index: int, new_tokens: int) -> KVJoin:
+        """How `encode` joins a block of `new_tokens` to the layer's cache: written after the prefix (full layers)
+        or into the ring after the prefix is read (sliding layers); `advance` commits it after all layers."""
+        layer = self.layers[index]
+        if not layer.sliding:
+            return KVJoin(layer.keys, layer.values, True, self.length)
+        join = self.prefix_join(index)
+        join.keep = min(new_tokens, self.window)
+        join.slots = self._ring_slots(new_tokens) if join.keep else None
+        return join
+
+    def decoder_join(self, index: int, canvas: int) -> KVJoin:
+        """How `denoise` joins a canvas to the layer's cache without committing it: full layers borrow the free slots
+        after the prefix when there is room (`full_with_block`), else copy the prefix; sliding layers read the ring."""
+        layer = self.layers[index]
+        if not layer.sliding and self.has_room(canvas):
+            return KVJoin(layer.keys, layer.values, True, self.length)
+        return self.prefix_join(index)
 
     def has_room(self, new_tokens: int) -> bool:
         return self.length + new_tokens <= self.max_length
@@ -367,5 +429,10 @@ class StackedCache:
     def all_valid(self) -> bool:
         return self._all_valid
 
+    def prefix_join(self, index: int) -> KVJoin:
+        layer = self.layers[index]
+        return KVJoin(layer.keys, layer.values, False, self.filled_slots if layer.sliding else self.length)
+
     full_with_block = KVCache.full_with_block
+    decoder_join = KVCache.decoder_join
     row_positions = KVCache.row_positions

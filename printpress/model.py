@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from printpress import native
-from printpress.cache import KVCache
+from printpress.cache import KVCache, KVJoin
 from printpress.config import FULL, SLIDING, LayerSpec, TextConfig
 
 if TYPE_CHECKING:
@@ -490,6 +490,14 @@ class Layer(Planned):
 
         `encoder` picks the mode's layer scalar: a bool, or a (T,) bool tensor when one sequence mixes encoder
         (clean) and decoder (canvas) tokens, as block-diffusion training does."""
+        plan = None if isinstance(encoder, torch.Tensor) or not isinstance(kv_fn, KVJoin) else self._plan()
+        if plan is not None:  # the three parts in one C++ call
+            attn = self.self_attn
+            return torch.ops.printpress_layers.layer(
+                x, plan.attention, plan.after_encoder if encoder else plan.after_decoder, shape[0], shape[1],
+                plan.head_dim, plan.eps, rope[0], rope[1], kv_fn.keys, kv_fn.values, mask, kv_fn.in_place,
+                kv_fn.start, kv_fn.order, kv_fn.slots, kv_fn.keep, attn.num_kv_heads != attn.num_heads, attn.scale, plan.top_k,
+                plan.root_size, plan.act)
         attended = self.self_attn.attend(*self.attention_inputs(x, shape, rope), mask, kv_fn)
         return self.after_attention(x, attended, shape, encoder)
 
@@ -685,18 +693,23 @@ class DiffusionGemma(nn.Module):
         return out
 
     def run_layers(
-        self, x: torch.Tensor, positions: torch.Tensor, masks: Masks, kv_fn: KVFn | None, encoder: bool | torch.Tensor,
-        ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        self, x: torch.Tensor, positions: torch.Tensor, masks: Masks, kv: KVFn | list[KVJoin] | None,
+        encoder: bool | torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """All layers and the final norm. `kv_fn(layer, k, v)` turns the block's keys/values into the keys/values
-        it attends to (joining a cache); None attends within the block only. `ropes`: `self.rope(positions)`,
-        if the caller already has it."""
+        """All layers and the final norm. `kv` turns each layer's block keys/values into the keys/values it attends
+        to (joining a cache): one `KVJoin` per layer (which the C++ layers can run), or a function `kv(layer, k, v)`;
+        None attends within the block only. `ropes`: `self.rope(positions)`, if the caller already has it."""
         if ropes is None:
             ropes = self.rope(positions)
         b, t, h = x.shape
         x = x.reshape(b * t, h)
         for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
-            layer_kv = _identity_kv if kv_fn is None else (lambda k, v, i=index: kv_fn(i, k, v))
+            if kv is None:
+                layer_kv = _identity_kv
+            elif isinstance(kv, list):
+                layer_kv = kv[index]
+            else:
+                layer_kv = lambda k, v, i=index: kv(i, k, v)  # noqa: E731
             x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
         if not _warm_chosen:
             choose_warm_weights(self)
@@ -732,17 +745,10 @@ class DiffusionGemma(nn.Module):
         new_valid = None if attention_mask is None else attention_mask.to(torch.bool)
         masks = self._encoder_masks(cache, positions, new_valid)
 
-        def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.specs[index].sliding:
-                return cache.full_with_block(index, k, v)
-            past_k, past_v = cache.sliding_prefix(index)
-            k_all, v_all = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-            cache.write(index, k, v)  # after the concatenation: the ring may overwrite what it just read
-            return k_all, v_all
-
+        joins = [cache.encoder_join(index, t) for index in range(len(self.layers))]
         if start == 0 and new_valid is not None:
             cache.set_offsets(new_valid)
-        hidden = self.run_layers(self.embed(input_ids), cache.row_positions(positions), masks, kv_fn, encoder=True)
+        hidden = self.run_layers(self.embed(input_ids), cache.row_positions(positions), masks, joins, encoder=True)
         cache.advance(t, new_valid)
         if logits == "none":
             return None
@@ -817,16 +823,9 @@ class DiffusionGemma(nn.Module):
         c = canvas_ids.shape[1]
         x = self.embed_canvas(canvas_ids, self_conditioning_logits, self_conditioning_mask, probs=self_conditioning_probs)
         masks = Masks(sliding=self._decoder_mask(cache, c, sliding=True), full=self._decoder_mask(cache, c, sliding=False))
-        scratch = cache.has_room(c)  # free slots after the prefix hold the canvas: no copy of the prefix
-
-        def kv_fn(index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.specs[index].sliding and scratch:
-                return cache.full_with_block(index, k, v)
-            past_k, past_v = cache.sliding_prefix(index) if self.specs[index].sliding else cache.full_prefix(index)
-            return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-
+        joins = [cache.decoder_join(index, c) for index in range(len(self.layers))]
         positions, ropes = self._canvas_rope(cache, c, canvas_ids.device)
-        return self.logits(self.run_layers(x, positions, masks, kv_fn, encoder=False, ropes=ropes))
+        return self.logits(self.run_layers(x, positions, masks, joins, encoder=False, ropes=ropes))
 
     def _canvas_rope(self, cache: KVCache, canvas: int, device: torch.device) -> tuple[torch.Tensor, dict]:
         """Positions and RoPE tables of a canvas after `cache`. Every denoising step of a canvas has the same

@@ -48,7 +48,8 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float32, **overrides) -> Di
 
 def passes(model: DiffusionGemma) -> list[torch.Tensor]:
     """Logits of a left-padded prompt batch, two canvases after it (the second self-conditioned), a few one-token AR
-    steps of one row, and a decoder pass after them."""
+    steps of one row (past the sliding window: the ring wraps), a decoder pass after them, and one after a full
+    cache (no free slots: the prefix is copied); then every key and value the caches hold."""
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, vocab, (2, 11), generator=g)
@@ -64,7 +65,10 @@ def passes(model: DiffusionGemma) -> list[torch.Tensor]:
         out.append(model.encode(ids[:1, :9], row))
         out += [model.encode(ids[:1, i : i + 1], row, logits="last") for i in range(9, 11)]
         out.append(model.denoise(canvas[:1], row))
-    return out
+        full = model.new_cache(1, 9)
+        model.encode(ids[:1, :9], full, logits="none")
+        out.append(model.denoise(canvas[:1], full))
+    return out + [kv for c in (cache, row, full) for layer in c.layers for kv in (layer.keys, layer.values)]
 
 
 def both_sides(model: DiffusionGemma, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -31,6 +31,9 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/floor_divide.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/index_copy.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/index.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mean.h>
@@ -557,6 +560,35 @@ std::tuple<Tensor, Tensor, Tensor> attention_inputs(const Tensor& x, at::TensorL
   return {q, k, v.transpose(1, 2)};
 }
 
+// KVJoin.__call__ and Attention.attend (printpress/model.py): the block's keys/values `k`, `v` (B, kv_heads, T, D)
+// joined to the layer's cached ones (`keys`, `values`), then attention of `q` (B, T, heads, D) over them; returns
+// (B*T, heads*D), before the output projection. In place: the block is written at `start` and the first start + T
+// slots are read. Otherwise the prefix (the first `start` slots, or the slots `order` in that order) is concatenated
+// before the block, and then, where `slots` is given, the block's last `keep` keys/values are written to them.
+Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& keys, const Tensor& values,
+              const std::optional<Tensor>& mask, bool in_place, int64_t start, const std::optional<Tensor>& order,
+              const std::optional<Tensor>& slots, int64_t keep, bool gqa, double scale) {
+  const int64_t t = k.size(2);
+  Tensor joined_k, joined_v;
+  if (in_place) {
+    keys.narrow(2, start, t).copy_(k);
+    values.narrow(2, start, t).copy_(v);
+    joined_k = keys.narrow(2, 0, start + t);
+    joined_v = values.narrow(2, 0, start + t);
+  } else {
+    Tensor past_k = order ? keys.index_select(2, *order) : keys.narrow(2, 0, start);
+    Tensor past_v = order ? values.index_select(2, *order) : values.narrow(2, 0, start);
+    joined_k = at::cat({past_k, k}, 2);
+    joined_v = at::cat({past_v, v}, 2);
+    if (slots && keep > 0) {  // after the concatenation: the ring may overwrite what it just read
+      keys.index_copy_(2, *slots, k.narrow(2, t - keep, keep));
+      values.index_copy_(2, *slots, v.narrow(2, t - keep, keep));
+    }
+  }
+  Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), joined_k, joined_v, mask, 0.0, false, scale, gqa);
+  return out.transpose(1, 2).reshape({q.size(0) * q.size(1), -1});
+}
+
 // Layer.after_attention with a bool `encoder` (its layer scalar comes in `w`). `w`: o_proj,
 // post_attention_layernorm, pre_feedforward_layernorm, mlp gate/up/down, post_feedforward_layernorm_1, router
 // scale, router proj, router per_expert_scale, pre_feedforward_layernorm_2, experts gate_up_proj and down_proj,
@@ -573,6 +605,18 @@ Tensor after_attention(const Tensor& x_in, const Tensor& attended, at::TensorLis
   Tensor weights = route_weights(top, chosen, w[9]);
   Tensor sparse = experts(pre2, weights, chosen, w[11], w[12], code);
   return add_norm(x, add_norm(dense, sparse, w[13], eps), w[14], eps, w[15]);
+}
+
+// Layer.forward with a bool `encoder` and its keys/values joined as a KVJoin describes: attention_inputs, attend
+// and after_attention in one call (the weights of each in `attention_w` and `after_w`).
+Tensor layer(const Tensor& x, at::TensorList attention_w, at::TensorList after_w, int64_t batch, int64_t length,
+             int64_t head_dim, double eps, const Tensor& cos, const Tensor& signed_sin, const Tensor& keys,
+             const Tensor& values, const std::optional<Tensor>& mask, bool in_place, int64_t start,
+             const std::optional<Tensor>& order, const std::optional<Tensor>& slots, int64_t keep, bool gqa,
+             double scale, int64_t top_k, double root_size, int64_t code) {
+  auto [q, k, v] = attention_inputs(x, attention_w, batch, length, head_dim, eps, cos, signed_sin);
+  Tensor attended = attend(q, k, v, keys, values, mask, in_place, start, order, slots, keep, gqa, scale);
+  return after_attention(x, attended, after_w, top_k, root_size, eps, code);
 }
 
 // SelfConditioning.forward with a previous step's signal `soft`: post_norm(embeds + MLP(pre_norm(soft))), the MLP's
@@ -656,6 +700,10 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("attention_inputs(Tensor x, Tensor[] w, int batch, int length, int head_dim, float eps, Tensor cos, "
         "Tensor signed_sin) -> (Tensor, Tensor, Tensor)",
         &attention_inputs);
+  m.def("layer(Tensor x, Tensor[] attention_w, Tensor[] after_w, int batch, int length, int head_dim, float eps, "
+        "Tensor cos, Tensor signed_sin, Tensor(a!) keys, Tensor(b!) values, Tensor? mask, bool in_place, int start, "
+        "Tensor? order, Tensor? slots, int keep, bool gqa, float scale, int top_k, float root_size, int act) -> Tensor",
+        &layer);
   m.def("self_conditioning(Tensor embeds, Tensor soft, Tensor[] w, float eps, int act) -> Tensor",
         &self_conditioning);
   m.def("after_attention(Tensor x, Tensor attended, Tensor[] w, int top_k, float root_size, float eps, int act) "
