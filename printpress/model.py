@@ -427,12 +427,14 @@ def native_plan(layer: Layer) -> NativePlan | None:
             or attn.v_norm.weight is not None or router.norm.weight is not None
             or not stock_modules(layer, linears, norms)):
         return None
-    attention = [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.q_norm.weight,
-                 attn.k_norm.weight] + ([] if attn.v_proj is None else [attn.v_proj.weight])
-    after = [attn.o_proj.weight, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
-             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, layer.post_feedforward_layernorm_1.weight,
-             router.scale, router.proj.weight, router.per_expert_scale, layer.pre_feedforward_layernorm_2.weight,
-             experts.gate_up_proj, experts.down_proj, layer.post_feedforward_layernorm_2.weight,
+    # The matrices go transposed, (in, out): the views the products read, made once here rather than per product.
+    attention = [layer.input_layernorm.weight, attn.q_proj.weight.t(), attn.k_proj.weight.t(), attn.q_norm.weight,
+                 attn.k_norm.weight] + ([] if attn.v_proj is None else [attn.v_proj.weight.t()])
+    after = [attn.o_proj.weight.t(), layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+             mlp.gate_proj.weight.t(), mlp.up_proj.weight.t(), mlp.down_proj.weight.t(),
+             layer.post_feedforward_layernorm_1.weight, router.scale, router.proj.weight.t(), router.per_expert_scale,
+             layer.pre_feedforward_layernorm_2.weight, experts.gate_up_proj.transpose(1, 2),
+             experts.down_proj.transpose(1, 2), layer.post_feedforward_layernorm_2.weight,
              layer.post_feedforward_layernorm.weight]
     return NativePlan(_generation, attention, after + [layer.layer_scalar], after + [layer.encoder_layer_scalar],
                       attn.head_dim, layer.input_layernorm.eps, router.top_k, router.root_size, act)
@@ -569,7 +571,7 @@ class SelfConditioning(Planned):
         if (act is None or self.pre_norm.weight is None or self.post_norm.weight is not None
                 or not stock_modules(self, linears, [self.pre_norm, self.post_norm])):
             return None
-        weights = [self.pre_norm.weight] + [linear.weight for linear in linears]
+        weights = [self.pre_norm.weight] + [linear.weight.t() for linear in linears]  # transposed, as in `native_plan`
         return SelfConditioningPlan(_generation, weights, self.pre_norm.eps, act)
 
 

@@ -276,7 +276,7 @@ bool warming(int64_t rows) {
 }
 
 void warm(const Tensor& weight, int64_t rows) {
-  if (!warming(rows) || !weight.is_contiguous()) return;
+  if (!warming(rows) || !weight.is_non_overlapping_and_dense()) return;
   const char* bytes = static_cast<const char*>(weight.data_ptr());
   const int64_t size = weight.numel() * static_cast<int64_t>(weight.element_size());
   uint32_t seen = 0;
@@ -286,9 +286,11 @@ void warm(const Tensor& weight, int64_t rows) {
 }
 
 // F.linear without a bias on rows: at::linear's own path for a 2-D input (matmul, then mm), without its two layers.
-Tensor product(const Tensor& x, const Tensor& weight) {
-  warm(weight, x.size(-1) == 0 ? 0 : x.numel() / x.size(-1));
-  return x.dim() == 2 ? at::mm(x, weight.t()) : at::linear(x, weight);
+// `weight_t` is the linear's weight transposed, (in, out): the view at::linear hands mm, made once in the plan
+// (model.py, `native_plan`) rather than on every product.
+Tensor product(const Tensor& x, const Tensor& weight_t) {
+  warm(weight_t, x.size(-1) == 0 ? 0 : x.numel() / x.size(-1));
+  return x.dim() == 2 ? at::mm(x, weight_t) : at::linear(x, weight_t.t());
 }
 
 // The logits' product with the tied embedding (vocabulary x hidden: 3 MB on the shipped model, more than the L2),
@@ -356,20 +358,21 @@ Tensor expert_mlp(const Tensor& x, const Tensor& gate_up, const Tensor& down, in
   return product(act(gate_up_out[0], code) * gate_up_out[1], down);
 }
 
-// F.grouped_mm(x, weights.transpose(-2, -1), offs=cumsum(counts)) on a CPU: ATen runs it as one mm per expert
-// into its rows of an output whose rows start at multiples of 16 bytes (`_grouped_mm_fallback`); the same products
-// into the same layout here, without the checks, the offsets' copy and the empty experts' calls.
-Tensor grouped_mm(const Tensor& x, const Tensor& weights, const Tensor& counts) {
-  const int64_t columns = weights.size(1), align = 16 / static_cast<int64_t>(x.element_size());
+// F.grouped_mm(x, weights_t, offs=cumsum(counts)) on a CPU, `weights_t` the experts' weights transposed (E, in,
+// out): ATen runs it as one mm per expert into its rows of an output whose rows start at multiples of 16 bytes
+// (`_grouped_mm_fallback`); the same products into the same layout here, without the checks, the offsets' copy and
+// the empty experts' calls.
+Tensor grouped_mm(const Tensor& x, const Tensor& weights_t, const Tensor& counts) {
+  const int64_t columns = weights_t.size(2), align = 16 / static_cast<int64_t>(x.element_size());
   Tensor out = at::empty_strided({x.size(0), columns}, {(columns + align - 1) / align * align, 1}, x.options());
   const int64_t* count = counts.data_ptr<int64_t>();
   int64_t start = 0;
   for (int64_t e = 0; e < counts.numel(); ++e) {
     if (count[e] == 0) continue;
     Tensor rows = out.slice(0, start, start + count[e]);
-    const Tensor weight = weights[e];
-    warm(weight, count[e]);
-    at::mm_out(rows, x.slice(0, start, start + count[e]), weight.transpose(-2, -1));
+    const Tensor weight_t = weights_t[e];
+    warm(weight_t, count[e]);
+    at::mm_out(rows, x.slice(0, start, start + count[e]), weight_t);
     start += count[e];
   }
   return out;
@@ -465,7 +468,7 @@ bool slot_sums_hold() {
 }
 
 // Experts.forward with gradients off: `_one_token` for one row, else the sort, the two grouped products and the
-// slot-ordered sum.
+// slot-ordered sum. `gate_up_proj` and `down_proj` come transposed, (E, in, out).
 Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, const Tensor& gate_up_proj,
                const Tensor& down_proj, int64_t code) {
   if (x.size(0) == 1) {
@@ -544,7 +547,8 @@ Tensor route_weights(const Tensor& top, const Tensor& chosen, const Tensor& per_
 }
 
 // Layer.attention_inputs: the input norm, then Attention.project. `w`: input_layernorm, q_proj, k_proj, q_norm and
-// k_norm weights, then v_proj's where the layer has one (not on K=V layers). Returns q (B, T, heads, D) and k, v
+// k_norm weights, then v_proj's where the layer has one (not on K=V layers); the matrices (here and in every `w`
+// below) transposed, as the products read them (`product`). Returns q (B, T, heads, D) and k, v
 // (B, kv_heads, T, D).
 std::tuple<Tensor, Tensor, Tensor> attention_inputs(const Tensor& x, at::TensorList w, int64_t batch, int64_t length,
                                                     int64_t head_dim, double eps, const Tensor& cos,
@@ -654,7 +658,7 @@ std::vector<double> choose_warm(const std::vector<Tensor>& weights, int64_t roun
   std::vector<double> medians;
   for (const int64_t rows : {int64_t{1}, int64_t{32}}) {
     std::vector<Tensor> inputs;
-    for (const Tensor& matrix : matrices) inputs.push_back(at::ones({rows, matrix.size(1)}, matrix.options()));
+    for (const Tensor& matrix : matrices) inputs.push_back(at::ones({rows, matrix.size(0)}, matrix.options()));
     std::atomic<bool>& flag = rows < kManyRows ? warm_few : warm_many;
     std::vector<double> times[2];
     int64_t wanted = rounds;
