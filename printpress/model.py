@@ -14,6 +14,7 @@ Module and parameter names follow the checkpoint keys under `model.decoder.` one
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -330,6 +331,12 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_bump_genera
 torch.nn.modules.module.register_module_buffer_registration_hook(_bump_generation)
 
 
+# AR steps read their RoPE tables from tables of blocks of positions (`DiffusionGemma._block_rope`); the blocks used
+# last are kept.
+ROPE_BLOCK = 64
+ROPE_BLOCKS_KEPT = 8
+_rope_rows_checked: dict[tuple, bool] = {}  # `DiffusionGemma._rope_rows_hold`, per head sizes, dtype and device type
+
 # Whether the C++ layers read each weight ahead of its product (layers.cpp, `warm`: the same numbers, faster where
 # the weights leave the caches between passes): None measures it once per process, after the first pass of a model
 # whose layers all ran through them (`choose_warm_weights`, ~60 ms on the shipped model), for products of a few rows
@@ -604,6 +611,9 @@ class DiffusionGemma(nn.Module):
         for name, value in self.rope_buffers(config).items():
             self.register_buffer(name, value, persistent=False)
         self._rope_memo: tuple | None = None  # (key, positions, tables) of the last canvas (`_canvas_rope`)
+        # RoPE tables of the blocks of ROPE_BLOCK positions used last, newest last (`_block_rope`).
+        self._rope_blocks: OrderedDict[tuple, dict] = OrderedDict()
+        self._embed_scale_memo: torch.Tensor | None = None
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
         # ... and blocks of several unpadded tokens (verifications, prompts), with it (`CompiledEncoderBlock`).
@@ -641,10 +651,20 @@ class DiffusionGemma(nn.Module):
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         return KVCache(self.config, batch_size, max_length, dtype=self.dtype, device=self.embed_tokens.weight.device)
 
+    def embed_scale(self) -> torch.Tensor:
+        """The embeddings' scale, rounded to the weight dtype first as the reference rounds it (it matters in bf16);
+        kept while the weights' dtype and device stay."""
+        weight = self.embed_tokens.weight
+        if torch.compiler.is_compiling():
+            return torch.tensor(self.config.embed_scale, dtype=torch.float32, device=weight.device).to(weight.dtype)
+        memo = self._embed_scale_memo
+        if memo is None or memo.dtype != weight.dtype or memo.device != weight.device:
+            memo = self._embed_scale_memo = torch.tensor(self.config.embed_scale, dtype=torch.float32,
+                                                         device=weight.device).to(weight.dtype)
+        return memo
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        # The scale is rounded to the weight dtype first, as the reference does (it matters in bf16).
-        scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
-        return F.embedding(ids, self.embed_tokens.weight, padding_idx=self.config.pad_token_id) * scale
+        return F.embedding(ids, self.embed_tokens.weight, padding_idx=self.config.pad_token_id) * self.embed_scale()
 
     def embed_canvas(
         self,
@@ -663,8 +683,7 @@ class DiffusionGemma(nn.Module):
             probs = F.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)
         if probs is not None:
             probs = probs.to(self.dtype)
-            scale = torch.tensor(self.config.embed_scale, dtype=torch.float32).to(self.dtype)
-            soft = (probs @ self.embed_tokens.weight) * scale
+            soft = (probs @ self.embed_tokens.weight) * self.embed_scale()
             if self_conditioning_mask is not None:
                 soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         return self.self_conditioning(self.embed(canvas_ids), soft)
@@ -694,6 +713,46 @@ class DiffusionGemma(nn.Module):
             out[kind == "sliding"] = (emb.cos().to(self.dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
         return out
 
+    def _block_rope(self, start: int, t: int, device: torch.device) -> dict[bool, tuple[torch.Tensor, torch.Tensor]] | None:
+        """`self.rope` of positions start..start + t - 1 (the same for every row) as views into the tables of the block
+        of ROPE_BLOCK positions they lie in, kept for the last ROPE_BLOCKS_KEPT blocks: an AR step reads its row
+        rather than computing it (~70 us of small kernels on the shipped model). None where the positions span two
+        blocks, inside compiled graphs, or where a table's rows are not the positions' own computation on this
+        machine (`_rope_rows_hold`)."""
+        block = start // ROPE_BLOCK
+        if (start + t - 1) // ROPE_BLOCK != block or torch.compiler.is_compiling() or not self._rope_rows_hold(device):
+            return None
+        key = (block, self.dtype, device)
+        tables = self._rope_blocks.get(key)
+        if tables is None:
+            tables = self._rope_blocks[key] = self.rope(
+                torch.arange(block * ROPE_BLOCK, (block + 1) * ROPE_BLOCK, device=device))
+            while len(self._rope_blocks) > ROPE_BLOCKS_KEPT:
+                self._rope_blocks.popitem(last=False)
+        else:
+            self._rope_blocks.move_to_end(key)
+        first = start - block * ROPE_BLOCK
+        return {kind: (cos[:, first : first + t], sin[:, first : first + t]) for kind, (cos, sin) in tables.items()}
+
+    def _rope_rows_hold(self, device: torch.device) -> bool:
+        """Whether the rows of a table of many positions are, bit for bit, the tables of each position alone (cos
+        and sin give each element the same bits whatever the length of the tensor around it): checked once per
+        process for each head size, dtype and device, on the first ROPE_BLOCK positions."""
+        key = (tuple(spec.head_dim for spec in _first_spec_per_kind(self.config).values()), self.dtype, device.type)
+        holds = _rope_rows_checked.get(key)
+        if holds is None:
+            table = self.rope(torch.arange(ROPE_BLOCK, device=device))
+            holds = all(
+                torch.equal(whole[:, p : p + 1], alone)
+                for p in (*range(8), ROPE_BLOCK - 1)
+                for kind, tables in self.rope(torch.arange(p, p + 1, device=device)).items()
+                for whole, alone in zip(table[kind], tables)
+            )
+            _rope_rows_checked[key] = holds
+            if not holds:
+                logger.info("RoPE tables computed per step: a table's rows differ from single positions' here")
+        return holds
+
     def run_layers(
         self, x: torch.Tensor, positions: torch.Tensor, masks: Masks, kv: KVFn | list[KVJoin] | None,
         encoder: bool | torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -715,6 +774,9 @@ class DiffusionGemma(nn.Module):
             x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
         if not _warm_chosen:
             choose_warm_weights(self)
+        if (NATIVE_LAYERS and type(self.norm) is RMSNorm and native.loaded("layers.cpp") and x.device.type == "cpu"
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            return torch.ops.printpress_layers.rms_norm(x, self.norm.weight, self.norm.eps).view(b, t, h)
         return self.norm(x).view(b, t, h)
 
     # -- encoder --------------------------------------------------------------------------------------------
@@ -750,7 +812,9 @@ class DiffusionGemma(nn.Module):
         joins = [cache.encoder_join(index, t) for index in range(len(self.layers))]
         if start == 0 and new_valid is not None:
             cache.set_offsets(new_valid)
-        hidden = self.run_layers(self.embed(input_ids), cache.row_positions(positions), masks, joins, encoder=True)
+        row_positions = cache.row_positions(positions)
+        ropes = self._block_rope(start, t, input_ids.device) if row_positions is positions else None
+        hidden = self.run_layers(self.embed(input_ids), row_positions, masks, joins, encoder=True, ropes=ropes)
         cache.advance(t, new_valid)
         if logits == "none":
             return None
