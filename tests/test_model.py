@@ -252,6 +252,36 @@ def test_ar_steps_without_a_mask_are_bit_equal_to_masked_ones(pairs, name, monke
     assert all(torch.equal(a, b) for a, b in zip(unmasked, masked))
 
 
+@pytest.mark.parametrize("name", ["gqa", "twelve_layers"])
+@torch.no_grad()
+def test_ar_steps_reading_rope_from_block_tables_are_bit_equal_to_computing_it(pairs, name, monkeypatch):
+    """AR steps and short blocks take their RoPE rows from tables of blocks of positions (a few kept): the same bits as
+    computing each step's own, across many blocks and evictions; a block that spans two tables computes its own."""
+    import printpress.model as model_module
+
+    _, model, config = pairs[name]
+    monkeypatch.setattr(model_module, "ROPE_BLOCK", 8)
+    monkeypatch.setattr(model_module, "ROPE_BLOCKS_KEPT", 2)
+    model._rope_blocks.clear()
+    assert model._rope_rows_hold(torch.device("cpu")), "cos and sin should not depend on the tensor around an element"
+    for start, t in [(0, 1), (5, 3), (13, 1), (40, 8), (63, 1)]:
+        got = model._block_rope(start, t, torch.device("cpu"))
+        want = model.rope(torch.arange(start, start + t))
+        assert all(torch.equal(a, b) for kind in want for a, b in zip(got[kind], want[kind]))
+    assert model._block_rope(6, 3, torch.device("cpu")) is None  # positions 6..8 span two blocks
+    assert len(model._rope_blocks) == 2
+    ids = prompt(config.text.vocab_size, 1, 40, seed=22)
+
+    def steps() -> list[torch.Tensor]:
+        cache = model.new_cache(1, 64)
+        out = [model.encode(ids[:, :5], cache)]  # a block within the first table
+        return out + [model.encode(ids[:, i : i + 1], cache, logits="last") for i in range(5, ids.shape[1])]
+
+    from_tables = steps()
+    monkeypatch.setattr(type(model), "_block_rope", lambda self, start, t, device: None)
+    assert all(torch.equal(a, b) for a, b in zip(from_tables, steps()))
+
+
 def test_one_token_expert_path_equals_the_per_expert_loop():
     """The AR step's expert path (no sort, gather or scatter) runs the same one-row GEMMs as the loop (which equals
     the grouped path, test above) and sums the k slots in the same order."""
