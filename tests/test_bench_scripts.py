@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +38,28 @@ def test_every_bench_script_answers_help_and_writes_nothing(tmp_path):
                for p in folder.rglob("*") if p.is_file()]
     before = {p: p.stat().st_mtime_ns for p in watched}
     done = subprocess.run([sys.executable, "-c", RUNNER, *map(str, SCRIPTS)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert [line.rsplit(" ", 2) for line in lines] == [[str(p), "0", "True"] for p in SCRIPTS]
     assert {p: p.stat().st_mtime_ns for p in watched} == before
     assert not any(tmp_path.iterdir())  # nothing written where it ran either
+
+
+def test_checkouts_ab_times_two_checkouts_and_says_whether_they_compute_the_same_bits(tmp_path):
+    """bench/checkouts_ab.py with this checkout on both sides: two workers, alternating rounds, the same logits; and a
+    folder that is not a checkout is refused by name."""
+    script = str(ROOT / "bench" / "checkouts_ab.py")
+    out = tmp_path / "ab.json"
+    done = subprocess.run([sys.executable, script, "--before", str(ROOT), "--after", str(ROOT), "--rounds", "2",
+                           "--steps", "2", "--canvases", "4", "--passes", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["same_bits"] and "logits identical" in done.stdout
+    assert set(report["work"]) == {"AR step", "decoder pass, canvas 4"}
+    for work in report["work"].values():
+        assert len(work["before_ms"]) == len(work["after_ms"]) == 2 and work["ratio_median"] > 0
+    refused = subprocess.run([sys.executable, script, "--before", str(tmp_path)], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and f"{tmp_path} is not a printpress checkout" in refused.stderr

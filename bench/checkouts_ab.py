@@ -1,0 +1,156 @@
+"""Two checkouts of printpress, interleaved: the exact AR step and decoder passes of one model, each checkout in its
+own long-lived process, in alternating rounds of a few calls.
+
+A change to the C++ layers cannot be timed against its old version in one process (both register the same
+operators), and two runs of a bench a minute apart on a shared machine can differ by more than most changes do (the
+AMD EPYC of session 35: the same code's AR step 2.2-3.7 ms from one run to the next). Here both sides wait loaded and
+warmed up, and each round runs one side's calls and then the other's (the order alternating), so a spell of load
+hits both; the report gives each side's median and best, and the median of the per-round ratios, which is the figure
+to quote. Each worker also reports a digest of its logits (an AR step and a decoder pass on fixed inputs), so the
+report says whether the two checkouts compute the same bits.
+
+A round: `--steps` consecutive AR steps (`model.encode` of 1 token, `logits="last"`) after a 64-token prefix, then
+decoder passes (`model.denoise`, self-conditioned) over each `--canvases` length after the same prefix. The workers
+use only `printpress.load`, `new_cache`, `encode` and `denoise`, so any checkout of the last months runs.
+
+    git worktree add /tmp/before <commit>
+    OMP_NUM_THREADS=1 .venv/bin/python bench/checkouts_ab.py --before /tmp/before --after . --rounds 40 \\
+        --out docs/results/checkouts_ab.json
+
+Each side runs in its checkout's folder with that checkout first on PYTHONPATH and this script's Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT = 64
+
+
+def worker(model_path: str, steps: int, canvases: list[int], passes: int) -> None:
+    """Loads the model from this process's checkout, prints a ready line with the logits' digest, then times one round
+    per line read from stdin and prints its milliseconds per call as JSON."""
+    import torch
+
+    import printpress
+
+    torch.set_grad_enabled(False)
+    model = printpress.load(model_path).model
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefix = model.new_cache(1, CONTEXT + max(steps, max(canvases)))
+    model.encode(torch.randint(3, vocab, (1, CONTEXT), generator=gen), prefix, logits="none")
+    token = torch.randint(3, vocab, (1, 1), generator=gen)
+    decoder = {}
+    for c in canvases:
+        ids = torch.randint(3, vocab, (1, c), generator=gen)
+        probs = torch.softmax(model.denoise(ids, prefix) / 0.8, dim=-1, dtype=torch.float32)
+        decoder[c] = (ids, probs)
+
+    def ar_steps() -> tuple[float, torch.Tensor]:
+        cache = copy.deepcopy(prefix)
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = model.encode(token, cache, logits="last")
+        return (time.perf_counter() - start) / steps * 1e3, logits
+
+    def decoder_passes(c: int) -> tuple[float, torch.Tensor]:
+        ids, probs = decoder[c]
+        start = time.perf_counter()
+        for _ in range(passes):
+            logits = model.denoise(ids, prefix, self_conditioning_probs=probs)
+        return (time.perf_counter() - start) / passes * 1e3, logits
+
+    digest = hashlib.sha256()
+    for _, logits in [ar_steps()] + [decoder_passes(c) for c in canvases]:  # also the warm-up
+        digest.update(logits.contiguous().numpy().tobytes())
+    print(json.dumps({"ready": True, "digest": digest.hexdigest()[:16], "threads": torch.get_num_threads(),
+                      "torch": torch.__version__}), flush=True)
+    for _ in sys.stdin:
+        times = {"AR step": ar_steps()[0]}
+        times.update({f"decoder pass, canvas {c}": decoder_passes(c)[0] for c in canvases})
+        print(json.dumps(times), flush=True)
+
+
+def start_worker(checkout: Path, args: argparse.Namespace) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(Path(args.model).resolve()),
+               "--steps", str(args.steps), "--passes", str(args.passes), "--canvases", *map(str, args.canvases)]
+    return subprocess.Popen(command, cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def read_line(name: str, process: subprocess.Popen) -> dict:
+    line = process.stdout.readline()
+    if not line:
+        raise SystemExit(f"checkouts_ab: the {name} side's worker stopped (its error is above)")
+    return json.loads(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", type=Path, help="a checkout of printpress (e.g. a `git worktree`)")
+    parser.add_argument("--after", type=Path, default=ROOT, help="another checkout (default: this one)")
+    parser.add_argument("--model", default=str(ROOT / "models" / "shakespeare-joint"))
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=32, help="AR steps per round")
+    parser.add_argument("--canvases", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--passes", type=int, default=3, help="decoder passes per canvas per round")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.model, args.steps, args.canvases, args.passes)
+        return
+    if args.before is None:
+        parser.error("--before: the checkout to compare against is required")
+    for checkout in (args.before, args.after):
+        if not (checkout / "printpress" / "__init__.py").is_file():
+            parser.error(f"{checkout} is not a printpress checkout (no printpress/__init__.py)")
+    sides = {"before": args.before.resolve(), "after": args.after.resolve()}
+    workers = {name: start_worker(path, args) for name, path in sides.items()}
+    try:
+        ready = {name: read_line(name, process) for name, process in workers.items()}
+        seconds: dict[str, list[dict]] = {name: [] for name in workers}
+        for index in range(args.rounds):
+            for name in (list(workers) if index % 2 == 0 else list(workers)[::-1]):
+                workers[name].stdin.write("go\n")
+                workers[name].stdin.flush()
+                seconds[name].append(read_line(name, workers[name]))
+    finally:
+        for process in workers.values():
+            process.stdin.close()
+            process.wait()
+    report = {"machine": {"cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg()},
+              "checkouts": {name: str(path) for name, path in sides.items()}, "model": args.model,
+              "rounds": args.rounds, "steps": args.steps, "passes": args.passes, "ready": ready,
+              "same_bits": ready["before"]["digest"] == ready["after"]["digest"], "work": {}}
+    print(f"{args.rounds} alternating rounds; logits {'identical' if report['same_bits'] else 'DIFFERENT'} "
+          "between the checkouts")
+    print("| work | before, median / best (ms) | after, median / best (ms) | before / after, median of the rounds |")
+    print("|---|---|---|---|")
+    for work in seconds["before"][0]:
+        before = [r[work] for r in seconds["before"]]
+        after = [r[work] for r in seconds["after"]]
+        ratio = statistics.median(b / a for b, a in zip(before, after))
+        report["work"][work] = {"before_ms": before, "after_ms": after, "ratio_median": ratio}
+        print(f"| {work} | {statistics.median(before):.2f} / {min(before):.2f} | "
+              f"{statistics.median(after):.2f} / {min(after):.2f} | **{ratio:.2f}x** |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
