@@ -34,18 +34,19 @@ class KVJoin:
     that the C++ layers (`printpress_layers.layer`) run it as `__call__` does.
 
     In place (full layers with room): the block is written at slot `start` and attention reads slots
-    [0, start + T), no copy of the prefix. Otherwise the prefix (slots [0, start), or the slots `order` in that
-    order once a ring has wrapped) is concatenated before the block; then, where `slots` is given, the block's last
-    `keep` keys/values are written to those ring slots (after the concatenation: the ring may overwrite what it
-    just read)."""
+    [0, start + T), no copy of the prefix. Otherwise the prefix, slots [0, start), is concatenated before the block,
+    read from slot `wrap` on and then from 0 (a ring that has wrapped, read oldest first); then the block's last
+    `keep` keys/values are written to ring slots `write_at` onwards (or to the slots `slots`, where they wrap around
+    the ring), after the concatenation: the ring may overwrite what it just read."""
 
     keys: torch.Tensor  # the layer's cache (B, H_kv, S, D)
     values: torch.Tensor
     in_place: bool
     start: int
-    order: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
+    wrap: int = 0
     keep: int = 0
+    write_at: int = 0
+    slots: torch.Tensor | None = None
 
     def __call__(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = keys.shape[2]
@@ -54,14 +55,16 @@ class KVJoin:
             self.keys[:, :, self.start : end] = keys
             self.values[:, :, self.start : end] = values
             return self.keys[:, :, :end], self.values[:, :, :end]
-        if self.order is None:
-            past_k, past_v = self.keys[:, :, : self.start], self.values[:, :, : self.start]
-        else:
-            past_k, past_v = self.keys.index_select(2, self.order), self.values.index_select(2, self.order)
-        joined = torch.cat([past_k, keys], dim=2), torch.cat([past_v, values], dim=2)
-        if self.slots is not None and self.keep:
-            self.keys.index_copy_(2, self.slots, keys[:, :, t - self.keep :])
-            self.values.index_copy_(2, self.slots, values[:, :, t - self.keep :])
+        wrap, start = self.wrap, self.start
+        joined = tuple(torch.cat([cached[:, :, wrap:start], cached[:, :, :wrap], new], dim=2) if wrap else
+                       torch.cat([cached[:, :, :start], new], dim=2)
+                       for cached, new in ((self.keys, keys), (self.values, values)))
+        if self.keep:
+            for cached, new in ((self.keys, keys), (self.values, values)):
+                if self.slots is None:
+                    cached[:, :, self.write_at : self.write_at + self.keep] = new[:, :, t - self.keep :]
+                else:
+                    cached.index_copy_(2, self.slots, new[:, :, t - self.keep :])
         return joined
 
 
@@ -96,6 +99,9 @@ class KVCache:
         self.window = min(config.sliding_window - 1, max_length)
         self.length = 0
         self.pad_mask = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
+        # pad_mask holds True in every row up to here at least (`all_valid` asks the tensor only past it).
+        self._valid_until = 0
+        self._offsets_memo: tuple | None = None  # (the tensor, its version, any set) of `offsets` (`row_positions`)
         # Left pads per row: a row's RoPE positions start at 0 on its first real token, so a prompt gets
         # bit-for-bit the positions it would get alone, whatever the batch pads it to.
         self.offsets = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -139,7 +145,8 @@ class KVCache:
         layer = self.layers[index]
         if not layer.sliding:
             return KVJoin(layer.keys, layer.values, False, self.length)
-        return KVJoin(layer.keys, layer.values, False, self.filled_slots, self._chronological_slots())
+        oldest = self.length % self.window if self.length > self.window else 0  # see `_chronological_slots`
+        return KVJoin(layer.keys, layer.values, False, self.filled_slots, wrap=oldest)
 
     def encoder_join(self, index: int, new_tokens: int) -> KVJoin:
         """How `encode` joins a block of `new_tokens` to the layer's cache: written after the prefix (full layers)
@@ -149,7 +156,10 @@ class KVCache:
             return KVJoin(layer.keys, layer.values, True, self.length)
         join = self.prefix_join(index)
         join.keep = min(new_tokens, self.window)
-        join.slots = self._ring_slots(new_tokens) if join.keep else None
+        if join.keep:
+            join.write_at = (self.length + new_tokens - join.keep) % self.window
+            if join.write_at + join.keep > self.window:  # the block's slots wrap around the ring
+                join.slots = self._ring_slots(new_tokens)
         return join
 
     def decoder_join(self, index: int, canvas: int) -> KVJoin:
@@ -165,7 +175,7 @@ class KVCache:
 
     def all_valid(self) -> bool:
         """True when every cached position holds a real token (no left padding): no key needs masking."""
-        return bool(self.pad_mask[:, : self.length].all())
+        return self._valid_until >= self.length or bool(self.pad_mask[:, : self.length].all())
 
     def sliding_prefix(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sliding layer's cached keys/values, oldest first.
@@ -214,9 +224,13 @@ class KVCache:
 
     def row_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """RoPE positions of a block at slots `positions` (T,): per row (B, T) when rows are padded."""
-        if not bool(self.offsets.any()):
+        offsets = self.offsets  # whether any is set is kept while the tensor and its version stay
+        memo = getattr(self, "_offsets_memo", None)  # (a StackedCache borrows this method)
+        if memo is None or memo[0] is not offsets or memo[1] != offsets._version:
+            memo = self._offsets_memo = (offsets, offsets._version, bool(offsets.any()))
+        if not memo[2]:
             return positions
-        return positions[None, :] - self.offsets[:, None]
+        return positions[None, :] - offsets[:, None]
 
     # -- writing ----------------------------------------------------------------------------------------
     def check_room(self, new_tokens: int) -> None:
@@ -273,6 +287,8 @@ class KVCache:
         start = self.length
         if attention_mask is None:
             self.pad_mask.narrow(1, start, new_tokens).fill_(True)
+            if self._valid_until >= start:
+                self._valid_until = start + new_tokens
         else:
             self.pad_mask[:, start : start + new_tokens] = attention_mask.to(torch.bool)
         keep = min(new_tokens, self.window)
@@ -328,6 +344,7 @@ class KVCache:
                 layer.values[:, :, slots] = saved[1][:, :, restore]
         self.slot_positions[slots] = snapshot.slot_positions[restore]
         self.pad_mask[:, length:end] = False
+        self._valid_until = min(self._valid_until, length)
         self.length = length
 
     # -- batch management -------------------------------------------------------------------------------
@@ -358,6 +375,7 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self._valid_until = 0
         self.pad_mask.zero_()
         self.offsets.zero_()
         self.slot_positions.fill_(-1)

@@ -505,7 +505,7 @@ class Layer(Planned):
             return torch.ops.printpress_layers.layer(
                 x, plan.attention, plan.after_encoder if encoder else plan.after_decoder, shape[0], shape[1],
                 plan.head_dim, plan.eps, rope[0], rope[1], kv_fn.keys, kv_fn.values, mask, kv_fn.in_place,
-                kv_fn.start, kv_fn.order, kv_fn.slots, kv_fn.keep, attn.num_kv_heads != attn.num_heads, attn.scale, plan.top_k,
+                kv_fn.start, kv_fn.wrap, kv_fn.keep, kv_fn.write_at, kv_fn.slots, attn.num_kv_heads != attn.num_heads, attn.scale, plan.top_k,
                 plan.root_size, plan.act)
         attended = self.self_attn.attend(*self.attention_inputs(x, shape, rope), mask, kv_fn)
         return self.after_attention(x, attended, shape, encoder)

@@ -32,7 +32,6 @@
 #include <ATen/ops/floor_divide.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/index_copy.h>
-#include <ATen/ops/index_select.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/index.h>
 #include <ATen/ops/linear.h>
@@ -567,28 +566,31 @@ std::tuple<Tensor, Tensor, Tensor> attention_inputs(const Tensor& x, at::TensorL
 // KVJoin.__call__ and Attention.attend (printpress/model.py): the block's keys/values `k`, `v` (B, kv_heads, T, D)
 // joined to the layer's cached ones (`keys`, `values`), then attention of `q` (B, T, heads, D) over them; returns
 // (B*T, heads*D), before the output projection. In place: the block is written at `start` and the first start + T
-// slots are read. Otherwise the prefix (the first `start` slots, or the slots `order` in that order) is concatenated
-// before the block, and then, where `slots` is given, the block's last `keep` keys/values are written to them.
-Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& keys, const Tensor& values,
-              const std::optional<Tensor>& mask, bool in_place, int64_t start, const std::optional<Tensor>& order,
-              const std::optional<Tensor>& slots, int64_t keep, bool gqa, double scale) {
-  const int64_t t = k.size(2);
-  Tensor joined_k, joined_v;
+// slots are read. Otherwise the first `start` slots, from slot `wrap` on and then from 0, are concatenated before the
+// block, and then the block's last `keep` keys/values are written to slots `write_at` onwards (or to `slots`).
+Tensor join(const Tensor& cached, const Tensor& block, bool in_place, int64_t start, int64_t wrap, int64_t keep,
+            int64_t write_at, const std::optional<Tensor>& slots) {
+  const int64_t t = block.size(2);
   if (in_place) {
-    keys.narrow(2, start, t).copy_(k);
-    values.narrow(2, start, t).copy_(v);
-    joined_k = keys.narrow(2, 0, start + t);
-    joined_v = values.narrow(2, 0, start + t);
-  } else {
-    Tensor past_k = order ? keys.index_select(2, *order) : keys.narrow(2, 0, start);
-    Tensor past_v = order ? values.index_select(2, *order) : values.narrow(2, 0, start);
-    joined_k = at::cat({past_k, k}, 2);
-    joined_v = at::cat({past_v, v}, 2);
-    if (slots && keep > 0) {  // after the concatenation: the ring may overwrite what it just read
-      keys.index_copy_(2, *slots, k.narrow(2, t - keep, keep));
-      values.index_copy_(2, *slots, v.narrow(2, t - keep, keep));
-    }
+    cached.narrow(2, start, t).copy_(block);
+    return cached.narrow(2, 0, start + t);
   }
+  Tensor joined = wrap > 0 ? at::cat({cached.narrow(2, wrap, start - wrap), cached.narrow(2, 0, wrap), block}, 2)
+                           : at::cat({cached.narrow(2, 0, start), block}, 2);
+  if (keep > 0) {  // after the concatenation: the ring may overwrite what it just read
+    if (slots)
+      cached.index_copy_(2, *slots, block.narrow(2, t - keep, keep));
+    else
+      cached.narrow(2, write_at, keep).copy_(block.narrow(2, t - keep, keep));
+  }
+  return joined;
+}
+
+Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& keys, const Tensor& values,
+              const std::optional<Tensor>& mask, bool in_place, int64_t start, int64_t wrap, int64_t keep,
+              int64_t write_at, const std::optional<Tensor>& slots, bool gqa, double scale) {
+  Tensor joined_k = join(keys, k, in_place, start, wrap, keep, write_at, slots);
+  Tensor joined_v = join(values, v, in_place, start, wrap, keep, write_at, slots);
   Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), joined_k, joined_v, mask, 0.0, false, scale, gqa);
   return out.transpose(1, 2).reshape({q.size(0) * q.size(1), -1});
 }
@@ -615,11 +617,11 @@ Tensor after_attention(const Tensor& x_in, const Tensor& attended, at::TensorLis
 // and after_attention in one call (the weights of each in `attention_w` and `after_w`).
 Tensor layer(const Tensor& x, at::TensorList attention_w, at::TensorList after_w, int64_t batch, int64_t length,
              int64_t head_dim, double eps, const Tensor& cos, const Tensor& signed_sin, const Tensor& keys,
-             const Tensor& values, const std::optional<Tensor>& mask, bool in_place, int64_t start,
-             const std::optional<Tensor>& order, const std::optional<Tensor>& slots, int64_t keep, bool gqa,
-             double scale, int64_t top_k, double root_size, int64_t code) {
+             const Tensor& values, const std::optional<Tensor>& mask, bool in_place, int64_t start, int64_t wrap,
+             int64_t keep, int64_t write_at, const std::optional<Tensor>& slots, bool gqa, double scale,
+             int64_t top_k, double root_size, int64_t code) {
   auto [q, k, v] = attention_inputs(x, attention_w, batch, length, head_dim, eps, cos, signed_sin);
-  Tensor attended = attend(q, k, v, keys, values, mask, in_place, start, order, slots, keep, gqa, scale);
+  Tensor attended = attend(q, k, v, keys, values, mask, in_place, start, wrap, keep, write_at, slots, gqa, scale);
   return after_attention(x, attended, after_w, top_k, root_size, eps, code);
 }
 
@@ -706,7 +708,8 @@ TORCH_LIBRARY(printpress_layers, m) {
         &attention_inputs);
   m.def("layer(Tensor x, Tensor[] attention_w, Tensor[] after_w, int batch, int length, int head_dim, float eps, "
         "Tensor cos, Tensor signed_sin, Tensor(a!) keys, Tensor(b!) values, Tensor? mask, bool in_place, int start, "
-        "Tensor? order, Tensor? slots, int keep, bool gqa, float scale, int top_k, float root_size, int act) -> Tensor",
+        "int wrap, int keep, int write_at, Tensor? slots, bool gqa, float scale, int top_k, float root_size, "
+        "int act) -> Tensor",
         &layer);
   m.def("self_conditioning(Tensor embeds, Tensor soft, Tensor[] w, float eps, int act) -> Tensor",
         &self_conditioning);
