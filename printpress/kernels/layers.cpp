@@ -393,12 +393,13 @@ Tensor gather_rows(const Tensor& x, const Tensor& order, int64_t top_k) {
 // dimension adds them (`cascade_sum`'s outer reduction, for top_k < 16: the columns in whole groups of 4 vectors add
 // the slots one after the other from 0, then three zeros; the other columns as four interleaved sequences, like a
 // row's sum). The same bits as the operators, without the five intermediate tensors.
+// An undefined `order`: the rows are already in (token, slot) order.
 Tensor weighted_slot_sum(const Tensor& out, const Tensor& order, const Tensor& weights, int64_t top_k) {
-  const int64_t pairs = order.numel(), tokens = pairs / top_k, h = out.size(1), stride = out.stride(0);
+  const int64_t pairs = out.size(0), tokens = pairs / top_k, h = out.size(1), stride = out.stride(0);
   const int64_t grouped = h / (4 * FusedNorms::width()) * (4 * FusedNorms::width());
   std::vector<int64_t> row_of(pairs);  // the sorted row of each (token, slot) pair
-  const int64_t* index = order.data_ptr<int64_t>();
-  for (int64_t i = 0; i < pairs; ++i) row_of[index[i]] = i;
+  const int64_t* index = order.defined() ? order.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < pairs; ++i) row_of[index != nullptr ? index[i] : i] = i;
   Tensor w = weights.contiguous();
   const float* slot_weight = w.data_ptr<float>();
   const float* src = out.data_ptr<float>();
@@ -470,10 +471,23 @@ bool slot_sums_hold() {
 // slot-ordered sum. `gate_up_proj` and `down_proj` come transposed, (E, in, out).
 Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, const Tensor& gate_up_proj,
                const Tensor& down_proj, int64_t code) {
+  const int64_t top_k = chosen.size(-1);
+  const bool slot_sums = fused(x, {weights}) && top_k < 16 && x.size(-1) >= 16 && slot_sums_hold();
   if (x.size(0) == 1) {
-    std::vector<Tensor> rows;
     Tensor row = chosen[0].contiguous();
     const int64_t* index = row.data_ptr<int64_t>();
+    if (slot_sums) {  // each expert's row straight into its slot's row, then the weighted sum in one loop
+      Tensor out = at::empty({top_k, x.size(-1)}, x.options());
+      for (int64_t slot = 0; slot < top_k; ++slot) {
+        auto gate_up = product(x, gate_up_proj.select(0, index[slot])).chunk(2, -1);
+        const Tensor down_t = down_proj.select(0, index[slot]);
+        warm(down_t, 1);
+        Tensor slot_row = out.narrow(0, slot, 1);
+        at::mm_out(slot_row, act(gate_up[0], code) * gate_up[1], down_t);
+      }
+      return weighted_slot_sum(out, Tensor(), weights, top_k);
+    }
+    std::vector<Tensor> rows;
     for (int64_t slot = 0; slot < row.numel(); ++slot) {
       rows.push_back(expert_mlp(x, gate_up_proj.select(0, index[slot]), down_proj.select(0, index[slot]), code));
     }
@@ -481,15 +495,13 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
     Tensor summed = weighted.sum(0, /*keepdim=*/true);
     return summed.scalar_type() == x.scalar_type() ? summed : summed.to(x.scalar_type());
   }
-  const int64_t top_k = chosen.size(-1);
   Tensor flat = chosen.reshape(-1);
   Tensor order = std::get<1>(at::sort(flat));
   Tensor counts = at::bincount(flat, {}, gate_up_proj.size(0));
   Tensor gathered = fused(x) ? gather_rows(x, order, top_k) : x.index_select(0, at::floor_divide(order, top_k));
   auto gate_up = grouped_mm(gathered, gate_up_proj, counts).chunk(2, -1);
   Tensor out = grouped_mm(act(gate_up[0], code) * gate_up[1], down_proj, counts);
-  if (fused(x, {weights}) && out.scalar_type() == at::kFloat && top_k < 16 && x.size(-1) >= 16 && slot_sums_hold())
-    return weighted_slot_sum(out, order, weights, top_k);
+  if (slot_sums) return weighted_slot_sum(out, order, weights, top_k);
   Tensor slot_weights = weights.reshape(-1).index_select(0, order);
   Tensor weighted = at::empty_like(out, out.options().dtype(slot_weights.scalar_type()))
                         .index_copy_(0, order, out * slot_weights.unsqueeze(1));
