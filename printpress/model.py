@@ -613,6 +613,7 @@ class DiffusionGemma(nn.Module):
         self._rope_memo: tuple | None = None  # (key, positions, tables) of the last canvas (`_canvas_rope`)
         # RoPE tables of the blocks of ROPE_BLOCK positions used last, newest last (`_block_rope`).
         self._rope_blocks: OrderedDict[tuple, dict] = OrderedDict()
+        self._rope_head_dims: tuple[int, ...] | None = None
         self._embed_scale_memo: torch.Tensor | None = None
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
@@ -738,7 +739,9 @@ class DiffusionGemma(nn.Module):
         """Whether the rows of a table of many positions are, bit for bit, the tables of each position alone (cos
         and sin give each element the same bits whatever the length of the tensor around it): checked once per
         process for each head size, dtype and device, on the first ROPE_BLOCK positions."""
-        key = (tuple(spec.head_dim for spec in _first_spec_per_kind(self.config).values()), self.dtype, device.type)
+        if self._rope_head_dims is None:  # (the config's layer list is rebuilt on each access)
+            self._rope_head_dims = tuple(spec.head_dim for spec in _first_spec_per_kind(self.config).values())
+        key = (self._rope_head_dims, self.dtype, device.type)
         holds = _rope_rows_checked.get(key)
         if holds is None:
             table = self.rope(torch.arange(ROPE_BLOCK, device=device))
