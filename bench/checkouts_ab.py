@@ -27,7 +27,6 @@ import copy
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -117,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     for checkout in (args.before, args.after):
         if not (checkout / "printpress" / "__init__.py").is_file():
             parser.error(f"{checkout} is not a printpress checkout (no printpress/__init__.py)")
+    from printpress.eval.report import cpu_name  # here, not at the top: the workers import the checkouts' own printpress
+
     sides = {"before": args.before.resolve(), "after": args.after.resolve()}
     workers = {name: start_worker(path, args) for name, path in sides.items()}
     try:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         for process in workers.values():
             process.stdin.close()
             process.wait()
-    report = {"machine": {"cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg()},
+    report = {"machine": {"cpu": cpu_name(), "load_average": os.getloadavg()},
               "checkouts": {name: str(path) for name, path in sides.items()}, "model": args.model,
               "rounds": args.rounds, "steps": args.steps, "passes": args.passes, "ready": ready,
               "same_bits": ready["before"]["digest"] == ready["after"]["digest"], "work": {}}
