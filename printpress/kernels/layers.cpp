@@ -54,6 +54,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -183,7 +184,7 @@ Tensor fused_norm(const Tensor& y, const Tensor& weight, double eps, const Tenso
   const int64_t n = y.size(-1);
   const float* w = weight.defined() ? weight.data_ptr<float>() : nullptr;
   const float* add = residual.defined() ? residual.data_ptr<float>() : nullptr;
-  const float factor = scalar.defined() ? scalar.item<float>() : 1.0f;
+  const float factor = scalar.defined() ? *scalar.data_ptr<float>() : 1.0f;  // fused(): a float32 CPU tensor
   const bool scaled = scalar.defined();
   float* dst = out.data_ptr<float>();
   rms_rows(y, eps, FusedNorms::width(), [&](int64_t r, const float* row, float inverse) {
@@ -351,9 +352,19 @@ Tensor gated_mlp(const Tensor& x, const Tensor& gate, const Tensor& up, const Te
   return product(act(product(x, gate), code) * product(x, up), down);
 }
 
+// t.chunk(2, -1) for an even last size: the same two views, without chunk's and split's own dispatches.
+std::array<Tensor, 2> halves(const Tensor& t) {
+  const int64_t n = t.size(-1);
+  if (n % 2 != 0) {
+    auto parts = t.chunk(2, -1);
+    return {parts[0], parts[1]};
+  }
+  return {t.narrow(-1, 0, n / 2), t.narrow(-1, n / 2, n / 2)};
+}
+
 // Experts.expert_mlp: one expert's gated MLP from the packed weights.
 Tensor expert_mlp(const Tensor& x, const Tensor& gate_up, const Tensor& down, int64_t code) {
-  auto gate_up_out = product(x, gate_up).chunk(2, -1);
+  auto gate_up_out = halves(product(x, gate_up));
   return product(act(gate_up_out[0], code) * gate_up_out[1], down);
 }
 
@@ -474,12 +485,12 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
   const int64_t top_k = chosen.size(-1);
   const bool slot_sums = fused(x, {weights}) && top_k < 16 && x.size(-1) >= 16 && slot_sums_hold();
   if (x.size(0) == 1) {
-    Tensor row = chosen[0].contiguous();
+    Tensor row = chosen.is_contiguous() ? chosen : chosen.contiguous();  // (1, top_k)
     const int64_t* index = row.data_ptr<int64_t>();
     if (slot_sums) {  // each expert's row straight into its slot's row, then the weighted sum in one loop
       Tensor out = at::empty({top_k, x.size(-1)}, x.options());
       for (int64_t slot = 0; slot < top_k; ++slot) {
-        auto gate_up = product(x, gate_up_proj.select(0, index[slot])).chunk(2, -1);
+        auto gate_up = halves(product(x, gate_up_proj.select(0, index[slot])));
         const Tensor down_t = down_proj.select(0, index[slot]);
         warm(down_t, 1);
         Tensor slot_row = out.narrow(0, slot, 1);
@@ -499,7 +510,7 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
   Tensor order = std::get<1>(at::sort(flat));
   Tensor counts = at::bincount(flat, {}, gate_up_proj.size(0));
   Tensor gathered = fused(x) ? gather_rows(x, order, top_k) : x.index_select(0, at::floor_divide(order, top_k));
-  auto gate_up = grouped_mm(gathered, gate_up_proj, counts).chunk(2, -1);
+  auto gate_up = halves(grouped_mm(gathered, gate_up_proj, counts));
   Tensor out = grouped_mm(act(gate_up[0], code) * gate_up[1], down_proj, counts);
   if (slot_sums) return weighted_slot_sum(out, order, weights, top_k);
   Tensor slot_weights = weights.reshape(-1).index_select(0, order);
