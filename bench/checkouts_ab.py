@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     for checkout in (args.before, args.after):
         if not (checkout / "printpress" / "__init__.py").is_file():
             parser.error(f"{checkout} is not a printpress checkout (no printpress/__init__.py)")
-    from printpress.eval.report import cpu_name  # here, not at the top: the workers import the checkouts' own printpress
+    # Here, not at the top: the workers import their own checkout's printpress.
+    from printpress.eval.report import cpu_name
 
     sides = {"before": args.before.resolve(), "after": args.after.resolve()}
     workers = {name: start_worker(path, args) for name, path in sides.items()}

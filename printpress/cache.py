@@ -49,23 +49,27 @@ class KVJoin:
     slots: torch.Tensor | None = None
 
     def __call__(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = keys.shape[2]
         if self.in_place:
-            end = self.start + t
-            self.keys[:, :, self.start : end] = keys
-            self.values[:, :, self.start : end] = values
+            self.store(keys, values)
+            end = self.start + keys.shape[2]
             return self.keys[:, :, :end], self.values[:, :, :end]
         wrap, start = self.wrap, self.start
         joined = tuple(torch.cat([cached[:, :, wrap:start], cached[:, :, :wrap], new], dim=2) if wrap else
                        torch.cat([cached[:, :, :start], new], dim=2)
                        for cached, new in ((self.keys, keys), (self.values, values)))
-        if self.keep:
-            for cached, new in ((self.keys, keys), (self.values, values)):
-                if self.slots is None:
-                    cached[:, :, self.write_at : self.write_at + self.keep] = new[:, :, t - self.keep :]
-                else:
-                    cached.index_copy_(2, self.slots, new[:, :, t - self.keep :])
+        self.store(keys, values)  # after the concatenation: the ring may overwrite what it just read
         return joined
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Only the writing: the block at `start` (in place), or its last `keep` keys/values into the ring."""
+        t = keys.shape[2]
+        for cached, new in ((self.keys, keys), (self.values, values)):
+            if self.in_place:
+                cached[:, :, self.start : self.start + t] = new
+            elif self.keep and self.slots is None:
+                cached[:, :, self.write_at : self.write_at + self.keep] = new[:, :, t - self.keep :]
+            elif self.keep:
+                cached.index_copy_(2, self.slots, new[:, :, t - self.keep :])
 
 
 @dataclass
@@ -145,7 +149,7 @@ class KVCache:
         layer = self.layers[index]
         if not layer.sliding:
             return KVJoin(layer.keys, layer.values, False, self.length)
-        oldest = self.length % self.window if self.length > self.window else 0  # see `_chronological_slots`
+        oldest = self.length % self.window if 0 < self.window < self.length else 0  # see `_chronological_slots`
         return KVJoin(layer.keys, layer.values, False, self.filled_slots, wrap=oldest)
 
     def encoder_join(self, index: int, new_tokens: int) -> KVJoin:
@@ -241,18 +245,7 @@ class KVCache:
 
     def write(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the keys/values of the block that starts at `self.length` (call `advance` after all layers)."""
-        layer = self.layers[index]
-        new = keys.shape[2]
-        if not layer.sliding:
-            layer.keys[:, :, self.length : self.length + new] = keys
-            layer.values[:, :, self.length : self.length + new] = values
-            return
-        keep = min(new, self.window)
-        if keep == 0:
-            return
-        slots = self._ring_slots(new)
-        layer.keys.index_copy_(2, slots, keys[:, :, new - keep :])
-        layer.values.index_copy_(2, slots, values[:, :, new - keep :])
+        self.encoder_join(index, keys.shape[2]).store(keys, values)
 
     def write_all(self, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
         """`write` for every layer at once: the first `n` of each layer's block keys/values (B, KV, T >= n, D), as

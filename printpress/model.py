@@ -505,8 +505,8 @@ class Layer(Planned):
             return torch.ops.printpress_layers.layer(
                 x, plan.attention, plan.after_encoder if encoder else plan.after_decoder, shape[0], shape[1],
                 plan.head_dim, plan.eps, rope[0], rope[1], kv_fn.keys, kv_fn.values, mask, kv_fn.in_place,
-                kv_fn.start, kv_fn.wrap, kv_fn.keep, kv_fn.write_at, kv_fn.slots, attn.num_kv_heads != attn.num_heads, attn.scale, plan.top_k,
-                plan.root_size, plan.act)
+                kv_fn.start, kv_fn.wrap, kv_fn.keep, kv_fn.write_at, kv_fn.slots, attn.num_kv_heads != attn.num_heads,
+                attn.scale, plan.top_k, plan.root_size, plan.act)
         attended = self.self_attn.attend(*self.attention_inputs(x, shape, rope), mask, kv_fn)
         return self.after_attention(x, attended, shape, encoder)
 
@@ -714,7 +714,8 @@ class DiffusionGemma(nn.Module):
             out[kind == "sliding"] = (emb.cos().to(self.dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
         return out
 
-    def _block_rope(self, start: int, t: int, device: torch.device) -> dict[bool, tuple[torch.Tensor, torch.Tensor]] | None:
+    def _block_rope(self, start: int, t: int,
+                    device: torch.device) -> dict[bool, tuple[torch.Tensor, torch.Tensor]] | None:
         """`self.rope` of positions start..start + t - 1 (the same for every row) as views into the tables of the block
         of ROPE_BLOCK positions they lie in, kept for the last ROPE_BLOCKS_KEPT blocks: an AR step reads its row
         rather than computing it (~70 us of small kernels on the shipped model). None where the positions span two
@@ -773,7 +774,7 @@ class DiffusionGemma(nn.Module):
             elif isinstance(kv, list):
                 layer_kv = kv[index]
             else:
-                layer_kv = lambda k, v, i=index: kv(i, k, v)  # noqa: E731
+                layer_kv = lambda k, v, i=index: kv(i, k, v)
             x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
         if not _warm_chosen:
             choose_warm_weights(self)
