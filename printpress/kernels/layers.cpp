@@ -1,7 +1,7 @@
-// The exact path's layers in C++ (printpress/model.py, `Layer.attention_inputs` and `Layer.after_attention`): the same
-// numbers as the Python methods, bit for bit, without the Python between their ~110 small operators per layer. A
-// decoder pass over a canvas of 32 on the shipped model ran ~700 of them, and Python spent about as long dispatching
-// them as ATen spent on everything but the products.
+// The exact path's layers in C++ (printpress/model.py, `Layer.attention_inputs` and `Layer.after_attention`, and the
+// whole `Layer.forward` with its cache join, `layer`): the same numbers as the Python methods, bit for bit, without
+// the Python between their ~110 small operators per layer. A decoder pass over a canvas of 32 on the shipped model
+// ran ~700 of them, and Python spent about as long dispatching them as ATen spent on everything but the products.
 //
 // Two kinds of work, each giving ATen's bits (tests/test_layers_native.py compares every pass with the Python path):
 // - Products, attention, activations, the router's softmax and top-k, the experts' sort and gathers: the ATen
