@@ -142,6 +142,37 @@ def test_truncate_refuses_what_it_cannot_restore():
     assert cache.length == 5
 
 
+def test_what_the_cache_knows_of_its_padding_and_offsets_follows_its_tensors():
+    """`all_valid` and `row_positions` keep what they learnt (no tensor is asked each step): after valid blocks, a
+    truncation, a block with a pad, a row selection and new offsets, each answer is still the tensors' own."""
+    model = tiny_model("ring3")
+    cache = model.new_cache(2, 64)
+
+    def agrees() -> bool:
+        positions = torch.arange(cache.length, cache.length + 2)
+        want = positions if not bool(cache.offsets.any()) else positions[None, :] - cache.offsets[:, None]
+        return (cache.all_valid() == bool(cache.pad_mask[:, : cache.length].all())
+                and torch.equal(cache.row_positions(positions), want))
+
+    model.encode(torch.tensor([[3, 4, 5], [5, 6, 7]]), cache, logits="none")
+    assert agrees() and cache.all_valid()
+    snapshot = cache.snapshot(2)
+    model.encode(torch.tensor([[3, 4], [5, 6]]), cache, logits="none")
+    cache.truncate(4, snapshot)
+    cache.advance(1, torch.tensor([[True], [False]]))  # row 1's slot 4 holds a pad
+    assert agrees() and not cache.all_valid()
+    cache.advance(1, None)  # a valid block after the pad: still not all valid
+    assert agrees() and not cache.all_valid()
+    cache.select([0])
+    assert agrees() and cache.all_valid()
+    cache.set_offsets(torch.tensor([[False] + [True] * (cache.length - 1)]))  # a new tensor, as fresh as the last
+    assert agrees()
+    cache.offsets[0] = 0  # in place: the kept answer (some offset set) must not outlive it
+    assert agrees()
+    cache.set_offsets(torch.tensor([[True] * cache.length]))
+    assert agrees()
+
+
 # -- the fused draft+verify pass ---------------------------------------------------------------------------
 
 
