@@ -149,8 +149,7 @@ class KVCache:
         layer = self.layers[index]
         if not layer.sliding:
             return KVJoin(layer.keys, layer.values, False, self.length)
-        oldest = self.length % self.window if 0 < self.window < self.length else 0  # see `_chronological_slots`
-        return KVJoin(layer.keys, layer.values, False, self.filled_slots, wrap=oldest)
+        return KVJoin(layer.keys, layer.values, False, self.filled_slots, wrap=self._oldest_slot())
 
     def encoder_join(self, index: int, new_tokens: int) -> KVJoin:
         """How `encode` joins a block of `new_tokens` to the layer's cache: written after the prefix (full layers)
@@ -199,13 +198,17 @@ class KVCache:
         Every sliding layer of a pass asks for the same order: it is kept for the current length."""
         if self._order_memo[0] == self.length:
             return self._order_memo[1]
-        start = self.length % self.window if self.window else 0
+        start = self._oldest_slot()
         order = None
-        if self.length > self.window and start != 0:
+        if start:
             order = torch.cat([torch.arange(start, self.window, device=self.device),
                                torch.arange(0, start, device=self.device)])
         self._order_memo = (self.length, order)
         return order
+
+    def _oldest_slot(self) -> int:
+        """The ring slot holding the oldest cached position once the ring has wrapped; 0 until then."""
+        return self.length % self.window if 0 < self.window < self.length else 0
 
     @property
     def filled_slots(self) -> int:
