@@ -390,6 +390,13 @@ def settle_warm_weights(model: DiffusionGemma) -> None:
         choose_warm_weights(model)
 
 
+def _cpp_layers_for(x: torch.Tensor) -> bool:
+    """Whether printpress_layers' operators may take `x` now: on, loaded, a CPU tensor, gradients off, not
+    compiling (the model's head and final norm ask this; the layers' plans ask it in `Planned._plan`)."""
+    return (NATIVE_LAYERS and native.loaded("layers.cpp") and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
 def native_layers() -> bool:
     """Whether printpress_layers is loaded (built on a machine's first inference pass, ~10 s, then cached)."""
     return native.load("layers.cpp", "the layers run through Python (the same numbers, slower)", lambda: None)
@@ -691,8 +698,7 @@ class DiffusionGemma(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
-        if (head is None and NATIVE_LAYERS and native.loaded("layers.cpp") and hidden.is_contiguous()
-                and hidden.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+        if head is None and hidden.is_contiguous() and _cpp_layers_for(hidden):
             # F.linear's mm, its weight read ahead in blocks where that pays (layers.cpp, `head`): the same bits.
             rows = torch.ops.printpress_layers.head(hidden.view(-1, hidden.shape[-1]), self.embed_tokens.weight)
             logits = rows.view(*hidden.shape[:-1], -1).float()
@@ -778,8 +784,7 @@ class DiffusionGemma(nn.Module):
             x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
         if not _warm_chosen:
             choose_warm_weights(self)
-        if (NATIVE_LAYERS and type(self.norm) is RMSNorm and native.loaded("layers.cpp") and x.device.type == "cpu"
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+        if type(self.norm) is RMSNorm and _cpp_layers_for(x):
             return torch.ops.printpress_layers.rms_norm(x, self.norm.weight, self.norm.eps).view(b, t, h)
         return self.norm(x).view(b, t, h)
 
