@@ -7,7 +7,8 @@
 // - Products, attention, activations, the router's softmax and top-k, the experts' sort and gathers: the ATen
 //   operators the Python code calls, on tensors of the same dtypes and layouts, in the same order (`F.linear` of rows
 //   is at::mm with the transposed weight, which is what at::linear runs for them; `F.grouped_mm` on a CPU is one
-//   at::mm per expert into its rows, as here).
+//   at::mm per expert into its rows, as here). A product of one row, where at::mm's order was found and is checked on
+//   the machine, is added up in that order by a kernel of this file (`one_row_kernel`).
 // - The float32 elementwise chains around them, each in one loop: the RMS norms (7 operators each, ~50 a pass), with
 //   the residual additions and scales that follow them, the rotary embedding (4 operators), the router's weights
 //   after its top-k, and the experts' gather and weighted sum over slots (9 operators). Each element goes
@@ -67,6 +68,10 @@
 #include <vector>
 
 #include "aten_sum.h"
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -285,12 +290,159 @@ void warm(const Tensor& weight, int64_t rows) {
   sink = seen;  // keeps the loads
 }
 
+// -- one row's products in MKL's own order ----------------------------------------------------------------------
+//
+// at::mm of one float32 row by a weight is MKL's matrix-vector product, and on an AMD EPYC (MKL's generic path there)
+// each output is a dot product added up in one fixed order, found by probing MKL (a large value and its negative
+// among ones show which products meet first, as FPRev does) and confirmed on random data: the first four products
+// added one after the other; from the fifth element on, four interleaved sums (element k into sum k % 4, the first
+// sum carrying on from the first four); every product rounded before it is added (no multiply-add); then (sum 0 +
+// sum 2) + (sum 1 + sum 3). That holds where the inner size is a multiple of 4 and the weight starts on 16 bytes
+// (elsewhere MKL first aligns its reads, and adds in another order). `one_row_kernel` adds in that order with 4-lane
+// vectors, eight weight rows at a time: eight sequential streams the hardware prefetcher follows, where MKL's reads
+// of a weight outside the core's caches took the latency of scattered misses (1.3-1.6x faster there; the same from
+// the caches), and without at::mm's dispatch and checks. Whether it gives at::mm's bits is checked once per process
+// for each inner size and thread count against at::mm itself (`one_row_holds`); where it does not (another CPU,
+// another MKL path), or where the shapes, layout or alignment differ, the product is at::mm's.
+constexpr int64_t kOneRowBlock = 8;  // weight rows per pass of the kernel
+
+#if defined(__SSE2__)
+constexpr bool kOneRowKernel = true;
+
+// y[j] = x . w[j] for R rows of w (each `k` floats, k a multiple of 4), in the order above. R is a constant so that the
+// R sums stay in registers.
+template <int R>
+void one_row_rows(const float* x, const float* w, int64_t k, float* y) {
+  __m128 sums[R];
+  for (int r = 0; r < R; ++r) {
+    const float* row = w + r * k;
+    float first = x[0] * row[0];
+    first = first + x[1] * row[1];
+    first = first + x[2] * row[2];
+    first = first + x[3] * row[3];
+    sums[r] = _mm_set_ps(0.0f, 0.0f, 0.0f, first);
+  }
+  for (int64_t i = 4; i < k; i += 4) {
+    const __m128 xs = _mm_loadu_ps(x + i);
+    for (int r = 0; r < R; ++r) sums[r] = _mm_add_ps(sums[r], _mm_mul_ps(xs, _mm_loadu_ps(w + r * k + i)));
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, sums[r]);
+    y[r] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+  }
+}
+
+// `rows` (a multiple of 4, at most kOneRowBlock) rows.
+void one_row_block(const float* x, const float* w, int64_t k, int64_t rows, float* y) {
+  if (rows == kOneRowBlock) {
+    one_row_rows<kOneRowBlock>(x, w, k, y);
+  } else {
+    for (int64_t r = 0; r < rows; r += 4) one_row_rows<4>(x, w + r * k, k, y + r);
+  }
+}
+#else
+constexpr bool kOneRowKernel = false;
+void one_row_block(const float*, const float*, int64_t, int64_t, float*) {}
+#endif
+
+// out (1, n) = x (1, k) times weight_t (k, n), the transpose of a contiguous (n, k) weight; split between threads by
+// blocks of rows (each output is computed whole by one thread, so the bits do not depend on the threads). MKL adds
+// the last n % 4 outputs in another order; they are at::mm's own, of those rows alone.
+void one_row_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out) {
+  const int64_t k = weight_t.size(0), n = weight_t.size(1), whole = n / 4 * 4;
+  const float* xs = x.data_ptr<float>();
+  const float* w = weight_t.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const int64_t blocks = (whole + kOneRowBlock - 1) / kOneRowBlock;
+  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / (kOneRowBlock * k * 4));  // ~256 KB of weight a task
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * kOneRowBlock;
+      one_row_block(xs, w + first * k, k, std::min(kOneRowBlock, whole - first), y + first);
+    }
+  });
+  if (whole < n) {
+    Tensor tail = out.narrow(1, whole, n - whole);
+    at::mm_out(tail, x, weight_t.narrow(1, whole, n - whole));
+  }
+}
+
+std::mutex one_row_mutex;
+std::map<std::pair<int64_t, int>, bool> one_row_hold;  // per (inner size, threads): the kernel gave at::mm's bits
+
+// Whether one_row_kernel gives at::mm's bits for inner size k on this machine: one row of random numbers of mixed
+// magnitudes and signs (and some zeros) times weights of 3, 21, 22 and 100 rows, bit for bit; once per process.
+bool one_row_holds(int64_t k) {
+  const std::pair<int64_t, int> key{k, at::get_num_threads()};
+  {
+    std::lock_guard<std::mutex> lock(one_row_mutex);
+    if (auto found = one_row_hold.find(key); found != one_row_hold.end()) return found->second;
+  }
+  printpress_sum::CheckNumbers numbers(0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(k));
+  auto fill = [&](Tensor& t) {
+    float* data = t.data_ptr<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const uint64_t pick = numbers.next();
+      const double magnitude = std::ldexp(1.0, static_cast<int>(pick % 13) - 6);
+      data[i] = pick % 17 == 0 ? 0.0f : static_cast<float>((numbers.unit() - 0.5) * magnitude);
+    }
+  };
+  bool holds = kOneRowKernel;
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  for (const int64_t n : {int64_t{3}, int64_t{21}, int64_t{22}, int64_t{100}}) {
+    if (!holds) break;
+    Tensor x = at::empty({1, k}, options), weight = at::empty({n, k}, options);
+    fill(x);
+    fill(weight);
+    Tensor expected = at::mm(x, weight.t()), got = at::empty({1, n}, options);
+    one_row_kernel(x, weight.t(), got);
+    holds = std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), sizeof(float) * n) == 0;
+  }
+  std::lock_guard<std::mutex> lock(one_row_mutex);
+  one_row_hold[key] = holds;
+  return holds;
+}
+
+std::atomic<bool> one_row_on{true};  // off: every product is at::mm's (`set_one_row`, for A/B measurements)
+
+// Whether x (1, k) times weight_t (k, n) may run as one_row_kernel: float32 on the CPU, x a contiguous row, weight_t
+// the transpose of a contiguous weight starting on 16 bytes, k a multiple of 4, and the kernel's order checked.
+bool one_row_applies(const Tensor& x, const Tensor& weight_t) {
+  if (!kOneRowKernel || !one_row_on.load(std::memory_order_relaxed) || x.dim() != 2 || x.size(0) != 1 ||
+      weight_t.dim() != 2)
+    return false;
+  const int64_t k = weight_t.size(0);
+  return x.scalar_type() == at::kFloat && weight_t.scalar_type() == at::kFloat && x.device().is_cpu() &&
+         weight_t.device().is_cpu() && x.size(1) == k && k >= 4 && k % 4 == 0 && weight_t.size(1) > 0 &&
+         x.stride(1) == 1 && weight_t.stride(0) == 1 && weight_t.stride(1) == k &&
+         reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16 == 0 && one_row_holds(k);
+}
+
+// at::mm(x, weight_t), by the kernel where it applies.
+Tensor rows_product(const Tensor& x, const Tensor& weight_t) {
+  if (!one_row_applies(x, weight_t)) return at::mm(x, weight_t);
+  Tensor out = at::empty({1, weight_t.size(1)}, x.options());
+  one_row_kernel(x, weight_t, out);
+  return out;
+}
+
+// at::mm_out(out, x, weight_t) for a contiguous `out` (1, n), by the kernel where it applies.
+void rows_product_into(const Tensor& out, const Tensor& x, const Tensor& weight_t) {
+  if (out.is_contiguous() && one_row_applies(x, weight_t)) {
+    one_row_kernel(x, weight_t, out);
+  } else {
+    Tensor target = out;
+    at::mm_out(target, x, weight_t);
+  }
+}
+
 // F.linear without a bias on rows: at::linear's own path for a 2-D input (matmul, then mm), without its two layers.
 // `weight_t` is the linear's weight transposed, (in, out): the view at::linear hands mm, made once in the plan
-// (model.py, `native_plan`) rather than on every product.
+// (model.py, `native_plan`) rather than on every product. One row, by the kernel above where it applies.
 Tensor product(const Tensor& x, const Tensor& weight_t) {
   warm(weight_t, x.size(-1) == 0 ? 0 : x.numel() / x.size(-1));
-  return x.dim() == 2 ? at::mm(x, weight_t) : at::linear(x, weight_t.t());
+  return x.dim() == 2 ? rows_product(x, weight_t) : at::linear(x, weight_t.t());
 }
 
 // The logits' product with the tied embedding (vocabulary x hidden: 3 MB on the shipped model, more than the L2),
@@ -310,8 +462,7 @@ Tensor head_in_blocks(const Tensor& x, const Tensor& weight, int64_t block) {
     const int64_t end = std::min(start + block, weight.size(0));
     const Tensor rows = weight.slice(0, start, end);
     warm(rows, x.size(0));
-    Tensor columns = out.slice(1, start, end);
-    at::mm_out(columns, x, rows.t());
+    rows_product_into(out.slice(1, start, end), x, rows.t());
   }
   return out;
 }
@@ -321,7 +472,7 @@ Tensor head(const Tensor& x, const Tensor& weight) {
   const int64_t block = std::max<int64_t>(16, kHeadBlockBytes / row_bytes / 16 * 16);
   if (x.dim() != 2 || !warming(x.size(0)) || !x.is_contiguous() ||
       !weight.is_contiguous() || !x.device().is_cpu() || block >= weight.size(0))
-    return at::mm(x, weight.t());
+    return rows_product(x, weight.t());
   const std::vector<int64_t> key{x.size(0), weight.size(1), weight.size(0), static_cast<int64_t>(x.scalar_type()),
                                  at::get_num_threads()};
   std::optional<bool> holds;
@@ -330,13 +481,13 @@ Tensor head(const Tensor& x, const Tensor& weight) {
     if (auto found = head_blocks_hold.find(key); found != head_blocks_hold.end()) holds = found->second;
   }
   if (!holds.has_value()) {
-    Tensor whole = at::mm(x, weight.t());
+    Tensor whole = rows_product(x, weight.t());
     const bool equal = at::equal(whole, head_in_blocks(x, weight, block));
     std::lock_guard<std::mutex> lock(head_mutex);
     head_blocks_hold[key] = equal;
     return whole;
   }
-  return *holds ? head_in_blocks(x, weight, block) : at::mm(x, weight.t());
+  return *holds ? head_in_blocks(x, weight, block) : rows_product(x, weight.t());
 }
 
 // The shapes the head has checked so far, and in how many its blocks gave the whole product's bits (for the tests).
@@ -493,8 +644,7 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
         auto gate_up = halves(product(x, gate_up_proj.select(0, index[slot])));
         const Tensor down_t = down_proj.select(0, index[slot]);
         warm(down_t, 1);
-        Tensor slot_row = out.narrow(0, slot, 1);
-        at::mm_out(slot_row, act(gate_up[0], code) * gate_up[1], down_t);
+        rows_product_into(out.narrow(0, slot, 1), act(gate_up[0], code) * gate_up[1], down_t);
       }
       return weighted_slot_sum(out, Tensor(), weights, top_k);
     }
@@ -664,6 +814,31 @@ int64_t fused_norm_width() { return FusedNorms::width(); }
 
 bool fused_slot_sums() { return slot_sums_hold(); }
 
+// For the tests: `product` of one row (the kernel where it applies, else at::mm); the kernel itself on a contiguous
+// (n, k) weight, whether or not its order holds here (k a multiple of 4); and the inner sizes checked so far, and in
+// how many the kernel's order held.
+Tensor one_row_product(const Tensor& x, const Tensor& weight_t) { return product(x, weight_t); }
+
+Tensor one_row_kernel_product(const Tensor& x, const Tensor& weight) {
+  TORCH_CHECK(kOneRowKernel, "printpress_layers.one_row_kernel_product: no kernel on this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  weight.size(1) == x.size(1) && x.size(1) % 4 == 0 && x.size(1) >= 4,
+              "printpress_layers.one_row_kernel_product: a contiguous float32 row and (n, k) weight, k a multiple of 4");
+  Tensor out = at::empty({1, weight.size(0)}, x.options());
+  one_row_kernel(x, weight.t(), out);  // (not rows_product: whether or not the order holds)
+  return out;
+}
+
+void set_one_row(bool on) { one_row_on.store(on); }
+
+std::tuple<int64_t, int64_t> one_row_checks() {
+  std::lock_guard<std::mutex> lock(one_row_mutex);
+  int64_t held = 0;
+  for (const auto& entry : one_row_hold) held += entry.second ? 1 : 0;
+  return {static_cast<int64_t>(one_row_hold.size()), held};
+}
+
 Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps) {
   return norm(x, weight.value_or(Tensor()), eps);
 }
@@ -723,6 +898,10 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("warm_enabled() -> (bool, bool)", &warm_enabled);
   m.def("head(Tensor x, Tensor weight) -> Tensor", &head);
   m.def("head_checks() -> (int, int)", &head_checks);
+  m.def("one_row_product(Tensor x, Tensor weight_t) -> Tensor", &one_row_product);
+  m.def("one_row_kernel_product(Tensor x, Tensor weight) -> Tensor", &one_row_kernel_product);
+  m.def("one_row_checks() -> (int, int)", &one_row_checks);
+  m.def("set_one_row(bool on) -> ()", &set_one_row);
   m.def("fused_norm_width() -> int", &fused_norm_width);
   m.def("fused_slot_sums() -> bool", &fused_slot_sums);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
