@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=Path, help="a checkout of printpress (e.g. a `git worktree`)")
     parser.add_argument("--after", type=Path, default=ROOT, help="another checkout (default: this one)")
-    parser.add_argument("--model", default=str(ROOT / "models" / "shakespeare-joint"))
+    parser.add_argument("--model", default=str(ROOT / "models" / "shakespeare-joint"),
+                        help="a model folder, or a benchmark size of bench/engine_speed.py (e.g. `large`, the 99.7M "
+                             "config): its random weights (seed 0) written once to a temporary folder both sides load")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=32, help="AR steps per round")
     parser.add_argument("--canvases", type=int, nargs="+", default=[8, 32])
@@ -120,6 +123,48 @@ def main(argv: list[str] | None = None) -> None:
     from printpress.eval.report import cpu_name
 
     sides = {"before": args.before.resolve(), "after": args.after.resolve()}
+    model = args.model
+    with tempfile.TemporaryDirectory(prefix="checkouts_ab_") as scratch:
+        if not Path(args.model).exists():
+            args.model = str(size_checkpoint(args.model, Path(scratch)))
+        report = compare(args, sides)
+    report["model"] = model
+    report["machine"] = {"cpu": cpu_name(), "load_average": os.getloadavg()}
+    print(f"{args.rounds} alternating rounds; logits {'identical' if report['same_bits'] else 'DIFFERENT'} "
+          "between the checkouts")
+    print("| work | before, median / best (ms) | after, median / best (ms) | before / after, median of the rounds |")
+    print("|---|---|---|---|")
+    for work, figures in report["work"].items():
+        before, after = figures["before_ms"], figures["after_ms"]
+        print(f"| {work} | {statistics.median(before):.2f} / {min(before):.2f} | "
+              f"{statistics.median(after):.2f} / {min(after):.2f} | **{figures['ratio_median']:.2f}x** |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+
+
+def size_checkpoint(size: str, folder: Path) -> Path:
+    """A checkpoint of bench/engine_speed.py's benchmark size `size` with random weights (seed 0), in `folder`."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from engine_speed import SIZES
+
+    from printpress.checkpoint import save_model
+    from printpress.config import ModelConfig, TextConfig
+    from printpress.model import DiffusionGemma
+
+    if size not in SIZES:
+        raise SystemExit(f"checkouts_ab: --model {size!r} is neither a model folder nor a benchmark size "
+                         f"({', '.join(SIZES)})")
+    torch.manual_seed(0)
+    model = DiffusionGemma(TextConfig(**SIZES[size].text)).eval()
+    return save_model(model, ModelConfig(model.config, canvas_length=32), folder / size)
+
+
+def compare(args: argparse.Namespace, sides: dict[str, Path]) -> dict:
+    """Both sides' workers on `args.model`, timed in alternating rounds: the report without the machine."""
     workers = {name: start_worker(path, args) for name, path in sides.items()}
     try:
         ready = {name: read_line(name, process) for name, process in workers.items()}
@@ -133,25 +178,15 @@ def main(argv: list[str] | None = None) -> None:
         for process in workers.values():
             process.stdin.close()
             process.wait()
-    report = {"machine": {"cpu": cpu_name(), "load_average": os.getloadavg()},
-              "checkouts": {name: str(path) for name, path in sides.items()}, "model": args.model,
+    report = {"checkouts": {name: str(path) for name, path in sides.items()}, "model": args.model,
               "rounds": args.rounds, "steps": args.steps, "passes": args.passes, "ready": ready,
               "same_bits": ready["before"]["digest"] == ready["after"]["digest"], "work": {}}
-    print(f"{args.rounds} alternating rounds; logits {'identical' if report['same_bits'] else 'DIFFERENT'} "
-          "between the checkouts")
-    print("| work | before, median / best (ms) | after, median / best (ms) | before / after, median of the rounds |")
-    print("|---|---|---|---|")
     for work in seconds["before"][0]:
         before = [r[work] for r in seconds["before"]]
         after = [r[work] for r in seconds["after"]]
         ratio = statistics.median(b / a for b, a in zip(before, after))
         report["work"][work] = {"before_ms": before, "after_ms": after, "ratio_median": ratio}
-        print(f"| {work} | {statistics.median(before):.2f} / {min(before):.2f} | "
-              f"{statistics.median(after):.2f} / {min(after):.2f} | **{ratio:.2f}x** |")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out}")
+    return report
 
 
 if __name__ == "__main__":
