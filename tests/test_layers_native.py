@@ -307,3 +307,12 @@ def test_one_row_products_give_atens_bits_and_use_the_kernel_where_its_order_hol
         model.encode(torch.tensor([[3, 4, 5]]), cache, logits="none")
         model.encode(torch.tensor([[6]]), cache, logits="last")
     assert ops.one_row_checks()[0] > before  # a new inner size (44), checked by the AR step's products
+
+    ops.set_one_row(False)  # the switch the benchmarks' A/B uses: every product at::mm's, nothing checked
+    try:
+        x, weight = mixed_numbers((1, 52), g), mixed_numbers((40, 52), g)
+        checked = ops.one_row_checks()[0]
+        assert torch.equal(ops.one_row_product(x, weight.t()), torch.nn.functional.linear(x, weight))
+        assert ops.one_row_checks()[0] == checked
+    finally:
+        ops.set_one_row(True)

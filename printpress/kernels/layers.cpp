@@ -839,7 +839,7 @@ Tensor one_row_kernel_product(const Tensor& x, const Tensor& weight) {
                   weight.size(1) == x.size(1) && x.size(1) % 4 == 0 && x.size(1) >= 4,
               "printpress_layers.one_row_kernel_product: a contiguous float32 row and (n, k) weight, k a multiple of 4");
   Tensor out = at::empty({1, weight.size(0)}, x.options());
-  one_row_kernel(x, weight.t(), out);  // (not rows_product: whether or not the order holds)
+  one_row_kernel(x, weight.t(), out);  // (the kernel, whether or not its order holds here)
   return out;
 }
 
