@@ -228,20 +228,22 @@ def test_the_one_loop_norm_holds_on_this_cpu_and_gives_atens_bits():
         assert torch.equal(torch.ops.printpress_layers.rms_norm(value, norm.weight, 1e-6), norm(value))
 
 
-def added_as_the_one_row_kernel_adds(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (1, k) times weight (n, k), k a multiple of 4, in the order layers.cpp's `one_row_kernel` documents (what MKL's
-    one-row product does on an AMD EPYC), each product and each sum a float32 operator of its own: the first four
-    products one after the other; then four interleaved sums from the fifth element on, the first carrying on from
-    the first four; then (sum 0 + sum 2) + (sum 1 + sum 3)."""
-    row, k = x[0], x.shape[1]
-    first = row[0] * weight[:, 0]
-    for i in (1, 2, 3):
-        first = first + row[i] * weight[:, i]
-    sums = torch.zeros(weight.shape[0], 4)
-    sums[:, 0] = first
-    for i in range(4, k, 4):
-        sums = sums + row[i : i + 4] * weight[:, i : i + 4]
-    return ((sums[:, 0] + sums[:, 2]) + (sums[:, 1] + sums[:, 3]))[None]
+def added_as_the_rows_kernel_adds(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (m, k) times weight (n, k), k a multiple of 4, in the order layers.cpp's `rows_kernel` documents (what MKL's
+    product of one to three rows does on an AMD EPYC), each product and each sum a float32 operator of its own: four
+    interleaved sums, (sum 0 + sum 2) + (sum 1 + sum 3); for one row, the first four products added in turn first and
+    the sums starting at the fifth element, the first carrying on from them."""
+    m, k = x.shape
+    lead = 4 if m == 1 else 0
+    sums = torch.zeros(m, weight.shape[0], 4)
+    if lead:
+        first = x[0, 0] * weight[:, 0]
+        for i in (1, 2, 3):
+            first = first + x[0, i] * weight[:, i]
+        sums[0, :, 0] = first
+    for i in range(lead, k, 4):
+        sums = sums + x[:, None, i : i + 4] * weight[None, :, i : i + 4]
+    return (sums[..., 0] + sums[..., 2]) + (sums[..., 1] + sums[..., 3])
 
 
 def mixed_numbers(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
@@ -253,66 +255,79 @@ def mixed_numbers(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     return values
 
 
-ONE_ROW_KERNEL = platform.machine() in ("x86_64", "AMD64")  # layers.cpp builds it where the compiler has SSE2
+ROWS_KERNEL = platform.machine() in ("x86_64", "AMD64")  # layers.cpp builds it where the compiler has SSE2
 
 
-@pytest.mark.skipif(not ONE_ROW_KERNEL, reason="the one-row kernel is built for x86 CPUs only")
-def test_the_one_row_kernel_adds_in_its_documented_order():
+@pytest.mark.skipif(not ROWS_KERNEL, reason="the rows kernel is built for x86 CPUs only")
+def test_the_rows_kernel_adds_in_its_documented_order():
     """The kernel itself (whether or not MKL adds that way on this CPU): bit for bit the order written in layers.cpp,
-    for inner sizes from 4 to 768 and widths around its blocks of 8 rows; the last n % 4 outputs are at::mm's of
-    those rows alone."""
+    for one, two and three rows, inner sizes from 4 to 768 and widths around its blocks of 8 weight rows; the last
+    n % 4 outputs are at::mm's of those weight rows alone."""
     g = torch.Generator().manual_seed(11)
-    for k in (4, 8, 12, 64, 192, 384, 768):
-        for n in (1, 3, 4, 5, 8, 12, 13, 64, 100):
-            x, weight = mixed_numbers((1, k), g), mixed_numbers((n, k), g)
-            got = torch.ops.printpress_layers.one_row_kernel_product(x, weight)
-            whole = n // 4 * 4
-            assert torch.equal(got[:, :whole], added_as_the_one_row_kernel_adds(x, weight[:whole])), (k, n)
-            assert torch.equal(got[:, whole:], x @ weight[whole:].t()), (k, n)
-    with pytest.raises(RuntimeError, match="k a multiple of 4"):
-        torch.ops.printpress_layers.one_row_kernel_product(torch.ones(1, 6), torch.ones(3, 6))
+    for m in (1, 2, 3):
+        for k in (4, 8, 12, 64, 192, 384, 768):
+            for n in (1, 3, 4, 5, 8, 12, 13, 64, 100):
+                x, weight = mixed_numbers((m, k), g), mixed_numbers((n, k), g)
+                got = torch.ops.printpress_layers.rows_kernel_product(x, weight)
+                whole = n // 4 * 4
+                assert torch.equal(got[:, :whole], added_as_the_rows_kernel_adds(x, weight[:whole])), (m, k, n)
+                assert torch.equal(got[:, whole:], x @ weight[whole:].t()), (m, k, n)
+    with pytest.raises(RuntimeError, match="k a multiple"):
+        torch.ops.printpress_layers.rows_kernel_product(torch.ones(1, 6), torch.ones(3, 6))
 
 
-def test_one_row_products_give_atens_bits_and_use_the_kernel_where_its_order_holds():
-    """A product of one row gives at::mm's bits (F.linear's) whatever its shape: through the kernel where its order
-    was checked to be MKL's on this machine (each inner size checked once, against at::mm, and found to hold exactly
-    where the documented order is MKL's), through at::mm elsewhere: an inner size not a multiple of 4, a weight
-    that does not start on 16 bytes, two threads. And an AR step of a model runs its products through that check."""
+def test_products_of_a_few_rows_give_atens_bits_and_use_the_kernel_where_its_order_holds():
+    """A product of one to three rows gives at::mm's bits (F.linear's) whatever its shape: through the kernel where
+    its order was checked to be MKL's on this machine (each inner size, row count and number of outputs mod 4 checked
+    once, against at::mm, and found to hold exactly where the documented order is MKL's), through at::mm elsewhere:
+    two or three rows with n % 4 == 1 outputs (MKL adds their last output in yet another order), an inner size not a
+    multiple of 4, a weight that does not start on 16 bytes, two threads. And an AR step of a model runs its products
+    through that check."""
     ops = torch.ops.printpress_layers
     g = torch.Generator().manual_seed(12)
-    for k, n in [(192, 1024), (384, 192), (96, 21), (8, 3), (20, 5), (30, 16), (6, 4)]:
-        x, weight = mixed_numbers((1, k), g), mixed_numbers((n, k), g)
-        assert torch.equal(ops.one_row_product(x, weight.t()), torch.nn.functional.linear(x, weight)), (k, n)
+    for m in (1, 2, 3):
+        for k, n in [(192, 1024), (384, 192), (96, 21), (96, 22), (8, 3), (20, 5), (20, 9), (30, 16), (6, 4)]:
+            x, weight = mixed_numbers((m, k), g), mixed_numbers((n, k), g)
+            assert torch.equal(ops.rows_product(x, weight.t()), torch.nn.functional.linear(x, weight)), (m, k, n)
     storage = mixed_numbers((1 + 64 * 192,), g)
     shifted = storage[1:].view(64, 192)  # starts 4 bytes past an allocation: MKL reads it in another order
-    x = mixed_numbers((1, 192), g)
-    assert torch.equal(ops.one_row_product(x, shifted.t()), torch.nn.functional.linear(x, shifted))
+    for m in (1, 2):
+        x = mixed_numbers((m, 192), g)
+        assert torch.equal(ops.rows_product(x, shifted.t()), torch.nn.functional.linear(x, shifted))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         weight = mixed_numbers((4096, 64), g)
-        x = mixed_numbers((1, 64), g)
-        assert torch.equal(ops.one_row_product(x, weight.t()), torch.nn.functional.linear(x, weight))
+        for m in (1, 3):
+            x = mixed_numbers((m, 64), g)
+            assert torch.equal(ops.rows_product(x, weight.t()), torch.nn.functional.linear(x, weight))
     finally:
         torch.set_num_threads(threads)
-    checked, held = ops.one_row_checks()
-    probes = [(k, mixed_numbers((1, k), g), mixed_numbers((40, k), g)) for k in (192, 384, 96, 8, 64)]
-    mkl_adds_so = all(torch.equal(x @ w.t(), added_as_the_one_row_kernel_adds(x, w)) for _, x, w in probes)
-    assert checked >= 6 and (held == checked) == mkl_adds_so  # the sizes above, at one and at two threads
+    checked, held = ops.rows_kernel_checks()
+    probes = [mixed_numbers((m, k), g) for m in (1, 2, 3) for k in (192, 384, 96, 8, 20, 64)]
+    weights = {k: mixed_numbers((40, k), g) for k in (192, 384, 96, 8, 20, 64)}
+    mkl_adds_so = all(torch.equal(x @ weights[x.shape[1]].t(), added_as_the_rows_kernel_adds(x, weights[x.shape[1]]))
+                      for x in probes)
+    assert checked >= 20
+    if mkl_adds_so:  # as on an AMD EPYC: all but the two- and three-row products with n % 4 == 1 hold
+        assert 0 < held < checked
+    else:
+        assert held == 0
 
-    model = tiny_model("gqa", hidden_size=44)
-    before = ops.one_row_checks()[0]
+    # an AR step of a model whose hidden size no product has had yet: its products (q's, the head's) ask for the check
+    hidden = next(h for h in range(44, 400, 4) if ops.rows_kernel_verdict(h, 1, 0) == -1)
+    model = tiny_model("gqa", hidden_size=hidden)
     with torch.no_grad():
         cache = model.new_cache(1, 8)
         model.encode(torch.tensor([[3, 4, 5]]), cache, logits="none")
         model.encode(torch.tensor([[6]]), cache, logits="last")
-    assert ops.one_row_checks()[0] > before  # a new inner size (44), checked by the AR step's products
+    assert ops.rows_kernel_verdict(hidden, 1, 0) == (1 if mkl_adds_so else 0)
 
-    ops.set_one_row(False)  # the switch the benchmarks' A/B uses: every product at::mm's, nothing checked
+    ops.set_rows_kernel(False)  # the switch the benchmarks' A/B uses: every product at::mm's, nothing checked
     try:
         x, weight = mixed_numbers((1, 52), g), mixed_numbers((40, 52), g)
-        checked = ops.one_row_checks()[0]
-        assert torch.equal(ops.one_row_product(x, weight.t()), torch.nn.functional.linear(x, weight))
-        assert ops.one_row_checks()[0] == checked
+        checked = ops.rows_kernel_checks()[0]
+        assert torch.equal(ops.rows_product(x, weight.t()), torch.nn.functional.linear(x, weight))
+        assert ops.rows_kernel_checks()[0] == checked
     finally:
-        ops.set_one_row(True)
+        ops.set_rows_kernel(True)

@@ -8,7 +8,7 @@
 //   operators the Python code calls, on tensors of the same dtypes and layouts, in the same order (`F.linear` of rows
 //   is at::mm with the transposed weight, which is what at::linear runs for them; `F.grouped_mm` on a CPU is one
 //   at::mm per expert into its rows, as here). A product of one row, where at::mm's order was found and is checked on
-//   the machine, is added up in that order by a kernel of this file (`one_row_kernel`).
+//   the machine, is added up in that order by a kernel of this file (`rows_kernel`, for one to three rows).
 // - The float32 elementwise chains around them, each in one loop: the RMS norms (7 operators each, ~50 a pass), with
 //   the residual additions and scales that follow them, the rotary embedding (4 operators), the router's weights
 //   after its top-k, and the experts' gather and weighted sum over slots (9 operators). Each element goes
@@ -293,39 +293,44 @@ void warm(const Tensor& weight, int64_t rows) {
   warm_bytes(static_cast<const char*>(weight.data_ptr()), weight.numel() * static_cast<int64_t>(weight.element_size()));
 }
 
-// -- one row's products in MKL's own order ----------------------------------------------------------------------
+// -- products of one to three rows in MKL's own order ------------------------------------------------------------
 //
-// at::mm of one float32 row by a weight is MKL's matrix-vector product, and on an AMD EPYC (MKL's generic path there)
-// each output is a dot product added up in one fixed order, found by probing MKL (a large value and its negative
-// among ones show which products meet first, as FPRev does) and confirmed on random data: the first four products
-// added one after the other; from the fifth element on, four interleaved sums (element k into sum k % 4, the first
-// sum carrying on from the first four); every product rounded before it is added (no multiply-add); then (sum 0 +
-// sum 2) + (sum 1 + sum 3). That holds where the inner size is a multiple of 4 and the weight starts on 16 bytes
-// (elsewhere MKL first aligns its reads, and adds in another order). `one_row_kernel` adds in that order with 4-lane
-// vectors, eight weight rows at a time: eight sequential streams the hardware prefetcher follows, where MKL's reads
-// of a weight outside the core's caches took the latency of scattered misses (1.3-1.6x faster there; the same from
-// the caches), and without at::mm's dispatch and checks. Whether it gives at::mm's bits is checked once per process
-// for each inner size and thread count against at::mm itself (`one_row_holds`); where it does not (another CPU,
-// another MKL path), or where the shapes, layout or alignment differ, the product is at::mm's.
-constexpr int64_t kOneRowBlock = 8;  // weight rows per pass of the kernel
+// at::mm of one to three float32 rows by a weight is MKL's matrix-vector path, and on an AMD EPYC (MKL's generic path
+// there) each output is a dot product added up in one fixed order, found by probing MKL (a large value and its
+// negative among ones show which products meet first, as FPRev does) and confirmed on random data: four interleaved
+// sums (element k into sum k % 4), every product rounded before it is added (no multiply-add), then (sum 0 + sum 2) +
+// (sum 1 + sum 3); for one row, the first four products are first added one after the other and the four sums start
+// at the fifth element, the first carrying on from them. That holds where the inner size is a multiple of 4 and the
+// weight starts on 16 bytes (elsewhere MKL first aligns its reads, and adds in another order), for outputs in whole
+// groups of 4. `rows_kernel` adds in that order with 4-lane vectors, eight weight rows at a time: eight sequential
+// streams the hardware prefetcher follows, where MKL's reads of a weight outside the core's caches took the latency
+// of scattered misses (1.3-1.6x faster there; the same from the caches), and without at::mm's dispatch and checks.
+// Whether it gives at::mm's bits is checked once per process for each inner size, row count and thread count against
+// at::mm itself (`rows_order_holds`); where it does not (another CPU, another MKL path), or where the shapes, layout
+// or alignment differ, the product is at::mm's.
+constexpr int64_t kRowBlock = 8, kRowsMax = 3;  // weight rows per pass of the kernel; input rows it takes
 
 #if defined(__SSE2__)
-constexpr bool kOneRowKernel = true;
+constexpr bool kRowsKernel = true;
 
-// y[j] = x . w[j] for R rows of w (each `k` floats, k a multiple of 4), in the order above. R is a constant so that the
-// R sums stay in registers.
-template <int R>
-void one_row_rows(const float* x, const float* w, int64_t k, float* y) {
+// y[j] = x . w[j] for R rows of w (each `k` floats, k a multiple of 4), in the order above (`Lead`: one input row's,
+// the first four products first). R is a constant so that the R sums stay in registers.
+template <int R, bool Lead>
+void row_dots(const float* x, const float* w, int64_t k, float* y) {
   __m128 sums[R];
   for (int r = 0; r < R; ++r) {
-    const float* row = w + r * k;
-    float first = x[0] * row[0];
-    first = first + x[1] * row[1];
-    first = first + x[2] * row[2];
-    first = first + x[3] * row[3];
-    sums[r] = _mm_set_ps(0.0f, 0.0f, 0.0f, first);
+    if (Lead) {
+      const float* row = w + r * k;
+      float first = x[0] * row[0];
+      first = first + x[1] * row[1];
+      first = first + x[2] * row[2];
+      first = first + x[3] * row[3];
+      sums[r] = _mm_set_ps(0.0f, 0.0f, 0.0f, first);
+    } else {
+      sums[r] = _mm_setzero_ps();
+    }
   }
-  for (int64_t i = 4; i < k; i += 4) {
+  for (int64_t i = Lead ? 4 : 0; i < k; i += 4) {
     const __m128 xs = _mm_loadu_ps(x + i);
     for (int r = 0; r < R; ++r) sums[r] = _mm_add_ps(sums[r], _mm_mul_ps(xs, _mm_loadu_ps(w + r * k + i)));
   }
@@ -336,117 +341,131 @@ void one_row_rows(const float* x, const float* w, int64_t k, float* y) {
   }
 }
 
-// `rows` (a multiple of 4, at most kOneRowBlock) rows.
-void one_row_block(const float* x, const float* w, int64_t k, int64_t rows, float* y) {
-  if (rows == kOneRowBlock) {
-    one_row_rows<kOneRowBlock>(x, w, k, y);
+// `rows` (a multiple of 4, at most kRowBlock) weight rows.
+template <bool Lead>
+void row_block(const float* x, const float* w, int64_t k, int64_t rows, float* y) {
+  if (rows == kRowBlock) {
+    row_dots<kRowBlock, Lead>(x, w, k, y);
   } else {
-    for (int64_t r = 0; r < rows; r += 4) one_row_rows<4>(x, w + r * k, k, y + r);
+    for (int64_t r = 0; r < rows; r += 4) row_dots<4, Lead>(x, w + r * k, k, y + r);
   }
 }
 #else
-constexpr bool kOneRowKernel = false;
-void one_row_block(const float*, const float*, int64_t, int64_t, float*) {}
+constexpr bool kRowsKernel = false;
+template <bool Lead>
+void row_block(const float*, const float*, int64_t, int64_t, float*) {}
 #endif
 
-// out (1, n) = x (1, k) times weight_t (k, n), the transpose of a contiguous (n, k) weight; split between threads by
-// blocks of rows (each output is computed whole by one thread, so the bits do not depend on the threads). MKL adds
-// the last n % 4 outputs in another order; they are at::mm's own, of those rows alone. `ahead`: each ~256 KB of the
-// weight is read ahead (`warm`) just before its products, rather than the whole weight before the first: on the
-// 99.7M benchmark model, whose weights come from DRAM, a whole 2.4 MB weight read ahead left the L2 before its
+// out (m, n; unit column stride) = x (m <= kRowsMax rows of unit stride, k) times weight_t (k, n), the transpose of
+// a contiguous (n, k) weight; split between threads by blocks of weight rows (each output is computed whole by one
+// thread, so the bits do not depend on the threads), each block for every input row while it is in the L1. MKL adds
+// the last n % 4 outputs in another order; they are at::mm's own, of those weight rows alone. `ahead`: each ~256 KB
+// of the weight is read ahead (`warm`) just before its products, rather than the whole weight before the first: on
+// the 99.7M benchmark model, whose weights come from DRAM, a whole 2.4 MB weight read ahead left the L2 before its
 // products read it (AR step 1.15x faster in pieces, on an AMD EPYC; the same on the shipped model's small weights).
-constexpr int64_t kOneRowAheadBytes = 256 * 1024;
+constexpr int64_t kRowsAheadBytes = 256 * 1024;
 
-void one_row_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, bool ahead = false) {
-  const int64_t k = weight_t.size(0), n = weight_t.size(1), whole = n / 4 * 4;
+void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, bool ahead = false) {
+  const int64_t m = x.size(0), k = weight_t.size(0), n = weight_t.size(1), whole = n / 4 * 4;
   const float* xs = x.data_ptr<float>();
   const float* w = weight_t.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  const int64_t blocks = (whole + kOneRowBlock - 1) / kOneRowBlock;
-  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / (kOneRowBlock * k * 4));  // ~256 KB of weight a task
-  const int64_t chunk = std::max<int64_t>(1, kOneRowAheadBytes / (kOneRowBlock * k * 4));  // blocks read ahead at once
+  const int64_t x_stride = x.stride(0), y_stride = out.stride(0), block_bytes = kRowBlock * k * 4;
+  const int64_t blocks = (whole + kRowBlock - 1) / kRowBlock;
+  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / block_bytes);        // ~256 KB of weight a task
+  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);   // blocks read ahead at once
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; c += chunk) {
       const int64_t stop = std::min(end, c + chunk);
       if (ahead) {
-        const int64_t rows = std::min(stop * kOneRowBlock, whole) - c * kOneRowBlock;
-        warm_bytes(reinterpret_cast<const char*>(w + c * kOneRowBlock * k), rows * k * 4);
+        const int64_t rows = std::min(stop * kRowBlock, whole) - c * kRowBlock;
+        warm_bytes(reinterpret_cast<const char*>(w + c * kRowBlock * k), rows * k * 4);
       }
       for (int64_t b = c; b < stop; ++b) {
-        const int64_t first = b * kOneRowBlock;
-        one_row_block(xs, w + first * k, k, std::min(kOneRowBlock, whole - first), y + first);
+        const int64_t first = b * kRowBlock, rows = std::min(kRowBlock, whole - first);
+        if (m == 1) {
+          row_block<true>(xs, w + first * k, k, rows, y + first);
+        } else {
+          for (int64_t r = 0; r < m; ++r)
+            row_block<false>(xs + r * x_stride, w + first * k, k, rows, y + r * y_stride + first);
+        }
       }
     }
   });
-  if (whole < n) {
-    Tensor tail = out.narrow(1, whole, n - whole);
-    at::mm_out(tail, x, weight_t.narrow(1, whole, n - whole));
+  if (whole < n) out.narrow(1, whole, n - whole).copy_(at::mm(x, weight_t.narrow(1, whole, n - whole)));
+}
+
+// Random float32 numbers for the kernel's checks: magnitudes 2^-7 to 2^6, both signs, one in 17 an exact zero.
+void fill_check_numbers(Tensor& t, printpress_sum::CheckNumbers& numbers) {
+  float* data = t.data_ptr<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const uint64_t pick = numbers.next();
+    const double magnitude = std::ldexp(1.0, static_cast<int>(pick % 13) - 6);
+    data[i] = pick % 17 == 0 ? 0.0f : static_cast<float>((numbers.unit() - 0.5) * magnitude);
   }
 }
 
-std::mutex one_row_mutex;
-std::map<std::pair<int64_t, int>, bool> one_row_hold;  // per (inner size, threads): the kernel gave at::mm's bits
+std::mutex rows_mutex;
+// per (inner size, rows, outputs % 4, threads): the kernel gave at::mm's bits
+std::map<std::tuple<int64_t, int64_t, int64_t, int>, bool> rows_hold;
 
-// Whether one_row_kernel gives at::mm's bits for inner size k on this machine: one row of random numbers of mixed
-// magnitudes and signs (and some zeros) times weights of 3, 21, 22 and 100 rows, bit for bit; once per process.
-bool one_row_holds(int64_t k) {
-  const std::pair<int64_t, int> key{k, at::get_num_threads()};
+// Whether rows_kernel gives at::mm's bits on this machine for inner size k, `rows` input rows and a number of outputs
+// that leaves `tail` = n % 4 (MKL adds the last n % 4 outputs of several rows in yet another order where that is 1):
+// random rows of mixed magnitudes and signs (and some zeros) times weights of 4, 20 and 100 rows plus the tail, three
+// draws each, bit for bit; once per process.
+bool rows_order_holds(int64_t k, int64_t rows, int64_t tail) {
+  const std::tuple<int64_t, int64_t, int64_t, int> key{k, rows, tail, at::get_num_threads()};
   {
-    std::lock_guard<std::mutex> lock(one_row_mutex);
-    if (auto found = one_row_hold.find(key); found != one_row_hold.end()) return found->second;
+    std::lock_guard<std::mutex> lock(rows_mutex);
+    if (auto found = rows_hold.find(key); found != rows_hold.end()) return found->second;
   }
-  printpress_sum::CheckNumbers numbers(0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(k));
-  auto fill = [&](Tensor& t) {
-    float* data = t.data_ptr<float>();
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const uint64_t pick = numbers.next();
-      const double magnitude = std::ldexp(1.0, static_cast<int>(pick % 13) - 6);
-      data[i] = pick % 17 == 0 ? 0.0f : static_cast<float>((numbers.unit() - 0.5) * magnitude);
-    }
-  };
-  bool holds = kOneRowKernel;
+  printpress_sum::CheckNumbers numbers(0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>((k * 4 + rows) * 4 + tail));
+  bool holds = kRowsKernel;
   const auto options = at::TensorOptions().dtype(at::kFloat);
-  for (const int64_t n : {int64_t{3}, int64_t{21}, int64_t{22}, int64_t{100}}) {
-    if (!holds) break;
-    Tensor x = at::empty({1, k}, options), weight = at::empty({n, k}, options);
-    fill(x);
-    fill(weight);
-    Tensor expected = at::mm(x, weight.t()), got = at::empty({1, n}, options);
-    one_row_kernel(x, weight.t(), got);
-    holds = std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), sizeof(float) * n) == 0;
+  for (const int64_t n : {4 + tail, 20 + tail, 100 + tail}) {
+    for (int draw = 0; draw < 3 && holds; ++draw) {
+      Tensor x = at::empty({rows, k}, options), weight = at::empty({n, k}, options);
+      fill_check_numbers(x, numbers);
+      fill_check_numbers(weight, numbers);
+      Tensor expected = at::mm(x, weight.t()), got = at::empty({rows, n}, options);
+      rows_kernel(x, weight.t(), got);
+      holds = std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), sizeof(float) * rows * n) == 0;
+    }
   }
-  std::lock_guard<std::mutex> lock(one_row_mutex);
-  one_row_hold[key] = holds;
+  std::lock_guard<std::mutex> lock(rows_mutex);
+  rows_hold[key] = holds;
   return holds;
 }
 
-std::atomic<bool> one_row_on{true};  // off: every product is at::mm's (`set_one_row`, for A/B measurements)
+std::atomic<bool> rows_kernel_on{true};  // off: every product is at::mm's (`set_rows_kernel`, for A/B measurements)
 
-// Whether x (1, k) times weight_t (k, n) may run as one_row_kernel: float32 on the CPU, x a contiguous row, weight_t
-// the transpose of a contiguous weight starting on 16 bytes, k a multiple of 4, and the kernel's order checked.
-bool one_row_applies(const Tensor& x, const Tensor& weight_t) {
-  if (!kOneRowKernel || !one_row_on.load(std::memory_order_relaxed) || x.dim() != 2 || x.size(0) != 1 ||
-      weight_t.dim() != 2)
+// Whether x (m, k) times weight_t (k, n) may run as rows_kernel: float32 on the CPU, 1 to 3 rows of unit stride,
+// weight_t the transpose of a contiguous weight starting on 16 bytes, k a multiple of 4, and the kernel's order
+// checked.
+bool rows_kernel_applies(const Tensor& x, const Tensor& weight_t) {
+  if (!kRowsKernel || !rows_kernel_on.load(std::memory_order_relaxed) || x.dim() != 2 || x.size(0) < 1 ||
+      x.size(0) > kRowsMax || weight_t.dim() != 2)
     return false;
   const int64_t k = weight_t.size(0);
   return x.scalar_type() == at::kFloat && weight_t.scalar_type() == at::kFloat && x.device().is_cpu() &&
          weight_t.device().is_cpu() && x.size(1) == k && k >= 4 && k % 4 == 0 && weight_t.size(1) > 0 &&
          x.stride(1) == 1 && weight_t.stride(0) == 1 && weight_t.stride(1) == k &&
-         reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16 == 0 && one_row_holds(k);
+         reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16 == 0 &&
+         rows_order_holds(k, x.size(0), weight_t.size(1) % 4);
 }
 
-// The kernel's product into a new row, the weight read ahead where that pays for products of a few rows.
-Tensor one_row(const Tensor& x, const Tensor& weight_t) {
-  Tensor out = at::empty({1, weight_t.size(1)}, x.options());
-  one_row_kernel(x, weight_t, out, warming(1));
+// The kernel's product into a new tensor, the weight read ahead where that pays for products of a few rows.
+Tensor kernel_rows(const Tensor& x, const Tensor& weight_t) {
+  Tensor out = at::empty({x.size(0), weight_t.size(1)}, x.options());
+  rows_kernel(x, weight_t, out, warming(x.size(0)));
   return out;
 }
 
 // F.linear without a bias on rows: at::linear's own path for a 2-D input (matmul, then mm), without its two layers.
 // `weight_t` is the linear's weight transposed, (in, out): the view at::linear hands mm, made once in the plan
-// (model.py, `native_plan`) rather than on every product. One row, by the kernel above where it applies.
+// (model.py, `native_plan`) rather than on every product. One to three rows, by the kernel above where it applies.
 Tensor product(const Tensor& x, const Tensor& weight_t) {
-  if (one_row_applies(x, weight_t)) return one_row(x, weight_t);
+  if (rows_kernel_applies(x, weight_t)) return kernel_rows(x, weight_t);
   warm(weight_t, x.size(-1) == 0 ? 0 : x.numel() / x.size(-1));
   return x.dim() == 2 ? at::mm(x, weight_t) : at::linear(x, weight_t.t());
 }
@@ -475,7 +494,7 @@ Tensor head_in_blocks(const Tensor& x, const Tensor& weight, int64_t block) {
 }
 
 Tensor head(const Tensor& x, const Tensor& weight) {
-  if (one_row_applies(x, weight.t())) return one_row(x, weight.t());  // read ahead in pieces too
+  if (rows_kernel_applies(x, weight.t())) return kernel_rows(x, weight.t());  // read ahead in pieces too
   const int64_t row_bytes = weight.size(1) * static_cast<int64_t>(weight.element_size());
   const int64_t block = std::max<int64_t>(16, kHeadBlockBytes / row_bytes / 16 * 16);
   if (x.dim() != 2 || !warming(x.size(0)) || !x.is_contiguous() ||
@@ -539,9 +558,13 @@ Tensor grouped_mm(const Tensor& x, const Tensor& weights_t, const Tensor& counts
   for (int64_t e = 0; e < counts.numel(); ++e) {
     if (count[e] == 0) continue;
     Tensor rows = out.slice(0, start, start + count[e]);
-    const Tensor weight_t = weights_t[e];
-    warm(weight_t, count[e]);
-    at::mm_out(rows, x.slice(0, start, start + count[e]), weight_t);
+    const Tensor weight_t = weights_t[e], input = x.slice(0, start, start + count[e]);
+    if (rows.is_contiguous() && rows_kernel_applies(input, weight_t)) {  // (into padded rows MKL may add otherwise)
+      rows_kernel(input, weight_t, rows, warming(count[e]));
+    } else {
+      warm(weight_t, count[e]);
+      at::mm_out(rows, input, weight_t);
+    }
     start += count[e];
   }
   return out;
@@ -652,8 +675,8 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
         auto gate_up = halves(product(x, gate_up_proj.select(0, index[slot])));
         const Tensor down_t = down_proj.select(0, index[slot]), hidden = act(gate_up[0], code) * gate_up[1];
         Tensor slot_row = out.narrow(0, slot, 1);
-        if (one_row_applies(hidden, down_t)) {
-          one_row_kernel(hidden, down_t, slot_row, warming(1));
+        if (rows_kernel_applies(hidden, down_t)) {
+          rows_kernel(hidden, down_t, slot_row, warming(1));
         } else {
           warm(down_t, 1);
           at::mm_out(slot_row, hidden, down_t);
@@ -827,29 +850,39 @@ int64_t fused_norm_width() { return FusedNorms::width(); }
 
 bool fused_slot_sums() { return slot_sums_hold(); }
 
-// For the tests: `product` of one row (the kernel where it applies, else at::mm); the kernel itself on a contiguous
-// (n, k) weight, whether or not its order holds here (k a multiple of 4); and the inner sizes checked so far, and in
-// how many the kernel's order held.
-Tensor one_row_product(const Tensor& x, const Tensor& weight_t) { return product(x, weight_t); }
+// For the tests: `product` of a few rows (the kernel where it applies, else at::mm); the kernel itself on a
+// contiguous (n, k) weight, whether or not its order holds here (k a multiple of 4); and the (inner size, rows,
+// outputs % 4) cases checked so far, and in how many the kernel's order held.
+Tensor rows_product(const Tensor& x, const Tensor& weight_t) { return product(x, weight_t); }
 
-Tensor one_row_kernel_product(const Tensor& x, const Tensor& weight) {
-  TORCH_CHECK(kOneRowKernel, "printpress_layers.one_row_kernel_product: no kernel on this CPU");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
-                  weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
-                  weight.size(1) == x.size(1) && x.size(1) % 4 == 0 && x.size(1) >= 4,
-              "printpress_layers.one_row_kernel_product: a contiguous float32 row and (n, k) weight, k a multiple of 4");
-  Tensor out = at::empty({1, weight.size(0)}, x.options());
-  one_row_kernel(x, weight.t(), out);  // (the kernel, whether or not its order holds here)
+Tensor rows_kernel_product(const Tensor& x, const Tensor& weight) {
+  TORCH_CHECK(kRowsKernel, "printpress_layers.rows_kernel_product: no kernel on this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kRowsMax && x.is_contiguous() &&
+                  x.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kFloat && weight.size(1) == x.size(1) && x.size(1) % 4 == 0 &&
+                  x.size(1) >= 4,
+              "printpress_layers.rows_kernel_product: 1-3 contiguous float32 rows and an (n, k) weight, k a multiple "
+              "of 4");
+  Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  rows_kernel(x, weight.t(), out);  // (the kernel, whether or not its order holds here)
   return out;
 }
 
-void set_one_row(bool on) { one_row_on.store(on); }
+void set_rows_kernel(bool on) { rows_kernel_on.store(on); }
 
-std::tuple<int64_t, int64_t> one_row_checks() {
-  std::lock_guard<std::mutex> lock(one_row_mutex);
+// What the check found for inner size k, `rows` input rows and `tail` = outputs % 4 at the current thread count:
+// 1 held, 0 did not, -1 not checked (yet).
+int64_t rows_kernel_verdict(int64_t k, int64_t rows, int64_t tail) {
+  std::lock_guard<std::mutex> lock(rows_mutex);
+  const auto found = rows_hold.find({k, rows, tail, at::get_num_threads()});
+  return found == rows_hold.end() ? -1 : (found->second ? 1 : 0);
+}
+
+std::tuple<int64_t, int64_t> rows_kernel_checks() {
+  std::lock_guard<std::mutex> lock(rows_mutex);
   int64_t held = 0;
-  for (const auto& entry : one_row_hold) held += entry.second ? 1 : 0;
-  return {static_cast<int64_t>(one_row_hold.size()), held};
+  for (const auto& entry : rows_hold) held += entry.second ? 1 : 0;
+  return {static_cast<int64_t>(rows_hold.size()), held};
 }
 
 Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps) {
@@ -911,10 +944,11 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("warm_enabled() -> (bool, bool)", &warm_enabled);
   m.def("head(Tensor x, Tensor weight) -> Tensor", &head);
   m.def("head_checks() -> (int, int)", &head_checks);
-  m.def("one_row_product(Tensor x, Tensor weight_t) -> Tensor", &one_row_product);
-  m.def("one_row_kernel_product(Tensor x, Tensor weight) -> Tensor", &one_row_kernel_product);
-  m.def("one_row_checks() -> (int, int)", &one_row_checks);
-  m.def("set_one_row(bool on) -> ()", &set_one_row);
+  m.def("rows_product(Tensor x, Tensor weight_t) -> Tensor", &rows_product);
+  m.def("rows_kernel_product(Tensor x, Tensor weight) -> Tensor", &rows_kernel_product);
+  m.def("rows_kernel_checks() -> (int, int)", &rows_kernel_checks);
+  m.def("set_rows_kernel(bool on) -> ()", &set_rows_kernel);
+  m.def("rows_kernel_verdict(int k, int rows, int tail) -> int", &rows_kernel_verdict);
   m.def("fused_norm_width() -> int", &fused_norm_width);
   m.def("fused_slot_sums() -> bool", &fused_slot_sums);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
