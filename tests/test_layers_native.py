@@ -280,9 +280,9 @@ def test_products_of_a_few_rows_give_atens_bits_and_use_the_kernel_where_its_ord
     """A product of one to three rows gives at::mm's bits (F.linear's) whatever its shape: through the kernel where
     its order was checked to be MKL's on this machine (each inner size, row count and number of outputs mod 4 checked
     once, against at::mm, and found to hold exactly where the documented order is MKL's), through at::mm elsewhere:
-    two or three rows with n % 4 == 1 outputs (MKL adds their last output in yet another order), an inner size not a
-    multiple of 4, a weight that does not start on 16 bytes, two threads. And an AR step of a model runs its products
-    through that check."""
+    two or three rows with n % 4 == 1 outputs (MKL adds their last output in yet another order) or not starting on
+    16 bytes, an inner size not a multiple of 4, a weight that does not start on 16 bytes, two threads. And an AR step
+    of a model runs its products through that check."""
     ops = torch.ops.printpress_layers
     g = torch.Generator().manual_seed(12)
     for m in (1, 2, 3):
@@ -294,6 +294,10 @@ def test_products_of_a_few_rows_give_atens_bits_and_use_the_kernel_where_its_ord
     for m in (1, 2):
         x = mixed_numbers((m, 192), g)
         assert torch.equal(ops.rows_product(x, shifted.t()), torch.nn.functional.linear(x, shifted))
+    weight = mixed_numbers((64, 192), g)
+    for m in (1, 2, 3):  # rows that start 4 bytes in: MKL adds two or three of them in another order too
+        x = mixed_numbers((1 + m * 192,), g)[1:].view(m, 192)
+        assert torch.equal(ops.rows_product(x, weight.t()), torch.nn.functional.linear(x, weight)), m
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

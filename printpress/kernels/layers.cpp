@@ -439,9 +439,9 @@ bool rows_order_holds(int64_t k, int64_t rows, int64_t tail) {
 
 std::atomic<bool> rows_kernel_on{true};  // off: every product is at::mm's (`set_rows_kernel`, for A/B measurements)
 
-// Whether x (m, k) times weight_t (k, n) may run as rows_kernel: float32 on the CPU, 1 to 3 rows of unit stride,
-// weight_t the transpose of a contiguous weight starting on 16 bytes, k a multiple of 4, and the kernel's order
-// checked.
+// Whether x (m, k) times weight_t (k, n) may run as rows_kernel: float32 on the CPU, 1 to 3 rows of unit stride
+// (2 or 3 each starting on 16 bytes: MKL's order for them depends on that too), weight_t the transpose of a contiguous
+// weight starting on 16 bytes, k a multiple of 4, and the kernel's order checked.
 bool rows_kernel_applies(const Tensor& x, const Tensor& weight_t) {
   if (!kRowsKernel || !rows_kernel_on.load(std::memory_order_relaxed) || x.dim() != 2 || x.size(0) < 1 ||
       x.size(0) > kRowsMax || weight_t.dim() != 2)
@@ -451,6 +451,7 @@ bool rows_kernel_applies(const Tensor& x, const Tensor& weight_t) {
          weight_t.device().is_cpu() && x.size(1) == k && k >= 4 && k % 4 == 0 && weight_t.size(1) > 0 &&
          x.stride(1) == 1 && weight_t.stride(0) == 1 && weight_t.stride(1) == k &&
          reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16 == 0 &&
+         (x.size(0) == 1 || (reinterpret_cast<std::uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 4 == 0)) &&
          rows_order_holds(k, x.size(0), weight_t.size(1) % 4);
 }
 
