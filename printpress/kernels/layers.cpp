@@ -372,9 +372,9 @@ void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, boo
   float* y = out.data_ptr<float>();
   const int64_t x_stride = x.stride(0), y_stride = out.stride(0), block_bytes = kRowBlock * k * 4;
   const int64_t blocks = (whole + kRowBlock - 1) / kRowBlock;
-  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / block_bytes);        // ~256 KB of weight a task
-  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);   // blocks read ahead at once
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  // blocks read ahead at once, and the least a thread's task holds
+  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);
+  at::parallel_for(0, blocks, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; c += chunk) {
       const int64_t stop = std::min(end, c + chunk);
       if (ahead) {
@@ -395,7 +395,7 @@ void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, boo
   if (whole < n) out.narrow(1, whole, n - whole).copy_(at::mm(x, weight_t.narrow(1, whole, n - whole)));
 }
 
-// Random float32 numbers for the kernel's checks: magnitudes 2^-7 to 2^6, both signs, one in 17 an exact zero.
+// Random float32 numbers for the checks against ATen: magnitudes 2^-7 to 2^6, both signs, one in 17 an exact zero.
 void fill_check_numbers(Tensor& t, printpress_sum::CheckNumbers& numbers) {
   float* data = t.data_ptr<float>();
   for (int64_t i = 0; i < t.numel(); ++i) {
@@ -460,6 +460,17 @@ Tensor kernel_rows(const Tensor& x, const Tensor& weight_t) {
   Tensor out = at::empty({x.size(0), weight_t.size(1)}, x.options());
   rows_kernel(x, weight_t, out, warming(x.size(0)));
   return out;
+}
+
+// at::mm_out(out, x, weight_t), the weight read ahead where that pays: by the kernel where it applies and `out` is
+// contiguous (into rows padded apart MKL may add otherwise).
+void product_into(Tensor& out, const Tensor& x, const Tensor& weight_t) {
+  if (out.is_contiguous() && rows_kernel_applies(x, weight_t)) {
+    rows_kernel(x, weight_t, out, warming(x.size(0)));
+    return;
+  }
+  warm(weight_t, x.size(0));
+  at::mm_out(out, x, weight_t);
 }
 
 // F.linear without a bias on rows: at::linear's own path for a 2-D input (matmul, then mm), without its two layers.
@@ -559,13 +570,7 @@ Tensor grouped_mm(const Tensor& x, const Tensor& weights_t, const Tensor& counts
   for (int64_t e = 0; e < counts.numel(); ++e) {
     if (count[e] == 0) continue;
     Tensor rows = out.slice(0, start, start + count[e]);
-    const Tensor weight_t = weights_t[e], input = x.slice(0, start, start + count[e]);
-    if (rows.is_contiguous() && rows_kernel_applies(input, weight_t)) {  // (into padded rows MKL may add otherwise)
-      rows_kernel(input, weight_t, rows, warming(count[e]));
-    } else {
-      warm(weight_t, count[e]);
-      at::mm_out(rows, input, weight_t);
-    }
+    product_into(rows, x.slice(0, start, start + count[e]), weights_t[e]);
     start += count[e];
   }
   return out;
@@ -630,20 +635,13 @@ bool slot_sums_hold() {
   static const bool holds = [] {
     if (FusedNorms::width() == 0) return false;
     printpress_sum::CheckNumbers numbers(0x2545f4914f6cdd1dull);
-    auto fill = [&](Tensor& t) {
-      float* data = t.data_ptr<float>();
-      for (int64_t i = 0; i < t.numel(); ++i) {
-        const double unit = numbers.unit();
-        data[i] = static_cast<float>((unit - 0.5) * std::ldexp(1.0, static_cast<int>(numbers.next() % 21) - 10));
-      }
-    };
     const auto options = at::TensorOptions().dtype(at::kFloat);
     for (int64_t k : {1, 2, 3, 4, 5, 8, 15}) {
       for (int64_t h : {16, 24, 40, 72, 200}) {
         const int64_t tokens = 7, pairs = tokens * k;
         Tensor out = at::empty({pairs, h}, options), weights = at::empty({tokens, k}, options);
-        fill(out);
-        fill(weights);
+        fill_check_numbers(out, numbers);
+        fill_check_numbers(weights, numbers);
         Tensor order = at::empty({pairs}, at::TensorOptions().dtype(at::kLong));
         int64_t* index = order.data_ptr<int64_t>();
         for (int64_t i = 0; i < pairs; ++i) index[i] = i;
@@ -674,14 +672,8 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
       Tensor out = at::empty({top_k, x.size(-1)}, x.options());
       for (int64_t slot = 0; slot < top_k; ++slot) {
         auto gate_up = halves(product(x, gate_up_proj.select(0, index[slot])));
-        const Tensor down_t = down_proj.select(0, index[slot]), hidden = act(gate_up[0], code) * gate_up[1];
         Tensor slot_row = out.narrow(0, slot, 1);
-        if (rows_kernel_applies(hidden, down_t)) {
-          rows_kernel(hidden, down_t, slot_row, warming(1));
-        } else {
-          warm(down_t, 1);
-          at::mm_out(slot_row, hidden, down_t);
-        }
+        product_into(slot_row, act(gate_up[0], code) * gate_up[1], down_proj.select(0, index[slot]));
       }
       return weighted_slot_sum(out, Tensor(), weights, top_k);
     }
