@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=str(ROOT / "models" / "shakespeare-joint"),
                         help="a model folder, or a benchmark size of bench/engine_speed.py (e.g. `large`, the 99.7M "
                              "config): its random weights (seed 0) written once to a temporary folder both sides load")
+    parser.add_argument("--stored-as", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="the dtype a benchmark size's random checkpoint is written in (both sides load it in "
+                             "float32: float16 or bfloat16 gives weights whose values fit half width, as the shipped "
+                             "model's and released checkpoints' do)")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=32, help="AR steps per round")
     parser.add_argument("--canvases", type=int, nargs="+", default=[8, 32])
@@ -126,9 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model
     with tempfile.TemporaryDirectory(prefix="checkouts_ab_") as scratch:
         if not Path(args.model).exists():
-            args.model = str(size_checkpoint(args.model, Path(scratch)))
+            args.model = str(size_checkpoint(args.model, Path(scratch), args.stored_as))
         report = compare(args, sides)
     report["model"] = model
+    if not Path(model).exists():
+        report["stored_as"] = args.stored_as
     report["machine"] = {"cpu": cpu_name(), "load_average": os.getloadavg()}
     print(f"{args.rounds} alternating rounds; logits {'identical' if report['same_bits'] else 'DIFFERENT'} "
           "between the checkouts")
@@ -144,8 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.out}")
 
 
-def size_checkpoint(size: str, folder: Path) -> Path:
-    """A checkpoint of bench/engine_speed.py's benchmark size `size` with random weights (seed 0), in `folder`."""
+def size_checkpoint(size: str, folder: Path, stored_as: str = "float32") -> Path:
+    """A checkpoint of bench/engine_speed.py's benchmark size `size` with random weights (seed 0), in `folder`, its
+    weights written in the dtype named `stored_as`."""
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -160,7 +167,8 @@ def size_checkpoint(size: str, folder: Path) -> Path:
                          f"({', '.join(SIZES)})")
     torch.manual_seed(0)
     model = DiffusionGemma(TextConfig(**SIZES[size].text)).eval()
-    return save_model(model, ModelConfig(model.config, canvas_length=32), folder / size)
+    return save_model(model, ModelConfig(model.config, canvas_length=32), folder / size,
+                      dtype=getattr(torch, stored_as))
 
 
 def compare(args: argparse.Namespace, sides: dict[str, Path]) -> dict:

@@ -67,16 +67,17 @@ def test_checkouts_ab_times_two_checkouts_and_says_whether_they_compute_the_same
 
 
 def test_checkouts_ab_takes_a_benchmark_size_as_the_model(tmp_path):
-    """`--model tiny`: bench/engine_speed.py's tiny size with random weights, written once for both sides; a name that
-    is neither a folder nor a size is refused by name."""
+    """`--model tiny`: bench/engine_speed.py's tiny size with random weights, written once for both sides (here in
+    float16, `--stored-as`); a name that is neither a folder nor a size is refused by name."""
     script = str(ROOT / "bench" / "checkouts_ab.py")
     out = tmp_path / "ab.json"
     common = [sys.executable, script, "--before", str(ROOT), "--rounds", "1", "--steps", "2", "--canvases", "4",
               "--passes", "1"]
-    done = subprocess.run([*common, "--model", "tiny", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    done = subprocess.run([*common, "--model", "tiny", "--stored-as", "float16", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["model"] == "tiny" and report["same_bits"]
+    assert report["model"] == "tiny" and report["stored_as"] == "float16" and report["same_bits"]
     refused = subprocess.run([*common, "--model", "huge"], capture_output=True, text=True, timeout=120, check=False)
     assert refused.returncode != 0 and "--model 'huge' is neither a model folder nor a benchmark size" in refused.stderr

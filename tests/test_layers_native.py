@@ -335,3 +335,100 @@ def test_products_of_a_few_rows_give_atens_bits_and_use_the_kernel_where_its_ord
         assert ops.rows_kernel_checks()[0] == checked
     finally:
         ops.set_rows_kernel(True)
+
+
+def half_valued(model: DiffusionGemma, dtype: torch.dtype) -> DiffusionGemma:
+    """`model` with every weight rounded to `dtype` and kept in float32: what loading a checkpoint stored in float16
+    (the shipped model's) or bfloat16 (the released ones') as float32 gives."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(dtype).float())
+            if dtype == torch.bfloat16 and param.dim() > 1:
+                param.view(-1)[0] = 2.0**-30  # a bfloat16 that no float16 holds: the copies are bfloat16 ones
+    return model
+
+
+HALF_WIDTH = pytest.mark.skipif(not ROWS_KERNEL, reason="the half-width kernels are built for x86 CPUs only")
+
+
+@HALF_WIDTH
+def test_the_kernels_read_a_half_width_copy_in_the_same_order():
+    """From a float16 or bfloat16 copy of a weight (its values widened exactly), the one-to-three-row kernel gives the
+    bits it gives from the float32 weight, and so the documented order, for inner sizes from 4 to 768 and widths
+    around its blocks of 16 outputs."""
+    ops = torch.ops.printpress_layers
+    if not ops.half_width_kernels():
+        pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
+    g = torch.Generator().manual_seed(21)
+    for m in (1, 2, 3):
+        for k in (4, 8, 64, 192, 384, 768):
+            for n in (1, 3, 4, 5, 12, 16, 17, 20, 33, 64, 100):
+                x = mixed_numbers((m, k), g)
+                for dtype in (torch.float16, torch.bfloat16):
+                    weight = mixed_numbers((n, k), g).to(dtype)
+                    got = ops.rows_kernel_product(x, weight)
+                    assert torch.equal(got, ops.rows_kernel_product(x, weight.float())), (m, k, n, dtype)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        ops.rows_kernel_product(torch.ones(1, 8), torch.ones(3, 8, dtype=torch.float64))
+
+
+@HALF_WIDTH
+def test_products_of_four_to_eight_rows_from_half_valued_weights_give_atens_bits():
+    """4 to 8 rows times a weight whose values are float16s (or bfloat16s) give at::mm's bits, through the kernel of
+    MKL's multiply-add order where its check holds (inner sizes in one run, two halves and runs of 192), through at::mm
+    where it does not or the weight's values do not fit half width; a weight's copy is made once."""
+    ops = torch.ops.printpress_layers
+    if not ops.half_width_kernels():
+        pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
+    g = torch.Generator().manual_seed(22)
+    keep = []  # the weights live through the test, so their copies stay counted
+    for dtype in (torch.float16, torch.bfloat16):
+        for k, n in [(192, 16), (192, 29), (384, 192), (96, 100), (20, 17), (18, 16), (500, 64), (768, 40)]:
+            weight = mixed_numbers((n, k), g).to(dtype).float()
+            weight[0, 0] = 2.0**-30 if dtype == torch.bfloat16 else weight[0, 0]  # (no float16 holds it)
+            keep.append(weight)
+            for m in range(4, 9):
+                x = mixed_numbers((m, k), g)
+                assert torch.equal(ops.rows_product(x, weight.t()), torch.nn.functional.linear(x, weight)), (m, k, n)
+    verdicts = {(k, m, n % 4): ops.few_rows_verdict(k, m, n % 4) for k, n in [(192, 16), (192, 29), (500, 64)]
+                for m in range(4, 9)}
+    assert -1 not in verdicts.values()  # every shape asked for the check
+    ops.rows_product(mixed_numbers((1, 192), g), keep[0].t())  # (the one-row check, as the probe below)
+    if ops.rows_kernel_verdict(192, 1, 0) == 1:  # MKL adds as on an AMD EPYC: so do its products of 4 to 8 rows,
+        # except, on more than one thread, the last outputs of the rows after the first four where the outputs are not
+        # in whole groups of 4
+        one = torch.get_num_threads() == 1
+        assert verdicts == {(k, m, tail): int(one or tail == 0 or m in (4, 8)) for k, m, tail in verdicts}
+    fp16, bf16, neither = ops.half_width_copies()
+    assert fp16 >= 7 and bf16 >= 7
+    weight = mixed_numbers((32, 64), g)  # float32 values that do not fit: at::mm, remembered as not fitting
+    x = mixed_numbers((5, 64), g)
+    assert torch.equal(ops.rows_product(x, weight.t()), torch.nn.functional.linear(x, weight))
+    assert ops.half_width_copies()[2] == neither + 1
+
+
+@HALF_WIDTH
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_valued_model_reads_its_weights_at_half_width_with_the_same_bits(dtype, monkeypatch):
+    """A model whose weights are float16s (or bfloat16s) in float32: the C++ layers read half-width copies for their
+    products of up to 8 rows and give the Python layers' bits; after a weight changes in place (an optimizer's step)
+    they give the new weights' bits, not the old copy's; with the copies off, the same bits again."""
+    ops = torch.ops.printpress_layers
+    if not ops.half_width_kernels():
+        pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
+    model = half_valued(tiny_model("gqa"), dtype)
+    before = ops.half_width_copies()
+    assert_bit_equal(*both_sides(model, monkeypatch))
+    after = ops.half_width_copies()
+    assert after[0 if dtype == torch.float16 else 1] > before[0 if dtype == torch.float16 else 1]
+    with torch.no_grad():  # new values, in place: every copy of this weight is stale now
+        for layer in model.layers:
+            layer.self_attn.q_proj.weight.copy_(layer.self_attn.q_proj.weight.flip(0))
+            layer.mlp.down_proj.weight.mul_(2.0)
+    assert_bit_equal(*both_sides(model, monkeypatch))
+    ops.set_half_width(False)
+    try:
+        native_out = passes(model)
+    finally:
+        ops.set_half_width(True)
+    assert_bit_equal(native_out, passes(model))

@@ -41,6 +41,7 @@
 #include <ATen/ops/equal.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/roll.h>
 #include <ATen/ops/silu.h>
@@ -61,6 +62,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -356,6 +358,250 @@ template <bool Lead>
 void row_block(const float*, const float*, int64_t, int64_t, float*) {}
 #endif
 
+// -- the same order from half-width weights ----------------------------------------------------------------------
+//
+// A float32 weight whose every value is a float16 (the shipped model's checkpoint is stored in float16) or a bfloat16
+// (released checkpoints are) holds the same numbers in half the bytes at that width, and a product of a few rows
+// waits on those bytes wherever the weights come from beyond the core's caches. Its copy at that width (made and kept
+// by `half_width_copy` below) is laid out for 16-lane vectors: the weight rows (outputs) in blocks of 16, each block
+// stored by inner element (16 weights, one per output, then the next element's), the last block padded with zero
+// rows. One load widened to float32 (F16C's conversion; a bfloat16 is the top half of its float32: both exact) then
+// holds one inner element's weight for 16 outputs, and each vector lane adds up one output: for one to three rows in
+// four sums per output, element i into sum i % 4, each product rounded before it is added, then (sum 0 + sum 2) +
+// (sum 1 + sum 3), one row's first four products first added in turn — the order above, so the same bits. AVX-512
+// only; elsewhere no copies are made.
+constexpr int64_t kHalfBlock = 16;  // outputs per block of the copy
+constexpr int64_t kFewRowsMin = 4, kFewRowsMax = 8;  // input rows few_rows_kernel takes
+constexpr int64_t kRowsAheadBytes = 256 * 1024;  // bytes of a weight read ahead at a time (see rows_kernel)
+
+// MKL's runs of a product of 4 to 8 rows over an inner size k (few_rows_kernel), as [start, end) pairs.
+std::vector<std::pair<int64_t, int64_t>> few_rows_runs(int64_t k) {
+  if (k <= 192) return {{0, k}};
+  if (k <= 384) return {{0, k / 2}, {k / 2, k}};
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t start = 0; start < k; start += 192) runs.emplace_back(start, std::min(k, start + 192));
+  return runs;
+}
+
+#if defined(__AVX512F__) && defined(__F16C__)
+constexpr bool kHalfRows = true;
+
+inline __m512 load16(const at::Half* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+inline __m512 load16(const at::BFloat16* w) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Outputs [0, 16 B) of M input rows (x: stride x_stride; y: y_stride, `valid` of its outputs written) from B blocks
+// of the copy from `w` (k inner elements each); `Lead`: one row's, its first four products first, in turn.
+template <int M, int B, bool Lead, typename W>
+void half_blocks(const float* x, int64_t x_stride, const W* w, int64_t k, float* y, int64_t y_stride, int64_t valid) {
+  __m512 sums[M][4][B];
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < 4; ++j)
+      for (int b = 0; b < B; ++b) sums[r][j][b] = _mm512_setzero_ps();
+  if (Lead) {
+    for (int b = 0; b < B; ++b) {
+      const W* block = w + b * k * kHalfBlock;
+      __m512 first = _mm512_mul_ps(_mm512_set1_ps(x[0]), load16(block));
+      for (int i = 1; i < 4; ++i)
+        first = _mm512_add_ps(first, _mm512_mul_ps(_mm512_set1_ps(x[i]), load16(block + i * kHalfBlock)));
+      sums[0][0][b] = first;
+    }
+  }
+  for (int64_t i = Lead ? 4 : 0; i < k; i += 4) {
+    for (int j = 0; j < 4; ++j) {
+      __m512 xs[M];
+      for (int r = 0; r < M; ++r) xs[r] = _mm512_set1_ps(x[r * x_stride + i + j]);
+      for (int b = 0; b < B; ++b) {
+        const __m512 weights = load16(w + (b * k + i + j) * kHalfBlock);
+        for (int r = 0; r < M; ++r) sums[r][j][b] = _mm512_add_ps(sums[r][j][b], _mm512_mul_ps(xs[r], weights));
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    for (int b = 0; b < B; ++b) {
+      const __m512 total = _mm512_add_ps(_mm512_add_ps(sums[r][0][b], sums[r][2][b]),
+                                         _mm512_add_ps(sums[r][1][b], sums[r][3][b]));
+      const int64_t lanes = std::min<int64_t>(kHalfBlock, valid - b * kHalfBlock);
+      if (lanes > 0)
+        _mm512_mask_storeu_ps(y + r * y_stride + b * kHalfBlock, static_cast<__mmask16>((1u << lanes) - 1), total);
+    }
+  }
+}
+
+// Blocks per pass: enough sums to keep the adder busy, few enough to stay in the 32 registers.
+template <int M>
+constexpr int kHalfPass = M == 1 ? 4 : 2;
+
+template <int M, bool Lead, typename W>
+void half_pass(int64_t blocks, const float* x, int64_t x_stride, const W* w, int64_t k, float* y, int64_t y_stride,
+               int64_t valid) {
+  for (int64_t b = 0; b < blocks; b += kHalfPass<M>) {
+    const W* first = w + b * k * kHalfBlock;
+    float* out = y + b * kHalfBlock;
+    const int64_t left = valid - b * kHalfBlock;
+    if (blocks - b >= kHalfPass<M>)
+      half_blocks<M, kHalfPass<M>, Lead>(x, x_stride, first, k, out, y_stride, left);
+    else
+      for (int64_t c = b; c < blocks; ++c)
+        half_blocks<M, 1, Lead>(x, x_stride, w + c * k * kHalfBlock, k, y + c * kHalfBlock, y_stride,
+                                valid - c * kHalfBlock);
+  }
+}
+
+template <typename W>
+void half_rows(const Tensor& x, const W* w, int64_t k, int64_t whole, const Tensor& out, bool ahead) {
+  const int64_t m = x.size(0), x_stride = x.stride(0), y_stride = out.stride(0);
+  const int64_t blocks = (whole + kHalfBlock - 1) / kHalfBlock;
+  const float* xs = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const int64_t block_bytes = kHalfBlock * k * static_cast<int64_t>(sizeof(W));
+  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);
+  at::parallel_for(0, blocks, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; c += chunk) {
+      const int64_t stop = std::min(end, c + chunk);
+      const W* first = w + c * k * kHalfBlock;
+      if (ahead) warm_bytes(reinterpret_cast<const char*>(first), (stop - c) * block_bytes);
+      float* y_first = y + c * kHalfBlock;
+      const int64_t valid = whole - c * kHalfBlock;
+      if (m == 1)
+        half_pass<1, true>(stop - c, xs, x_stride, first, k, y_first, y_stride, valid);
+      else if (m == 2)
+        half_pass<2, false>(stop - c, xs, x_stride, first, k, y_first, y_stride, valid);
+      else
+        half_pass<3, false>(stop - c, xs, x_stride, first, k, y_first, y_stride, valid);
+    }
+  });
+}
+
+// x (m, k) times weight_t (k, n) as rows_kernel computes it, from `half` (`blocked`'s layout); the last n % 4 outputs
+// are at::mm's of those rows alone.
+void half_rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& half, const Tensor& out, bool ahead) {
+  const int64_t k = weight_t.size(0), n = weight_t.size(1), whole = n / 4 * 4;
+  if (half.scalar_type() == at::kHalf)
+    half_rows(x, half.data_ptr<at::Half>(), k, whole, out, ahead);
+  else
+    half_rows(x, half.data_ptr<at::BFloat16>(), k, whole, out, ahead);
+  if (whole < n) out.narrow(1, whole, n - whole).copy_(at::mm(x, weight_t.narrow(1, whole, n - whole)));
+}
+
+// at::mm of 4 to 8 float32 rows by a weight of at least 16 outputs (MKL's matrix product) adds each output's products
+// one after the other from zero as multiply-adds, in runs: the whole inner size up to 192, two equal halves up to 384,
+// runs of 192 beyond; each run's sum is then added to those before it (found by the same probing, on an AMD EPYC).
+// So are 5 to 7 rows on one thread; on more, the first four so and the rest in the four interleaved sums of two or
+// three rows (above), whatever their number (the check tells where neither holds). From the same copy, each lane one
+// output: a multiply-add per inner element into a run's sum, the runs added up.
+using Runs = std::vector<std::pair<int64_t, int64_t>>;
+
+// Outputs [0, 16 B) of M rows from B blocks, `valid` of them written.
+template <int M, int B, typename W>
+void few_blocks(const float* x, int64_t x_stride, const W* w, int64_t k, const Runs& runs, float* y, int64_t y_stride,
+                int64_t valid) {
+  __m512 totals[M][B];
+  for (size_t run = 0; run < runs.size(); ++run) {
+    __m512 sums[M][B];
+    for (int r = 0; r < M; ++r)
+      for (int b = 0; b < B; ++b) sums[r][b] = _mm512_setzero_ps();
+    for (int64_t i = runs[run].first; i < runs[run].second; ++i) {
+      __m512 weights[B];
+      for (int b = 0; b < B; ++b) weights[b] = load16(w + (b * k + i) * kHalfBlock);
+      for (int r = 0; r < M; ++r) {
+        const __m512 xs = _mm512_set1_ps(x[r * x_stride + i]);
+        for (int b = 0; b < B; ++b) sums[r][b] = _mm512_fmadd_ps(xs, weights[b], sums[r][b]);
+      }
+    }
+    for (int r = 0; r < M; ++r)
+      for (int b = 0; b < B; ++b) totals[r][b] = run == 0 ? sums[r][b] : _mm512_add_ps(totals[r][b], sums[r][b]);
+  }
+  for (int r = 0; r < M; ++r) {
+    for (int b = 0; b < B; ++b) {
+      const int64_t lanes = std::min<int64_t>(kHalfBlock, valid - b * kHalfBlock);
+      if (lanes > 0)
+        _mm512_mask_storeu_ps(y + r * y_stride + b * kHalfBlock, static_cast<__mmask16>((1u << lanes) - 1),
+                              totals[r][b]);
+    }
+  }
+}
+
+template <int M, typename W>
+void few_pass(int64_t blocks, const float* x, int64_t x_stride, const W* w, int64_t k, const Runs& runs, float* y,
+              int64_t y_stride, int64_t valid) {
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const W* first = w + b * k * kHalfBlock;
+    float* out = y + b * kHalfBlock;
+    if (blocks - b >= 2)
+      few_blocks<M, 2>(x, x_stride, first, k, runs, out, y_stride, valid - b * kHalfBlock);
+    else
+      few_blocks<M, 1>(x, x_stride, first, k, runs, out, y_stride, valid - b * kHalfBlock);
+  }
+}
+
+template <typename W>
+void few_rows(const Tensor& x, const W* w, int64_t k, int64_t n, const Tensor& out, bool ahead) {
+  const int64_t m = x.size(0), x_stride = x.stride(0), y_stride = out.stride(0);
+  const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
+  const auto runs = few_rows_runs(k);
+  const bool one_thread = at::get_num_threads() == 1;
+  const float* xs = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const int64_t block_bytes = kHalfBlock * k * static_cast<int64_t>(sizeof(W));
+  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);
+  at::parallel_for(0, blocks, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; c += chunk) {
+      const int64_t stop = std::min(end, c + chunk);
+      const W* first = w + c * k * kHalfBlock;
+      if (ahead) warm_bytes(reinterpret_cast<const char*>(first), (stop - c) * block_bytes);
+      float* y_first = y + c * kHalfBlock;
+      const int64_t valid = n - c * kHalfBlock;
+      if (one_thread || m == 4 || m == 8) {
+        switch (m) {
+          case 4: few_pass<4>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
+          case 5: few_pass<5>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
+          case 6: few_pass<6>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
+          case 7: few_pass<7>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
+          default: few_pass<8>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
+        }
+        continue;
+      }
+      few_pass<4>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid);
+      const float* rest = xs + 4 * x_stride;  // the rows after the first four, as a product of those rows alone
+      float* y_rest = y_first + 4 * y_stride;
+      if (m == 5)
+        half_pass<1, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
+      else if (m == 6)
+        half_pass<2, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
+      else if (m == 7)
+        half_pass<3, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
+    }
+  });
+}
+
+// x (m, k; 4 <= m <= 8) times the weight whose half-width copy is `half` (`blocked`), n outputs, in MKL's order.
+void few_rows_kernel(const Tensor& x, const Tensor& half, int64_t n, const Tensor& out, bool ahead) {
+  const int64_t k = x.size(1);
+  if (half.scalar_type() == at::kHalf)
+    few_rows(x, half.data_ptr<at::Half>(), k, n, out, ahead);
+  else
+    few_rows(x, half.data_ptr<at::BFloat16>(), k, n, out, ahead);
+}
+#else
+constexpr bool kHalfRows = false;
+void half_rows_kernel(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool) {}
+void few_rows_kernel(const Tensor&, const Tensor&, int64_t, const Tensor&, bool) {}
+#endif
+
+// A weight (n, k) at half width in the layout above: its rows in blocks of 16 (zero rows after the last), each block
+// by inner element, flat.
+Tensor blocked(const Tensor& half) {
+  const int64_t k = half.size(1), n = half.size(0), blocks = (n + kHalfBlock - 1) / kHalfBlock;
+  Tensor padded = at::zeros({blocks * kHalfBlock, k}, half.options());
+  padded.narrow(0, 0, n).copy_(half);
+  return padded.view({blocks, kHalfBlock, k}).transpose(1, 2).contiguous().view({-1});
+}
+
 // out (m, n; unit column stride) = x (m <= kRowsMax rows of unit stride, k) times weight_t (k, n), the transpose of
 // a contiguous (n, k) weight; split between threads by blocks of weight rows (each output is computed whole by one
 // thread, so the bits do not depend on the threads), each block for every input row while it is in the L1. MKL adds
@@ -363,9 +609,14 @@ void row_block(const float*, const float*, int64_t, int64_t, float*) {}
 // of the weight is read ahead (`warm`) just before its products, rather than the whole weight before the first: on
 // the 99.7M benchmark model, whose weights come from DRAM, a whole 2.4 MB weight read ahead left the L2 before its
 // products read it (AR step 1.15x faster in pieces, on an AMD EPYC; the same on the shipped model's small weights).
-constexpr int64_t kRowsAheadBytes = 256 * 1024;
 
-void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, bool ahead = false) {
+// `half`, where defined: the weight's values at half width, blocked (`half_width_copy`), read in its place.
+void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, bool ahead = false,
+                 const Tensor& half = Tensor()) {
+  if (half.defined()) {
+    half_rows_kernel(x, weight_t, half, out, ahead);
+    return;
+  }
   const int64_t m = x.size(0), k = weight_t.size(0), n = weight_t.size(1), whole = n / 4 * 4;
   const float* xs = x.data_ptr<float>();
   const float* w = weight_t.data_ptr<float>();
@@ -455,20 +706,143 @@ bool rows_kernel_applies(const Tensor& x, const Tensor& weight_t) {
          rows_order_holds(k, x.size(0), weight_t.size(1) % 4);
 }
 
-// The kernel's product into a new tensor, the weight read ahead where that pays for products of a few rows.
-Tensor kernel_rows(const Tensor& x, const Tensor& weight_t) {
-  Tensor out = at::empty({x.size(0), weight_t.size(1)}, x.options());
-  rows_kernel(x, weight_t, out, warming(x.size(0)));
-  return out;
+// -- the half-width copies ----------------------------------------------------------------------------------------
+//
+// A weight's half-width copy (`blocked`) is made on its first product by the kernels above (one conversion and one
+// comparison; where a value does not fit, that is remembered instead) and used while the weight's storage lives and
+// its version counter (which every in-place change moves: an optimizer's step, a `copy_` into the parameter) stands
+// where it stood. It costs half the weight's bytes again; the copy of a weight that is gone is dropped when the next
+// copy is made. `set_half_width(false)` turns the copies off (for A/B measurements, or to save their memory).
+struct HalfWidth {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the weight's, not kept alive by this entry
+  std::vector<int64_t> sizes, strides;                // the transposed view's, (k, n)
+  int64_t version = 0;
+  Tensor copy;  // `blocked`, float16 or bfloat16; undefined where the values do not fit either
+};
+
+std::mutex half_mutex;
+std::map<const void*, HalfWidth> half_widths;  // by the weight's first element
+std::atomic<bool> half_width_on{true};
+
+// The weight (n, k) at the narrower width that holds every one of its values exactly, blocked, or undefined.
+Tensor narrower_copy(const Tensor& weight) {
+  if (!kHalfRows) return Tensor();
+  const float* values = weight.data_ptr<float>();
+  const int64_t sample = std::min<int64_t>(weight.numel(), 64);
+  for (const auto dtype : {at::kHalf, at::kBFloat16}) {
+    bool fits = true;  // the first few values first: most weights that do not fit show it there, without a copy
+    for (int64_t i = 0; i < sample && fits; ++i) {
+      fits = dtype == at::kHalf ? static_cast<float>(at::Half(values[i])) == values[i]
+                                : static_cast<float>(at::BFloat16(values[i])) == values[i];
+    }
+    if (!fits) continue;
+    Tensor copy = weight.to(dtype);
+    if (at::equal(copy.to(at::kFloat), weight)) return blocked(copy);
+  }
+  return Tensor();
 }
 
-// at::mm_out(out, x, weight_t), the weight read ahead where that pays: by the kernel where it applies and `out` is
+// The half-width copy of a float32 weight_t (k, n; the transpose of a contiguous (n, k) weight, as rows_kernel_applies
+// found it), made on first use; undefined where the values do not fit, the copies are off, or the weight is an
+// inference tensor (no version counter to tell whether it changed).
+Tensor half_width_copy(const Tensor& weight_t) {
+  if (!half_width_on.load(std::memory_order_relaxed) || weight_t.is_inference()) return Tensor();
+  const void* key = weight_t.data_ptr();
+  c10::StorageImpl* storage = weight_t.storage().unsafeGetStorageImpl();
+  const int64_t version = weight_t._version();
+  std::lock_guard<std::mutex> lock(half_mutex);
+  auto found = half_widths.find(key);
+  if (found != half_widths.end()) {
+    const HalfWidth& entry = found->second;
+    if (!entry.storage.expired() && entry.storage._unsafe_get_target() == storage && entry.version == version &&
+        entry.sizes == weight_t.sizes().vec() && entry.strides == weight_t.strides().vec())
+      return entry.copy;
+  }
+  for (auto it = half_widths.begin(); it != half_widths.end();) {  // entries of weights that are gone
+    it = it->second.storage.expired() ? half_widths.erase(it) : std::next(it);
+  }
+  HalfWidth entry{weight_t.storage().getWeakStorageImpl(), weight_t.sizes().vec(), weight_t.strides().vec(), version,
+                  narrower_copy(weight_t.t())};
+  Tensor copy = entry.copy;
+  half_widths.insert_or_assign(key, std::move(entry));
+  return copy;
+}
+
+// per (inner size, rows, outputs % 4, threads); under rows_mutex
+std::map<std::tuple<int64_t, int64_t, int64_t, int>, bool> few_hold;
+
+// Whether few_rows_kernel gives at::mm's bits on this machine for inner size k, `rows` rows and a number of outputs
+// that leaves `tail` = n % 4: random rows as rows_order_holds makes them times weights of 16 and 100 rows plus the
+// tail whose values are float16s, and then bfloat16s, two draws each, bit for bit; once per process.
+bool few_rows_holds(int64_t k, int64_t rows, int64_t tail) {
+  const std::tuple<int64_t, int64_t, int64_t, int> key{k, rows, tail, at::get_num_threads()};
+  {
+    std::lock_guard<std::mutex> lock(rows_mutex);
+    if (auto found = few_hold.find(key); found != few_hold.end()) return found->second;
+  }
+  printpress_sum::CheckNumbers numbers(0x5851f42d4c957f2dull ^ static_cast<uint64_t>((k * 16 + rows) * 4 + tail));
+  bool holds = kHalfRows;
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  for (const int64_t n : {16 + tail, 100 + tail}) {
+    for (const auto dtype : {at::kHalf, at::kBFloat16}) {
+      for (int draw = 0; draw < 2 && holds; ++draw) {
+        Tensor x = at::empty({rows, k}, options), weight = at::empty({n, k}, options);
+        fill_check_numbers(x, numbers);
+        fill_check_numbers(weight, numbers);
+        Tensor half = weight.to(dtype);
+        Tensor expected = at::mm(x, half.to(at::kFloat).t()), got = at::empty({rows, n}, options);
+        few_rows_kernel(x, blocked(half), n, got, false);
+        holds = std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), sizeof(float) * rows * n) == 0;
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(rows_mutex);
+  few_hold[key] = holds;
+  return holds;
+}
+
+// The half-width copy to compute x (m, k) times weight_t (k, n) from by few_rows_kernel, or undefined where it may
+// not: float32 on the CPU, 4 to 8 rows of unit stride starting on 16 bytes, at least 16 outputs, an inner size k a
+// multiple of 4 (rows after the first four may add in fours), weight_t the transpose of a contiguous weight starting
+// on 16 bytes whose values fit half width, and the kernel's order checked.
+Tensor few_rows_copy(const Tensor& x, const Tensor& weight_t) {
+  if (!kHalfRows || !rows_kernel_on.load(std::memory_order_relaxed) || x.dim() != 2 || x.size(0) < kFewRowsMin ||
+      x.size(0) > kFewRowsMax || weight_t.dim() != 2)
+    return Tensor();
+  const int64_t k = weight_t.size(0);
+  if (x.scalar_type() != at::kFloat || weight_t.scalar_type() != at::kFloat || !x.device().is_cpu() ||
+      !weight_t.device().is_cpu() || x.size(1) != k || k < 4 || k % 4 != 0 || weight_t.size(1) < 16 ||
+      x.stride(1) != 1 || x.stride(0) % 4 != 0 || reinterpret_cast<std::uintptr_t>(x.data_ptr()) % 16 ||
+      weight_t.stride(0) != 1 || weight_t.stride(1) != k || reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16)
+    return Tensor();
+  Tensor half = half_width_copy(weight_t);
+  return half.defined() && few_rows_holds(k, x.size(0), weight_t.size(1) % 4) ? half : Tensor();
+}
+
+// x times weight_t by one of the kernels into `out` (unit column stride) where one applies; false where none does.
+bool kernel_product_into(const Tensor& out, const Tensor& x, const Tensor& weight_t) {
+  if (rows_kernel_applies(x, weight_t)) {
+    rows_kernel(x, weight_t, out, warming(x.size(0)), half_width_copy(weight_t));
+    return true;
+  }
+  if (Tensor half = few_rows_copy(x, weight_t); half.defined()) {
+    few_rows_kernel(x, half, weight_t.size(1), out, warming(x.size(0)));
+    return true;
+  }
+  return false;
+}
+
+// x times weight_t by one of the kernels into a new tensor, or undefined where none applies.
+Tensor kernel_product(const Tensor& x, const Tensor& weight_t) {
+  if (x.dim() != 2 || weight_t.dim() != 2) return Tensor();
+  Tensor out = at::empty({x.size(0), weight_t.size(1)}, x.options());
+  return kernel_product_into(out, x, weight_t) ? out : Tensor();
+}
+
+// at::mm_out(out, x, weight_t), the weight read ahead where that pays: by a kernel where one applies and `out` is
 // contiguous (into rows padded apart MKL may add otherwise).
 void product_into(Tensor& out, const Tensor& x, const Tensor& weight_t) {
-  if (out.is_contiguous() && rows_kernel_applies(x, weight_t)) {
-    rows_kernel(x, weight_t, out, warming(x.size(0)));
-    return;
-  }
+  if (out.is_contiguous() && kernel_product_into(out, x, weight_t)) return;
   warm(weight_t, x.size(0));
   at::mm_out(out, x, weight_t);
 }
@@ -477,7 +851,7 @@ void product_into(Tensor& out, const Tensor& x, const Tensor& weight_t) {
 // `weight_t` is the linear's weight transposed, (in, out): the view at::linear hands mm, made once in the plan
 // (model.py, `native_plan`) rather than on every product. One to three rows, by the kernel above where it applies.
 Tensor product(const Tensor& x, const Tensor& weight_t) {
-  if (rows_kernel_applies(x, weight_t)) return kernel_rows(x, weight_t);
+  if (Tensor out = kernel_product(x, weight_t); out.defined()) return out;
   warm(weight_t, x.size(-1) == 0 ? 0 : x.numel() / x.size(-1));
   return x.dim() == 2 ? at::mm(x, weight_t) : at::linear(x, weight_t.t());
 }
@@ -506,7 +880,7 @@ Tensor head_in_blocks(const Tensor& x, const Tensor& weight, int64_t block) {
 }
 
 Tensor head(const Tensor& x, const Tensor& weight) {
-  if (rows_kernel_applies(x, weight.t())) return kernel_rows(x, weight.t());  // read ahead in pieces too
+  if (Tensor out = kernel_product(x, weight.t()); out.defined()) return out;  // read ahead in pieces too
   const int64_t row_bytes = weight.size(1) * static_cast<int64_t>(weight.element_size());
   const int64_t block = std::max<int64_t>(16, kHeadBlockBytes / row_bytes / 16 * 16);
   if (x.dim() != 2 || !warming(x.size(0)) || !x.is_contiguous() ||
@@ -850,18 +1224,49 @@ Tensor rows_product(const Tensor& x, const Tensor& weight_t) { return product(x,
 
 Tensor rows_kernel_product(const Tensor& x, const Tensor& weight) {
   TORCH_CHECK(kRowsKernel, "printpress_layers.rows_kernel_product: no kernel on this CPU");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || kHalfRows,
+              "printpress_layers.rows_kernel_product: no kernel for half-width weights on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kRowsMax && x.is_contiguous() &&
                   x.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kFloat && weight.size(1) == x.size(1) && x.size(1) % 4 == 0 &&
-                  x.size(1) >= 4,
-              "printpress_layers.rows_kernel_product: 1-3 contiguous float32 rows and an (n, k) weight, k a multiple "
-              "of 4");
+                  (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) &&
+                  weight.size(1) == x.size(1) && x.size(1) % 4 == 0 && x.size(1) >= 4,
+              "printpress_layers.rows_kernel_product: 1-3 contiguous float32 rows and an (n, k) weight (float32, "
+              "float16 or bfloat16), k a multiple of 4");
   Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  rows_kernel(x, weight.t(), out);  // (the kernel, whether or not its order holds here)
+  // (the kernel, whether or not its order holds here; a narrower weight read as it is, its tail widened)
+  if (dtype == at::kFloat)
+    rows_kernel(x, weight.t(), out);
+  else
+    rows_kernel(x, weight.to(at::kFloat).t(), out, false, blocked(weight));
   return out;
 }
 
 void set_rows_kernel(bool on) { rows_kernel_on.store(on); }
+
+void set_half_width(bool on) { half_width_on.store(on); }
+
+// Whether this build has the half-width kernels (AVX-512); what the 4-8-row check found for inner size k and `rows`
+// rows at the current thread count (1 held, 0 did not, -1 not checked yet).
+bool half_width_kernels() { return kHalfRows; }
+
+int64_t few_rows_verdict(int64_t k, int64_t rows, int64_t tail) {
+  std::lock_guard<std::mutex> lock(rows_mutex);
+  const auto found = few_hold.find({k, rows, tail, at::get_num_threads()});
+  return found == few_hold.end() ? -1 : (found->second ? 1 : 0);
+}
+
+// For the tests: the half-width copies held now (of weights that live), as (float16 ones, bfloat16 ones, weights
+// whose values fit neither).
+std::tuple<int64_t, int64_t, int64_t> half_width_copies() {
+  std::lock_guard<std::mutex> lock(half_mutex);
+  int64_t counts[3] = {0, 0, 0};
+  for (const auto& [key, entry] : half_widths) {
+    if (entry.storage.expired()) continue;
+    ++counts[!entry.copy.defined() ? 2 : entry.copy.scalar_type() == at::kHalf ? 0 : 1];
+  }
+  return {counts[0], counts[1], counts[2]};
+}
 
 // What the check found for inner size k, `rows` input rows and `tail` = outputs % 4 at the current thread count:
 // 1 held, 0 did not, -1 not checked (yet).
@@ -941,6 +1346,10 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("rows_kernel_product(Tensor x, Tensor weight) -> Tensor", &rows_kernel_product);
   m.def("rows_kernel_checks() -> (int, int)", &rows_kernel_checks);
   m.def("set_rows_kernel(bool on) -> ()", &set_rows_kernel);
+  m.def("set_half_width(bool on) -> ()", &set_half_width);
+  m.def("half_width_kernels() -> bool", &half_width_kernels);
+  m.def("few_rows_verdict(int k, int rows, int tail) -> int", &few_rows_verdict);
+  m.def("half_width_copies() -> (int, int, int)", &half_width_copies);
   m.def("rows_kernel_verdict(int k, int rows, int tail) -> int", &rows_kernel_verdict);
   m.def("fused_norm_width() -> int", &fused_norm_width);
   m.def("fused_slot_sums() -> bool", &fused_slot_sums);
