@@ -21,7 +21,9 @@ One process, one thread (by default). It measures the machine, then the engine:
    not exact), predicted with 2-byte weights at the bf16 GEMM roof. `--warm-ab` times the AR step and the decoder
    passes again with the C++ layers' weights not read ahead of their products (`printpress.model.choose_warm_weights`
    decides that per process; the report's machine entry says what it chose), interleaved with the rest: an A/B of
-   the same bits.
+   the same bits. Where the C++ layers read a model's weights from half-width copies (a float32 model whose weights
+   are float16s or bfloat16s: the shipped model, or a benchmark size with `--stored-as float16`), the AR step and the
+   passes over canvases of up to 8 rows are predicted with 2 bytes a weight.
 
 The workloads of one model are timed interleaved (one repetition of each in turn), so a change in the machine's
 load hits them alike; medians and minima are reported, and the 1-minute load average at the start and the end
@@ -187,29 +189,33 @@ def model_bytes(text: TextConfig, dtype: torch.dtype = torch.float32) -> float:
     return ELEMENT_BYTES[dtype] * text.num_parameters()
 
 
-def ar_work(text: TextConfig, context: int, dtype: torch.dtype = torch.float32) -> Work:
+def ar_work(text: TextConfig, context: int, dtype: torch.dtype = torch.float32, weight_bytes: int | None = None) -> Work:
     """One AR step: 1 token through the layers, the LM head on it; reads the routed experts only. Weights and
-    cache are read in `dtype`; the logits are written in fp32 (as `model.encode` returns them)."""
+    cache are read in `dtype` (the weights in `weight_bytes` each where given: half-width copies); the logits are
+    written in fp32 (as `model.encode` returns them)."""
     h, v = text.hidden_size, text.vocab_size
+    width = weight_bytes or ELEMENT_BYTES[dtype]
     macs = layer_macs(text, 1, keys_seen(text, context, 1)) + h * v
-    params = layer_weight_params(text, text.top_k_experts) + v * h + kv_read_params(text, context)
+    weights = layer_weight_params(text, text.top_k_experts) + v * h
     io = v  # the logits written
-    return Work(flop=2 * macs, bytes=ELEMENT_BYTES[dtype] * params + FP32 * io, working_set=model_bytes(text, dtype),
-                peak=PEAK[dtype])
+    return Work(flop=2 * macs, bytes=width * weights + ELEMENT_BYTES[dtype] * kv_read_params(text, context) + FP32 * io,
+                working_set=width * text.num_parameters(), peak=PEAK[dtype])
 
 
-def decoder_work(text: TextConfig, canvas: int, context: int, dtype: torch.dtype = torch.float32) -> Work:
+def decoder_work(text: TextConfig, canvas: int, context: int, dtype: torch.dtype = torch.float32,
+                 weight_bytes: int | None = None) -> Work:
     """One self-conditioned decoder pass: soft embedding (probs @ E) and its MLP, the layers over the canvas,
     the LM head over the canvas. Experts read: those the canvas routes to (uniform routing assumed); E is read
-    once (it serves the soft embedding and the LM head)."""
+    once (it serves the soft embedding and the LM head). Weights in `weight_bytes` each where given."""
     h, v, i, e, k = (text.hidden_size, text.vocab_size, text.intermediate_size, text.num_experts,
                      text.top_k_experts)
     used = e * (1 - (1 - k / e) ** canvas)
     macs = canvas * (v * h + 3 * h * i) + layer_macs(text, canvas, keys_seen(text, context, canvas)) + canvas * v * h
-    params = layer_weight_params(text, used) + v * h + 3 * h * i + kv_read_params(text, context)
+    width = weight_bytes or ELEMENT_BYTES[dtype]
+    weights = layer_weight_params(text, used) + v * h + 3 * h * i
     io = 2 * canvas * v  # the self-conditioning probabilities read, the logits written (fp32)
-    return Work(flop=2 * macs, bytes=ELEMENT_BYTES[dtype] * params + FP32 * io, working_set=model_bytes(text, dtype),
-                peak=PEAK[dtype])
+    return Work(flop=2 * macs, bytes=width * weights + ELEMENT_BYTES[dtype] * kv_read_params(text, context) + FP32 * io,
+                working_set=width * text.num_parameters(), peak=PEAK[dtype])
 
 
 def sampler_work(canvas: int, vocab: int, accepted_only: bool) -> Work:
@@ -261,9 +267,28 @@ def shipped_model() -> DiffusionGemma:
     return printpress.load(SHIPPED).model
 
 
-def benchmark_model(size: str) -> DiffusionGemma:
+def benchmark_model(size: str, stored_as: torch.dtype = torch.float32) -> DiffusionGemma:
+    """The benchmark size's random weights (seed 0), each rounded to `stored_as` and kept in float32: what loading a
+    checkpoint stored in that dtype gives."""
     torch.manual_seed(0)
-    return DiffusionGemma(TextConfig(**SIZES[size].text)).eval()
+    model = DiffusionGemma(TextConfig(**SIZES[size].text)).eval()
+    if stored_as != torch.float32:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(stored_as).float())
+    return model
+
+
+HALF_WIDTH_ROWS = 8  # products of up to this many rows read half-width copies (printpress/kernels/layers.cpp)
+
+
+def half_width_reads(model: DiffusionGemma) -> bool:
+    """Whether the C++ layers read `model`'s weight matrices from half-width copies in products of a few rows: a
+    float32 model whose weights are float16s or bfloat16s (the shipped model's are), on a CPU with AVX-512."""
+    if model.dtype != torch.float32 or not native_layers() or not torch.ops.printpress_layers.half_width_kernels():
+        return False
+    weight = model.embed_tokens.weight
+    return any(torch.equal(weight.to(dtype).float(), weight) for dtype in (torch.float16, torch.bfloat16))
 
 
 def twin(model: DiffusionGemma) -> DiffusionGemma:
@@ -306,10 +331,11 @@ def workloads(model: DiffusionGemma, canvases: tuple[int, ...], context: int,
     prefix; and the AR step of `compiled` (the same weights with `printpress.fast.compile_ar_step`), if given.
     The model's dtype sets the bytes and the GEMM roof of its predictions."""
     text, dtype = model.config, model.dtype
+    half = 2 if half_width_reads(model) else None  # bytes a weight element costs in products of a few rows
     gen = torch.Generator().manual_seed(1)
     cache = model.new_cache(1, context + max(canvases))
     model.encode(torch.randint(3, text.vocab_size, (1, context), generator=gen), cache, logits="none")
-    out = [Workload("AR step", ar_step_call(model, context), ar_work(text, context, dtype))]
+    out = [Workload("AR step", ar_step_call(model, context), ar_work(text, context, dtype, half))]
     if compiled is not None:
         out.append(Workload("AR step, compiled (opt-in, not bit-exact)", ar_step_call(compiled, context),
                             ar_work(text, context, dtype)))
@@ -320,7 +346,7 @@ def workloads(model: DiffusionGemma, canvases: tuple[int, ...], context: int,
         probs = torch.softmax(logits / 0.8, dim=-1, dtype=torch.float32)  # the previous step's feedback
         out.append(Workload(f"decoder pass, canvas {c}",
                             lambda ids=ids, probs=probs: model.denoise(ids, cache, self_conditioning_probs=probs),
-                            decoder_work(text, c, context, dtype)))
+                            decoder_work(text, c, context, dtype, half if c <= HALF_WIDTH_ROWS else None)))
         for accepted_only in (False, True) if sampler else ():
             row = Row(0, torch.Generator().manual_seed(0), None, 16, settings.with_overrides(
                 sample_accepted_only=accepted_only))
@@ -449,6 +475,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="also time the opt-in compiled AR step (printpress.fast; compiles for a minute or two)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions of the roof measurements (smoke)")
+    parser.add_argument("--stored-as", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="round the benchmark sizes' random weights to this dtype (kept in float32), as loading a "
+                             "checkpoint stored in it gives: the C++ layers then read half-width copies in products "
+                             "of up to 8 rows, and the predictions count 2 bytes a weight there")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="also time the AR step and decoder passes of a bf16 copy (default: where the CPU has "
                              "native bf16 matmuls, amx_bf16 or avx512_bf16)")
@@ -466,8 +496,10 @@ def main(argv: list[str] | None = None) -> None:
           + ", ".join(f"{k} {v['best_gb_s']:.1f}" for k, v in roofs["read_bandwidth"].items()), flush=True)
     models = []
     for name in args.models:
-        model = shipped_model() if name == "shipped" else benchmark_model(name)
+        model = shipped_model() if name == "shipped" else benchmark_model(name, getattr(torch, args.stored_as))
         label = "shipped (shakespeare-joint)" if name == "shipped" else f"{name} (bench/engine_speed.py)"
+        if name != "shipped" and args.stored_as != "float32":
+            label += f", stored as {args.stored_as}"
         models.append(bench_model(label, model, roofs, args))
         del model
     report = {

@@ -8,7 +8,9 @@
 //   operators the Python code calls, on tensors of the same dtypes and layouts, in the same order (`F.linear` of rows
 //   is at::mm with the transposed weight, which is what at::linear runs for them; `F.grouped_mm` on a CPU is one
 //   at::mm per expert into its rows, as here). A product of one row, where at::mm's order was found and is checked on
-//   the machine, is added up in that order by a kernel of this file (`rows_kernel`, for one to three rows).
+//   the machine, is added up in that order by a kernel of this file (`rows_kernel`, for one to three rows); where a
+//   float32 weight's values are all float16s or bfloat16s, products of one to eight rows read a copy of it at that
+//   width, in MKL's orders (`half_width_copy`, `few_rows_kernel`).
 // - The float32 elementwise chains around them, each in one loop: the RMS norms (7 operators each, ~50 a pass), with
 //   the residual additions and scales that follow them, the rotary embedding (4 operators), the router's weights
 //   after its top-k, and the experts' gather and weighted sum over slots (9 operators). Each element goes
