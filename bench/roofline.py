@@ -189,7 +189,8 @@ def model_bytes(text: TextConfig, dtype: torch.dtype = torch.float32) -> float:
     return ELEMENT_BYTES[dtype] * text.num_parameters()
 
 
-def ar_work(text: TextConfig, context: int, dtype: torch.dtype = torch.float32, weight_bytes: int | None = None) -> Work:
+def ar_work(text: TextConfig, context: int, dtype: torch.dtype = torch.float32,
+            weight_bytes: int | None = None) -> Work:
     """One AR step: 1 token through the layers, the LM head on it; reads the routed experts only. Weights and
     cache are read in `dtype` (the weights in `weight_bytes` each where given: half-width copies); the logits are
     written in fp32 (as `model.encode` returns them)."""

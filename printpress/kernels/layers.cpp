@@ -9,7 +9,7 @@
 //   is at::mm with the transposed weight, which is what at::linear runs for them; `F.grouped_mm` on a CPU is one
 //   at::mm per expert into its rows, as here). A product of one row, where at::mm's order was found and is checked on
 //   the machine, is added up in that order by a kernel of this file (`rows_kernel`, for one to three rows); where a
-//   float32 weight's values are all float16s or bfloat16s, products of one to eight rows read a copy of it at that
+//   float32 weight's values are all float16s or bfloat16s, products of up to 64 rows read a copy of it at that
 //   width, in MKL's orders (`half_width_copy`, `few_rows_kernel`).
 // - The float32 elementwise chains around them, each in one loop: the RMS norms (7 operators each, ~50 a pass), with
 //   the residual additions and scales that follow them, the rotary embedding (4 operators), the router's weights
@@ -373,10 +373,10 @@ void row_block(const float*, const float*, int64_t, int64_t, float*) {}
 // (sum 1 + sum 3), one row's first four products first added in turn — the order above, so the same bits. AVX-512
 // only; elsewhere no copies are made.
 constexpr int64_t kHalfBlock = 16;  // outputs per block of the copy
-constexpr int64_t kFewRowsMin = 4, kFewRowsMax = 8;  // input rows few_rows_kernel takes
+constexpr int64_t kFewRowsMin = 4, kFewRowsMax = 64;  // input rows few_rows_kernel takes (over 8: one thread only)
 constexpr int64_t kRowsAheadBytes = 256 * 1024;  // bytes of a weight read ahead at a time (see rows_kernel)
 
-// MKL's runs of a product of 4 to 8 rows over an inner size k (few_rows_kernel), as [start, end) pairs.
+// MKL's runs of a product of 4 or more rows over an inner size k (few_rows_kernel), as [start, end) pairs.
 std::vector<std::pair<int64_t, int64_t>> few_rows_runs(int64_t k) {
   if (k <= 192) return {{0, k}};
   if (k <= 384) return {{0, k / 2}, {k / 2, k}};
@@ -490,11 +490,13 @@ void half_rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& hal
   if (whole < n) out.narrow(1, whole, n - whole).copy_(at::mm(x, weight_t.narrow(1, whole, n - whole)));
 }
 
-// at::mm of 4 to 8 float32 rows by a weight of at least 16 outputs (MKL's matrix product) adds each output's products
-// one after the other from zero as multiply-adds, in runs: the whole inner size up to 192, two equal halves up to 384,
-// runs of 192 beyond; each run's sum is then added to those before it (found by the same probing, on an AMD EPYC).
-// So are 5 to 7 rows on one thread; on more, the first four so and the rest in the four interleaved sums of two or
-// three rows (above), whatever their number (the check tells where neither holds). From the same copy, each lane one
+// at::mm of 4 or more float32 rows by a weight of at least 16 outputs (MKL's matrix product) adds each output's
+// products one after the other from zero as multiply-adds, in runs: the whole inner size up to 192, two equal halves
+// up to 384, runs of 192 beyond; each run's sum is then added to those before it (found by the same probing, on an AMD
+// EPYC; MKL first copies the whole weight into its packed layout). On one thread that holds for every row count
+// checked (4 to 64, up to which the kernel takes them); on two, for 4 and 8 rows, while of 5 to 7 it adds the first
+// four so and the rest in the four interleaved sums of two or three rows (above), whatever their number (the check
+// tells where neither holds; more than 8 rows on more threads stay at::mm's). From the same copy, each lane one
 // output: a multiply-add per inner element into a run's sum, the runs added up.
 using Runs = std::vector<std::pair<int64_t, int64_t>>;
 
@@ -528,16 +530,36 @@ void few_blocks(const float* x, int64_t x_stride, const W* w, int64_t k, const R
   }
 }
 
-template <int M, typename W>
-void few_pass(int64_t blocks, const float* x, int64_t x_stride, const W* w, int64_t k, const Runs& runs, float* y,
-              int64_t y_stride, int64_t valid) {
+template <int B, typename W>
+void few_rows_blocks(int64_t rows, const float* x, int64_t x_stride, const W* w, int64_t k, const Runs& runs, float* y,
+                     int64_t y_stride, int64_t valid) {
+  switch (rows) {
+    case 1: return few_blocks<1, B>(x, x_stride, w, k, runs, y, y_stride, valid);
+    case 2: return few_blocks<2, B>(x, x_stride, w, k, runs, y, y_stride, valid);
+    case 3: return few_blocks<3, B>(x, x_stride, w, k, runs, y, y_stride, valid);
+    case 4: return few_blocks<4, B>(x, x_stride, w, k, runs, y, y_stride, valid);
+    case 5: return few_blocks<5, B>(x, x_stride, w, k, runs, y, y_stride, valid);
+    case 6: return few_blocks<6, B>(x, x_stride, w, k, runs, y, y_stride, valid);
+    case 7: return few_blocks<7, B>(x, x_stride, w, k, runs, y, y_stride, valid);
+    default: return few_blocks<8, B>(x, x_stride, w, k, runs, y, y_stride, valid);
+  }
+}
+
+// `rows` input rows from `blocks` blocks: two blocks at a time, for every eight rows while they are in the L1.
+template <typename W>
+void few_pass(int64_t rows, int64_t blocks, const float* x, int64_t x_stride, const W* w, int64_t k, const Runs& runs,
+              float* y, int64_t y_stride, int64_t valid) {
   for (int64_t b = 0; b < blocks; b += 2) {
     const W* first = w + b * k * kHalfBlock;
-    float* out = y + b * kHalfBlock;
-    if (blocks - b >= 2)
-      few_blocks<M, 2>(x, x_stride, first, k, runs, out, y_stride, valid - b * kHalfBlock);
-    else
-      few_blocks<M, 1>(x, x_stride, first, k, runs, out, y_stride, valid - b * kHalfBlock);
+    for (int64_t r = 0; r < rows; r += 8) {
+      const float* xr = x + r * x_stride;
+      float* out = y + r * y_stride + b * kHalfBlock;
+      const int64_t some = std::min<int64_t>(8, rows - r);
+      if (blocks - b >= 2)
+        few_rows_blocks<2>(some, xr, x_stride, first, k, runs, out, y_stride, valid - b * kHalfBlock);
+      else
+        few_rows_blocks<1>(some, xr, x_stride, first, k, runs, out, y_stride, valid - b * kHalfBlock);
+    }
   }
 }
 
@@ -559,16 +581,10 @@ void few_rows(const Tensor& x, const W* w, int64_t k, int64_t n, const Tensor& o
       float* y_first = y + c * kHalfBlock;
       const int64_t valid = n - c * kHalfBlock;
       if (one_thread || m == 4 || m == 8) {
-        switch (m) {
-          case 4: few_pass<4>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
-          case 5: few_pass<5>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
-          case 6: few_pass<6>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
-          case 7: few_pass<7>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
-          default: few_pass<8>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid); break;
-        }
+        few_pass(m, stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid);
         continue;
       }
-      few_pass<4>(stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid);
+      few_pass(4, stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid);
       const float* rest = xs + 4 * x_stride;  // the rows after the first four, as a product of those rows alone
       float* y_rest = y_first + 4 * y_stride;
       if (m == 5)
@@ -804,12 +820,12 @@ bool few_rows_holds(int64_t k, int64_t rows, int64_t tail) {
 }
 
 // The half-width copy to compute x (m, k) times weight_t (k, n) from by few_rows_kernel, or undefined where it may
-// not: float32 on the CPU, 4 to 8 rows of unit stride starting on 16 bytes, at least 16 outputs, an inner size k a
-// multiple of 4 (rows after the first four may add in fours), weight_t the transpose of a contiguous weight starting
-// on 16 bytes whose values fit half width, and the kernel's order checked.
+// not: float32 on the CPU, 4 to 8 rows (64 on one thread) of unit stride starting on 16 bytes, at least 16 outputs,
+// an inner size k a multiple of 4 (rows after the first four may add in fours), weight_t the transpose of a
+// contiguous weight starting on 16 bytes whose values fit half width, and the kernel's order checked.
 Tensor few_rows_copy(const Tensor& x, const Tensor& weight_t) {
   if (!kHalfRows || !rows_kernel_on.load(std::memory_order_relaxed) || x.dim() != 2 || x.size(0) < kFewRowsMin ||
-      x.size(0) > kFewRowsMax || weight_t.dim() != 2)
+      x.size(0) > (at::get_num_threads() == 1 ? kFewRowsMax : 8) || weight_t.dim() != 2)
     return Tensor();
   const int64_t k = weight_t.size(0);
   if (x.scalar_type() != at::kFloat || weight_t.scalar_type() != at::kFloat || !x.device().is_cpu() ||
@@ -1248,7 +1264,7 @@ void set_rows_kernel(bool on) { rows_kernel_on.store(on); }
 
 void set_half_width(bool on) { half_width_on.store(on); }
 
-// Whether this build has the half-width kernels (AVX-512); what the 4-8-row check found for inner size k and `rows`
+// Whether this build has the half-width kernels (AVX-512); what the many-row check found for inner size k and `rows`
 // rows at the current thread count (1 held, 0 did not, -1 not checked yet).
 bool half_width_kernels() { return kHalfRows; }
 
