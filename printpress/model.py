@@ -691,7 +691,13 @@ class DiffusionGemma(nn.Module):
             probs = F.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)
         if probs is not None:
             probs = probs.to(self.dtype)
-            soft = (probs @ self.embed_tokens.weight) * self.embed_scale()
+            weight = self.embed_tokens.weight
+            if probs.is_contiguous() and _cpp_layers_for(probs):
+                # matmul's mm of the rows, by printpress_layers where a kernel of its order applies: the same bits.
+                rows = torch.ops.printpress_layers.product(probs.view(-1, probs.shape[-1]), weight)
+                soft = rows.view(*probs.shape[:-1], -1) * self.embed_scale()
+            else:
+                soft = (probs @ weight) * self.embed_scale()
             if self_conditioning_mask is not None:
                 soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         return self.self_conditioning(self.embed(canvas_ids), soft)

@@ -375,10 +375,10 @@ def test_the_kernels_read_a_half_width_copy_in_the_same_order():
 @HALF_WIDTH
 @pytest.mark.parametrize("threads", [1, 2])
 def test_products_of_four_or_more_rows_from_half_valued_weights_give_atens_bits(threads):
-    """4 to 8 rows (and on one thread up to 64) times a weight whose values are float16s (or bfloat16s) give at::mm's
-    bits, through the kernel of MKL's multiply-add order where its check holds (inner sizes in one run, two halves and
-    runs of 192), through at::mm where it does not or the weight's values do not fit half width; a weight's copy is
-    made once."""
+    """4 to 64 rows times a weight whose values are float16s (or bfloat16s), handed over transposed (a linear's) or
+    stored as it is multiplied (an embedding's), give at::mm's bits: through the kernel of MKL's order where its check
+    holds (inner sizes in one run, two halves and runs of 192), through at::mm where it does not or the weight's values
+    do not fit half width; a weight's copy is made once per layout."""
     ops = torch.ops.printpress_layers
     if not ops.half_width_kernels():
         pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
@@ -387,28 +387,30 @@ def test_products_of_four_or_more_rows_from_half_valued_weights_give_atens_bits(
     try:
         g = torch.Generator().manual_seed(22 + threads)
         keep = []  # the weights live through the test, so their copies stay counted
-        rows = [4, 5, 6, 7, 8, 9, 16, 33, 64]
+        rows = [4, 5, 6, 7, 8, 9, 12, 16, 33, 64]
         for dtype in (torch.float16, torch.bfloat16):
             for k, n in [(192, 16), (192, 29), (384, 192), (96, 100), (20, 17), (18, 16), (500, 64), (768, 40)]:
                 weight = mixed_numbers((n, k), g).to(dtype).float()
                 weight[0, 0] = 2.0**-30 if dtype == torch.bfloat16 else weight[0, 0]  # (no float16 holds it)
-                keep.append(weight)
+                stored = weight.t().contiguous()  # (k, n): an embedding's layout
+                keep += [weight, stored]
                 for m in rows:
                     x = mixed_numbers((m, k), g)
                     got = ops.rows_product(x, weight.t())
                     assert torch.equal(got, torch.nn.functional.linear(x, weight)), (m, k, n)
-        verdicts = {(k, m, n % 4): ops.few_rows_verdict(k, m, n % 4) for k, n in [(192, 16), (192, 29), (500, 64)]
-                    for m in rows}
-        # every shape asked for the check, but more than 8 rows on more than one thread (at::mm's without asking)
-        assert all((verdict == -1) == (m > 8 and threads > 1) for (_, m, _), verdict in verdicts.items())
+                    assert torch.equal(ops.product(x, stored), x @ stored), (m, k, n)
+        verdicts = {(k, m, n % 4, plain): ops.few_rows_verdict(k, m, n % 4, plain)
+                    for k, n in [(192, 16), (192, 29), (500, 64)] for m in rows for plain in (False, True)}
+        assert -1 not in verdicts.values()  # every shape asked for the check
         ops.rows_product(mixed_numbers((1, 192), g), keep[0].t())  # (the one-row check, as the probe below)
         if ops.rows_kernel_verdict(192, 1, 0) == 1:  # MKL adds as on an AMD EPYC: so do its products of 4 or more
-            # rows, except, on more than one thread, the last outputs of the rows after the first four where the
-            # outputs are not in whole groups of 4
-            holds = {(k, m, tail): int(threads == 1 or tail == 0 or m in (4, 8)) for k, m, tail in verdicts}
-            assert verdicts == {key: -1 if key[1] > 8 and threads > 1 else held for key, held in holds.items()}
+            # rows in either layout, except, on more than one thread, of 5-7 and 9-11 rows the rows after the first
+            # four or eight: their last outputs where the outputs are not in whole groups of 4, and all of them where
+            # the weight is stored as multiplied
+            split = {key: threads > 1 and key[1] % 4 != 0 and key[1] < 12 for key in verdicts}
+            assert verdicts == {key: int(not split[key] or (key[2] == 0 and not key[3])) for key in verdicts}
         fp16, bf16, neither = ops.half_width_copies()
-        assert fp16 >= 7 and bf16 >= 7
+        assert fp16 >= 14 and bf16 >= 14
         weight = mixed_numbers((32, 64), g)  # float32 values that do not fit: at::mm, remembered as not fitting
         x = mixed_numbers((5, 64), g)
         assert torch.equal(ops.rows_product(x, weight.t()), torch.nn.functional.linear(x, weight))

@@ -373,7 +373,7 @@ void row_block(const float*, const float*, int64_t, int64_t, float*) {}
 // (sum 1 + sum 3), one row's first four products first added in turn — the order above, so the same bits. AVX-512
 // only; elsewhere no copies are made.
 constexpr int64_t kHalfBlock = 16;  // outputs per block of the copy
-constexpr int64_t kFewRowsMin = 4, kFewRowsMax = 64;  // input rows few_rows_kernel takes (over 8: one thread only)
+constexpr int64_t kFewRowsMin = 4, kFewRowsMax = 64;  // input rows few_rows_kernel takes
 constexpr int64_t kRowsAheadBytes = 256 * 1024;  // bytes of a weight read ahead at a time (see rows_kernel)
 
 // MKL's runs of a product of 4 or more rows over an inner size k (few_rows_kernel), as [start, end) pairs.
@@ -494,9 +494,10 @@ void half_rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& hal
 // products one after the other from zero as multiply-adds, in runs: the whole inner size up to 192, two equal halves
 // up to 384, runs of 192 beyond; each run's sum is then added to those before it (found by the same probing, on an AMD
 // EPYC; MKL first copies the whole weight into its packed layout). On one thread that holds for every row count
-// checked (4 to 64, up to which the kernel takes them); on two, for 4 and 8 rows, while of 5 to 7 it adds the first
-// four so and the rest in the four interleaved sums of two or three rows (above), whatever their number (the check
-// tells where neither holds; more than 8 rows on more threads stay at::mm's). From the same copy, each lane one
+// checked (4 to 64, up to which the kernel takes them); on two, for 4, 8 and 12 or more rows, while of 5 to 7 (9 to
+// 11) it adds the first four (eight) so and the rest in the four interleaved sums of a product of one to three rows
+// (above), and where the outputs are not in whole groups of 4, those rows' last outputs in yet another order (the
+// check tells where neither holds). From the same copy, each lane one
 // output: a multiply-add per inner element into a run's sum, the runs added up.
 using Runs = std::vector<std::pair<int64_t, int64_t>>;
 
@@ -568,7 +569,9 @@ void few_rows(const Tensor& x, const W* w, int64_t k, int64_t n, const Tensor& o
   const int64_t m = x.size(0), x_stride = x.stride(0), y_stride = out.stride(0);
   const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
   const auto runs = few_rows_runs(k);
-  const bool one_thread = at::get_num_threads() == 1;
+  // the rows added as multiply-adds: all of them, but on more than one thread where fewer than 12 are not a multiple
+  // of 4 (MKL adds the last m % 4 there as a product of those rows alone)
+  const int64_t multiply_added = at::get_num_threads() == 1 || m >= 12 ? m : m / 4 * 4;
   const float* xs = x.data_ptr<float>();
   float* y = out.data_ptr<float>();
   const int64_t block_bytes = kHalfBlock * k * static_cast<int64_t>(sizeof(W));
@@ -580,18 +583,14 @@ void few_rows(const Tensor& x, const W* w, int64_t k, int64_t n, const Tensor& o
       if (ahead) warm_bytes(reinterpret_cast<const char*>(first), (stop - c) * block_bytes);
       float* y_first = y + c * kHalfBlock;
       const int64_t valid = n - c * kHalfBlock;
-      if (one_thread || m == 4 || m == 8) {
-        few_pass(m, stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid);
-        continue;
-      }
-      few_pass(4, stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid);
-      const float* rest = xs + 4 * x_stride;  // the rows after the first four, as a product of those rows alone
-      float* y_rest = y_first + 4 * y_stride;
-      if (m == 5)
+      few_pass(multiply_added, stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid);
+      const float* rest = xs + multiply_added * x_stride;  // the rows after, as a product of those rows alone
+      float* y_rest = y_first + multiply_added * y_stride;
+      if (m - multiply_added == 1)
         half_pass<1, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
-      else if (m == 6)
+      else if (m - multiply_added == 2)
         half_pass<2, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
-      else if (m == 7)
+      else if (m - multiply_added == 3)
         half_pass<3, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
     }
   });
@@ -739,7 +738,8 @@ struct HalfWidth {
 };
 
 std::mutex half_mutex;
-std::map<const void*, HalfWidth> half_widths;  // by the weight's first element
+// by the weight's first element and its view's sizes and strides (a weight read in both layouts has two copies)
+std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int64_t>, HalfWidth> half_widths;
 std::atomic<bool> half_width_on{true};
 
 // The weight (n, k) at the narrower width that holds every one of its values exactly, blocked, or undefined.
@@ -765,7 +765,8 @@ Tensor narrower_copy(const Tensor& weight) {
 // inference tensor (no version counter to tell whether it changed).
 Tensor half_width_copy(const Tensor& weight_t) {
   if (!half_width_on.load(std::memory_order_relaxed) || weight_t.is_inference()) return Tensor();
-  const void* key = weight_t.data_ptr();
+  const std::tuple<const void*, int64_t, int64_t, int64_t, int64_t> key{
+      weight_t.data_ptr(), weight_t.size(0), weight_t.size(1), weight_t.stride(0), weight_t.stride(1)};
   c10::StorageImpl* storage = weight_t.storage().unsafeGetStorageImpl();
   const int64_t version = weight_t._version();
   std::lock_guard<std::mutex> lock(half_mutex);
@@ -786,19 +787,21 @@ Tensor half_width_copy(const Tensor& weight_t) {
   return copy;
 }
 
-// per (inner size, rows, outputs % 4, threads); under rows_mutex
-std::map<std::tuple<int64_t, int64_t, int64_t, int>, bool> few_hold;
+// per (inner size, rows, outputs % 4, the weight's layout, threads); under rows_mutex
+std::map<std::tuple<int64_t, int64_t, int64_t, bool, int>, bool> few_hold;
 
 // Whether few_rows_kernel gives at::mm's bits on this machine for inner size k, `rows` rows and a number of outputs
-// that leaves `tail` = n % 4: random rows as rows_order_holds makes them times weights of 16 and 100 rows plus the
-// tail whose values are float16s, and then bfloat16s, two draws each, bit for bit; once per process.
-bool few_rows_holds(int64_t k, int64_t rows, int64_t tail) {
-  const std::tuple<int64_t, int64_t, int64_t, int> key{k, rows, tail, at::get_num_threads()};
+// that leaves `tail` = n % 4, the weight (n, k) handed over transposed as a linear's is or (`plain`) stored (k, n) as
+// an embedding multiplied from the left is: random rows as rows_order_holds makes them times weights of 16 and 100
+// rows plus the tail whose values are float16s, and then bfloat16s, two draws each, bit for bit; once per process.
+bool few_rows_holds(int64_t k, int64_t rows, int64_t tail, bool plain) {
+  const std::tuple<int64_t, int64_t, int64_t, bool, int> key{k, rows, tail, plain, at::get_num_threads()};
   {
     std::lock_guard<std::mutex> lock(rows_mutex);
     if (auto found = few_hold.find(key); found != few_hold.end()) return found->second;
   }
-  printpress_sum::CheckNumbers numbers(0x5851f42d4c957f2dull ^ static_cast<uint64_t>((k * 16 + rows) * 4 + tail));
+  printpress_sum::CheckNumbers numbers(0x5851f42d4c957f2dull ^
+                                      static_cast<uint64_t>(((k * 16 + rows) * 4 + tail) * 2 + plain));
   bool holds = kHalfRows;
   const auto options = at::TensorOptions().dtype(at::kFloat);
   for (const int64_t n : {16 + tail, 100 + tail}) {
@@ -808,7 +811,8 @@ bool few_rows_holds(int64_t k, int64_t rows, int64_t tail) {
         fill_check_numbers(x, numbers);
         fill_check_numbers(weight, numbers);
         Tensor half = weight.to(dtype);
-        Tensor expected = at::mm(x, half.to(at::kFloat).t()), got = at::empty({rows, n}, options);
+        Tensor widened = half.to(at::kFloat).t();  // (k, n)
+        Tensor expected = at::mm(x, plain ? widened.contiguous() : widened), got = at::empty({rows, n}, options);
         few_rows_kernel(x, blocked(half), n, got, false);
         holds = std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), sizeof(float) * rows * n) == 0;
       }
@@ -820,21 +824,26 @@ bool few_rows_holds(int64_t k, int64_t rows, int64_t tail) {
 }
 
 // The half-width copy to compute x (m, k) times weight_t (k, n) from by few_rows_kernel, or undefined where it may
-// not: float32 on the CPU, 4 to 8 rows (64 on one thread) of unit stride starting on 16 bytes, at least 16 outputs,
-// an inner size k a multiple of 4 (rows after the first four may add in fours), weight_t the transpose of a
-// contiguous weight starting on 16 bytes whose values fit half width, and the kernel's order checked.
+// not: float32 on the CPU, 4 to 64 rows of unit stride starting on 16 bytes, at least 16 outputs, an inner size k a
+// multiple of 4 (some rows may add in fours), weight_t the transpose of a contiguous weight (a linear's) or itself
+// contiguous (an embedding's, multiplied from the left), starting on 16 bytes, its values fitting half width, and the
+// kernel's order checked for that layout.
 Tensor few_rows_copy(const Tensor& x, const Tensor& weight_t) {
   if (!kHalfRows || !rows_kernel_on.load(std::memory_order_relaxed) || x.dim() != 2 || x.size(0) < kFewRowsMin ||
-      x.size(0) > (at::get_num_threads() == 1 ? kFewRowsMax : 8) || weight_t.dim() != 2)
+      x.size(0) > kFewRowsMax || weight_t.dim() != 2)
     return Tensor();
   const int64_t k = weight_t.size(0);
   if (x.scalar_type() != at::kFloat || weight_t.scalar_type() != at::kFloat || !x.device().is_cpu() ||
       !weight_t.device().is_cpu() || x.size(1) != k || k < 4 || k % 4 != 0 || weight_t.size(1) < 16 ||
       x.stride(1) != 1 || x.stride(0) % 4 != 0 || reinterpret_cast<std::uintptr_t>(x.data_ptr()) % 16 ||
-      weight_t.stride(0) != 1 || weight_t.stride(1) != k || reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16)
+      reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16)
     return Tensor();
+  const int64_t n = weight_t.size(1);
+  const bool transposed = weight_t.stride(0) == 1 && weight_t.stride(1) == k;
+  const bool plain = weight_t.stride(0) == n && weight_t.stride(1) == 1;
+  if (!transposed && !plain) return Tensor();
   Tensor half = half_width_copy(weight_t);
-  return half.defined() && few_rows_holds(k, x.size(0), weight_t.size(1) % 4) ? half : Tensor();
+  return half.defined() && few_rows_holds(k, x.size(0), n % 4, plain) ? half : Tensor();
 }
 
 // x times weight_t by one of the kernels into `out` (unit column stride) where one applies; false where none does.
@@ -867,7 +876,9 @@ void product_into(Tensor& out, const Tensor& x, const Tensor& weight_t) {
 
 // F.linear without a bias on rows: at::linear's own path for a 2-D input (matmul, then mm), without its two layers.
 // `weight_t` is the linear's weight transposed, (in, out): the view at::linear hands mm, made once in the plan
-// (model.py, `native_plan`) rather than on every product. One to three rows, by the kernel above where it applies.
+// (model.py, `native_plan`) rather than on every product. By a kernel above where one applies. Also the canvas's
+// soft embedding (probs @ embedding, model.py `embed_canvas`: matmul's mm of the rows), where weight_t is the
+// embedding itself.
 Tensor product(const Tensor& x, const Tensor& weight_t) {
   if (Tensor out = kernel_product(x, weight_t); out.defined()) return out;
   warm(weight_t, x.size(-1) == 0 ? 0 : x.numel() / x.size(-1));
@@ -1268,9 +1279,9 @@ void set_half_width(bool on) { half_width_on.store(on); }
 // rows at the current thread count (1 held, 0 did not, -1 not checked yet).
 bool half_width_kernels() { return kHalfRows; }
 
-int64_t few_rows_verdict(int64_t k, int64_t rows, int64_t tail) {
+int64_t few_rows_verdict(int64_t k, int64_t rows, int64_t tail, bool plain) {
   std::lock_guard<std::mutex> lock(rows_mutex);
-  const auto found = few_hold.find({k, rows, tail, at::get_num_threads()});
+  const auto found = few_hold.find({k, rows, tail, plain, at::get_num_threads()});
   return found == few_hold.end() ? -1 : (found->second ? 1 : 0);
 }
 
@@ -1360,13 +1371,14 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("warm_enabled() -> (bool, bool)", &warm_enabled);
   m.def("head(Tensor x, Tensor weight) -> Tensor", &head);
   m.def("head_checks() -> (int, int)", &head_checks);
+  m.def("product(Tensor x, Tensor weight_t) -> Tensor", &product);
   m.def("rows_product(Tensor x, Tensor weight_t) -> Tensor", &rows_product);
   m.def("rows_kernel_product(Tensor x, Tensor weight) -> Tensor", &rows_kernel_product);
   m.def("rows_kernel_checks() -> (int, int)", &rows_kernel_checks);
   m.def("set_rows_kernel(bool on) -> ()", &set_rows_kernel);
   m.def("set_half_width(bool on) -> ()", &set_half_width);
   m.def("half_width_kernels() -> bool", &half_width_kernels);
-  m.def("few_rows_verdict(int k, int rows, int tail) -> int", &few_rows_verdict);
+  m.def("few_rows_verdict(int k, int rows, int tail, bool plain=False) -> int", &few_rows_verdict);
   m.def("half_width_copies() -> (int, int, int)", &half_width_copies);
   m.def("rows_kernel_verdict(int k, int rows, int tail) -> int", &rows_kernel_verdict);
   m.def("fused_norm_width() -> int", &fused_norm_width);
