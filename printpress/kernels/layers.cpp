@@ -880,6 +880,13 @@ void product_into(Tensor& out, const Tensor& x, const Tensor& weight_t) {
 // soft embedding (probs @ embedding, model.py `embed_canvas`: matmul's mm of the rows), where weight_t is the
 // embedding itself.
 Tensor product(const Tensor& x, const Tensor& weight_t) {
+  if (x.dim() > 2 && x.is_contiguous() && weight_t.dim() == 2) {  // at::linear's mm of the rows, as at::linear folds them
+    std::vector<int64_t> sizes = x.sizes().vec();
+    if (Tensor out = kernel_product(x.view({-1, x.size(-1)}), weight_t); out.defined()) {
+      sizes.back() = weight_t.size(1);
+      return out.view(sizes);
+    }
+  }
   if (Tensor out = kernel_product(x, weight_t); out.defined()) return out;
   warm(weight_t, x.size(-1) == 0 ? 0 : x.numel() / x.size(-1));
   return x.dim() == 2 ? at::mm(x, weight_t) : at::linear(x, weight_t.t());
