@@ -842,8 +842,8 @@ Tensor few_rows_copy(const Tensor& x, const Tensor& weight_t) {
   const bool transposed = weight_t.stride(0) == 1 && weight_t.stride(1) == k;
   const bool plain = weight_t.stride(0) == n && weight_t.stride(1) == 1;
   if (!transposed && !plain) return Tensor();
-  Tensor half = half_width_copy(weight_t);
-  return half.defined() && few_rows_holds(k, x.size(0), n % 4, plain) ? half : Tensor();
+  // the order first: where it does not hold (another CPU's MKL), no copy is made
+  return few_rows_holds(k, x.size(0), n % 4, plain) ? half_width_copy(weight_t) : Tensor();
 }
 
 // x times weight_t by one of the kernels into `out` (unit column stride) where one applies; false where none does.
