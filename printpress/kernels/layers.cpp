@@ -732,7 +732,6 @@ bool rows_kernel_applies(const Tensor& x, const Tensor& weight_t) {
 // copy is made. `set_half_width(false)` turns the copies off (for A/B measurements, or to save their memory).
 struct HalfWidth {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the weight's, not kept alive by this entry
-  std::vector<int64_t> sizes, strides;                // the transposed view's, (k, n)
   int64_t version = 0;
   Tensor copy;  // `blocked`, float16 or bfloat16; undefined where the values do not fit either
 };
@@ -773,15 +772,13 @@ Tensor half_width_copy(const Tensor& weight_t) {
   auto found = half_widths.find(key);
   if (found != half_widths.end()) {
     const HalfWidth& entry = found->second;
-    if (!entry.storage.expired() && entry.storage._unsafe_get_target() == storage && entry.version == version &&
-        entry.sizes == weight_t.sizes().vec() && entry.strides == weight_t.strides().vec())
+    if (!entry.storage.expired() && entry.storage._unsafe_get_target() == storage && entry.version == version)
       return entry.copy;
   }
   for (auto it = half_widths.begin(); it != half_widths.end();) {  // entries of weights that are gone
     it = it->second.storage.expired() ? half_widths.erase(it) : std::next(it);
   }
-  HalfWidth entry{weight_t.storage().getWeakStorageImpl(), weight_t.sizes().vec(), weight_t.strides().vec(), version,
-                  narrower_copy(weight_t.t())};
+  HalfWidth entry{weight_t.storage().getWeakStorageImpl(), version, narrower_copy(weight_t.t())};
   Tensor copy = entry.copy;
   half_widths.insert_or_assign(key, std::move(entry));
   return copy;
