@@ -59,7 +59,7 @@ from printpress.checkpoint import convert
 from printpress.config import TextConfig
 from printpress.eval.report import cpu_name
 from printpress.fast import compile_ar_step
-from printpress.model import DiffusionGemma, native_layers
+from printpress.model import DiffusionGemma, allow_half_width, native_layers
 from printpress.precision import native_bf16_flags, read_cpuinfo
 from printpress.sampling import SamplerSettings, StabilityTracker
 
@@ -277,6 +277,7 @@ def benchmark_model(size: str, stored_as: torch.dtype = torch.float32) -> Diffus
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.to(stored_as).float())
+    allow_half_width(model)  # an inference model, as printpress.load marks the models it loads
     return model
 
 

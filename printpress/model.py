@@ -397,6 +397,18 @@ def _cpp_layers_for(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def allow_half_width(model: nn.Module) -> bool:
+    """Lets printpress_layers read `model`'s weights from half-width copies where their values are float16s or
+    bfloat16s (the same bits, fewer bytes: layers.cpp, "the half-width copies"): for a model used for inference, whose
+    weights change, if at all, only through in-place operations on the parameters (which the copies notice), not
+    through `.data` or storage tricks (which they would not). `printpress.load` calls it. False where the C++ layers
+    are not built or not on."""
+    if not NATIVE_LAYERS or not native_layers():
+        return False
+    torch.ops.printpress_layers.allow_half_width([param.detach() for param in model.parameters()])
+    return True
+
+
 def native_layers() -> bool:
     """Whether printpress_layers is loaded (built on a machine's first inference pass, ~10 s, then cached)."""
     return native.load("layers.cpp", "the layers run through Python (the same numbers, slower)", lambda: None)

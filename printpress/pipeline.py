@@ -21,6 +21,7 @@ from printpress.catalog import DEFAULT_MODEL, default_model_path  # noqa: F401 -
 from printpress.diffusion import diffusion
 from printpress.errors import GenerationError, PrintpressError
 from printpress.events import Decode, DoneEvent, EditResult, Event, GenerationResult
+from printpress.model import allow_half_width
 from printpress.request import Request, check_logprobs, check_prompts, model_device
 from printpress.runtime_options import (check_canvas_length, check_compile, check_compile_weights, check_dtype,
                                        check_quantize)
@@ -151,6 +152,7 @@ class Pipeline:
         model, config, generation_config, tokenizer = load_model(str(path_or_id), dtype=dtype, device=device,
                                                                  quantize=quantize, canvas_length=canvas_length)
         model.eval()
+        allow_half_width(model)  # an inference model: its products may read half-width copies (the same bits)
         if compile is not None:
             from printpress.fast import compile_ar_step, compile_decoder
 

@@ -14,8 +14,10 @@ import torch
 from helpers import TINY_CONFIGS
 from torch import nn
 
+import printpress
 import printpress.model as model_module
-from printpress.config import TextConfig
+from printpress.checkpoint import save_model
+from printpress.config import ModelConfig, TextConfig
 from printpress.model import DiffusionGemma, NativePlan, SelfConditioningPlan, native_layers
 from printpress.quantize import quantize_model
 
@@ -394,6 +396,7 @@ def test_products_of_four_or_more_rows_from_half_valued_weights_give_atens_bits(
                 weight[0, 0] = 2.0**-30 if dtype == torch.bfloat16 else weight[0, 0]  # (no float16 holds it)
                 stored = weight.t().contiguous()  # (k, n): an embedding's layout
                 keep += [weight, stored]
+                ops.allow_half_width([weight, stored])  # (as printpress.load marks an inference model's weights)
                 for m in rows:
                     x = mixed_numbers((m, k), g)
                     got = ops.rows_product(x, weight.t())
@@ -412,6 +415,7 @@ def test_products_of_four_or_more_rows_from_half_valued_weights_give_atens_bits(
         fp16, bf16, neither = ops.half_width_copies()
         assert fp16 >= 14 and bf16 >= 14
         weight = mixed_numbers((32, 64), g)  # float32 values that do not fit: at::mm, remembered as not fitting
+        ops.allow_half_width([weight])
         x = mixed_numbers((5, 64), g)
         assert torch.equal(ops.rows_product(x, weight.t()), torch.nn.functional.linear(x, weight))
         assert ops.half_width_copies()[2] == neither + 1
@@ -429,6 +433,7 @@ def test_a_half_valued_model_reads_its_weights_at_half_width_with_the_same_bits(
     if not ops.half_width_kernels():
         pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
     model = half_valued(tiny_model("gqa"), dtype)
+    assert model_module.allow_half_width(model)
     before = ops.half_width_copies()
     assert_bit_equal(*both_sides(model, monkeypatch))
     after = ops.half_width_copies()
@@ -444,3 +449,27 @@ def test_a_half_valued_model_reads_its_weights_at_half_width_with_the_same_bits(
     finally:
         ops.set_half_width(True)
     assert_bit_equal(native_out, passes(model))
+
+
+@HALF_WIDTH
+def test_only_a_model_marked_for_inference_reads_half_width_copies(tmp_path, monkeypatch):
+    """A model not marked (one being trained: its weights may change through `.data` or an FSDP all-gather, which the
+    copies could not notice) makes no copy and keeps at::mm's products, even after its weights change behind the
+    version counter; `printpress.load` marks the model it loads."""
+    ops = torch.ops.printpress_layers
+    if not ops.half_width_kernels():
+        pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
+    model = half_valued(tiny_model("gqa"), torch.float16)
+    before = ops.half_width_copies()
+    assert_bit_equal(*both_sides(model, monkeypatch))
+    assert ops.half_width_copies() == before  # not marked: no copies
+    for layer in model.layers:  # behind the version counter: what a marked model's copies would not see
+        layer.self_attn.q_proj.weight.data.mul_(2.0)
+    assert_bit_equal(*both_sides(model, monkeypatch))
+
+    saved = save_model(model, ModelConfig(model.config, canvas_length=8), tmp_path / "m", dtype=torch.float16)
+    loaded = printpress.load(saved).model
+    with torch.no_grad():
+        cache = loaded.new_cache(1, 8)
+        loaded.encode(torch.tensor([[3, 4, 5]]), cache, logits="none")
+    assert ops.half_width_copies()[0] > before[0]

@@ -727,8 +727,11 @@ bool rows_kernel_applies(const Tensor& x, const Tensor& weight_t) {
 //
 // A weight's half-width copy (`blocked`) is made on its first product by the kernels above (one conversion and one
 // comparison; where a value does not fit, that is remembered instead) and used while the weight's storage lives and
-// its version counter (which every in-place change moves: an optimizer's step, a `copy_` into the parameter) stands
-// where it stood. It costs half the weight's bytes again; the copy of a weight that is gone is dropped when the next
+// its version counter (which every in-place change through autograd's view of the tensor moves: an optimizer's step,
+// a `copy_` into the parameter under no_grad) stands where it stood. Writes that bypass the counter (through
+// `.data`, or into a storage as FSDP's all-gathers refill theirs) would leave a copy stale, so copies are made only
+// for the weights of a model marked for inference (`allow_half_width`, which printpress.load calls): a model being
+// trained or evaluated in a training loop keeps at::mm's products from its float32 weights. It costs half the weight's bytes again; the copy of a weight that is gone is dropped when the next
 // copy is made. `set_half_width(false)` turns the copies off (for A/B measurements, or to save their memory).
 struct HalfWidth {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the weight's, not kept alive by this entry
@@ -737,6 +740,9 @@ struct HalfWidth {
 };
 
 std::mutex half_mutex;
+// The storages whose weights may be read from copies (`allow_half_width`: an inference model's, marked by
+// printpress.load), each with a reference that does not keep it alive.
+std::map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> half_allowed;
 // by the weight's first element and its view's sizes and strides (a weight read in both layouts has two copies)
 std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int64_t>, HalfWidth> half_widths;
 std::atomic<bool> half_width_on{true};
@@ -769,6 +775,8 @@ Tensor half_width_copy(const Tensor& weight_t) {
   c10::StorageImpl* storage = weight_t.storage().unsafeGetStorageImpl();
   const int64_t version = weight_t._version();
   std::lock_guard<std::mutex> lock(half_mutex);
+  const auto allowed = half_allowed.find(storage);
+  if (allowed == half_allowed.end() || allowed->second.expired()) return Tensor();
   auto found = half_widths.find(key);
   if (found != half_widths.end()) {
     const HalfWidth& entry = found->second;
@@ -1279,6 +1287,20 @@ void set_rows_kernel(bool on) { rows_kernel_on.store(on); }
 
 void set_half_width(bool on) { half_width_on.store(on); }
 
+// Marks the storages of `weights` (an inference model's parameters) as ones whose weights may be read from half-width
+// copies; returns how many storages are marked now (of tensors that live).
+int64_t allow_half_width(const std::vector<Tensor>& weights) {
+  std::lock_guard<std::mutex> lock(half_mutex);
+  for (auto it = half_allowed.begin(); it != half_allowed.end();) {
+    it = it->second.expired() ? half_allowed.erase(it) : std::next(it);
+  }
+  for (const Tensor& weight : weights) {
+    if (weight.defined() && weight.has_storage() && weight.device().is_cpu())
+      half_allowed.insert_or_assign(weight.storage().unsafeGetStorageImpl(), weight.storage().getWeakStorageImpl());
+  }
+  return static_cast<int64_t>(half_allowed.size());
+}
+
 // Whether this build has the half-width kernels (AVX-512); what the many-row check found for inner size k and `rows`
 // rows at the current thread count (1 held, 0 did not, -1 not checked yet).
 bool half_width_kernels() { return kHalfRows; }
@@ -1381,6 +1403,7 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("rows_kernel_checks() -> (int, int)", &rows_kernel_checks);
   m.def("set_rows_kernel(bool on) -> ()", &set_rows_kernel);
   m.def("set_half_width(bool on) -> ()", &set_half_width);
+  m.def("allow_half_width(Tensor[] weights) -> int", &allow_half_width);
   m.def("half_width_kernels() -> bool", &half_width_kernels);
   m.def("few_rows_verdict(int k, int rows, int tail, bool plain=False) -> int", &few_rows_verdict);
   m.def("half_width_copies() -> (int, int, int)", &half_width_copies);
