@@ -376,6 +376,22 @@ constexpr int64_t kHalfBlock = 16;  // outputs per block of the copy
 constexpr int64_t kFewRowsMin = 4, kFewRowsMax = 64;  // input rows few_rows_kernel takes
 constexpr int64_t kRowsAheadBytes = 256 * 1024;  // bytes of a weight read ahead at a time (see rows_kernel)
 
+// `blocks` blocks of a weight's rows, `block_bytes` each from `w` (`total_bytes` in all: the last block may be
+// short), split between threads in pieces of ~kRowsAheadBytes, each read ahead just before its products where
+// `ahead`; `piece(first block, blocks)` computes a piece's outputs whole (so the bits do not depend on the threads).
+template <typename F>
+void in_pieces(const void* w, int64_t blocks, int64_t block_bytes, int64_t total_bytes, bool ahead, const F& piece) {
+  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);  // also the least a thread's task holds
+  at::parallel_for(0, blocks, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; c += chunk) {
+      const int64_t stop = std::min(end, c + chunk);
+      const int64_t from = c * block_bytes;
+      if (ahead) warm_bytes(static_cast<const char*>(w) + from, std::min(stop * block_bytes, total_bytes) - from);
+      piece(c, stop - c);
+    }
+  });
+}
+
 // MKL's runs of a product of 4 or more rows over an inner size k (few_rows_kernel), as [start, end) pairs.
 std::vector<std::pair<int64_t, int64_t>> few_rows_runs(int64_t k) {
   if (k <= 192) return {{0, k}};
@@ -454,28 +470,29 @@ void half_pass(int64_t blocks, const float* x, int64_t x_stride, const W* w, int
   }
 }
 
+// half_pass for `rows` (1 to 3) input rows; `lead` (one row only): its first four products first.
+template <typename W>
+void half_pass_of(int64_t rows, bool lead, int64_t blocks, const float* x, int64_t x_stride, const W* w, int64_t k,
+                  float* y, int64_t y_stride, int64_t valid) {
+  if (rows == 1 && lead)
+    half_pass<1, true>(blocks, x, x_stride, w, k, y, y_stride, valid);
+  else if (rows == 1)
+    half_pass<1, false>(blocks, x, x_stride, w, k, y, y_stride, valid);
+  else if (rows == 2)
+    half_pass<2, false>(blocks, x, x_stride, w, k, y, y_stride, valid);
+  else if (rows == 3)
+    half_pass<3, false>(blocks, x, x_stride, w, k, y, y_stride, valid);
+}
+
 template <typename W>
 void half_rows(const Tensor& x, const W* w, int64_t k, int64_t whole, const Tensor& out, bool ahead) {
   const int64_t m = x.size(0), x_stride = x.stride(0), y_stride = out.stride(0);
-  const int64_t blocks = (whole + kHalfBlock - 1) / kHalfBlock;
+  const int64_t blocks = (whole + kHalfBlock - 1) / kHalfBlock, block_bytes = kHalfBlock * k * sizeof(W);
   const float* xs = x.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  const int64_t block_bytes = kHalfBlock * k * static_cast<int64_t>(sizeof(W));
-  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);
-  at::parallel_for(0, blocks, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; c += chunk) {
-      const int64_t stop = std::min(end, c + chunk);
-      const W* first = w + c * k * kHalfBlock;
-      if (ahead) warm_bytes(reinterpret_cast<const char*>(first), (stop - c) * block_bytes);
-      float* y_first = y + c * kHalfBlock;
-      const int64_t valid = whole - c * kHalfBlock;
-      if (m == 1)
-        half_pass<1, true>(stop - c, xs, x_stride, first, k, y_first, y_stride, valid);
-      else if (m == 2)
-        half_pass<2, false>(stop - c, xs, x_stride, first, k, y_first, y_stride, valid);
-      else
-        half_pass<3, false>(stop - c, xs, x_stride, first, k, y_first, y_stride, valid);
-    }
+  in_pieces(w, blocks, block_bytes, blocks * block_bytes, ahead, [&](int64_t c, int64_t count) {
+    half_pass_of(m, true, count, xs, x_stride, w + c * k * kHalfBlock, k, y + c * kHalfBlock, y_stride,
+                 whole - c * kHalfBlock);
   });
 }
 
@@ -567,36 +584,24 @@ void few_pass(int64_t rows, int64_t blocks, const float* x, int64_t x_stride, co
 template <typename W>
 void few_rows(const Tensor& x, const W* w, int64_t k, int64_t n, const Tensor& out, bool ahead) {
   const int64_t m = x.size(0), x_stride = x.stride(0), y_stride = out.stride(0);
-  const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
+  const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock, block_bytes = kHalfBlock * k * sizeof(W);
   const auto runs = few_rows_runs(k);
   // the rows added as multiply-adds: all of them, but on more than one thread where fewer than 12 are not a multiple
   // of 4 (MKL adds the last m % 4 there as a product of those rows alone)
   const int64_t multiply_added = at::get_num_threads() == 1 || m >= 12 ? m : m / 4 * 4;
   const float* xs = x.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  const int64_t block_bytes = kHalfBlock * k * static_cast<int64_t>(sizeof(W));
-  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);
-  at::parallel_for(0, blocks, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; c += chunk) {
-      const int64_t stop = std::min(end, c + chunk);
-      const W* first = w + c * k * kHalfBlock;
-      if (ahead) warm_bytes(reinterpret_cast<const char*>(first), (stop - c) * block_bytes);
-      float* y_first = y + c * kHalfBlock;
-      const int64_t valid = n - c * kHalfBlock;
-      few_pass(multiply_added, stop - c, xs, x_stride, first, k, runs, y_first, y_stride, valid);
-      const float* rest = xs + multiply_added * x_stride;  // the rows after, as a product of those rows alone
-      float* y_rest = y_first + multiply_added * y_stride;
-      if (m - multiply_added == 1)
-        half_pass<1, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
-      else if (m - multiply_added == 2)
-        half_pass<2, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
-      else if (m - multiply_added == 3)
-        half_pass<3, false>(stop - c, rest, x_stride, first, k, y_rest, y_stride, valid);
-    }
+  in_pieces(w, blocks, block_bytes, blocks * block_bytes, ahead, [&](int64_t c, int64_t count) {
+    const W* first = w + c * k * kHalfBlock;
+    float* y_first = y + c * kHalfBlock;
+    const int64_t valid = n - c * kHalfBlock;
+    few_pass(multiply_added, count, xs, x_stride, first, k, runs, y_first, y_stride, valid);
+    half_pass_of(m - multiply_added, false, count, xs + multiply_added * x_stride, x_stride, first, k,
+                 y_first + multiply_added * y_stride, y_stride, valid);
   });
 }
 
-// x (m, k; 4 <= m <= 8) times the weight whose half-width copy is `half` (`blocked`), n outputs, in MKL's order.
+// x (m, k; 4 <= m <= 64) times the weight whose half-width copy is `half` (`blocked`), n outputs, in MKL's order.
 void few_rows_kernel(const Tensor& x, const Tensor& half, int64_t n, const Tensor& out, bool ahead) {
   const int64_t k = x.size(1);
   if (half.scalar_type() == at::kHalf)
@@ -640,23 +645,14 @@ void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, boo
   float* y = out.data_ptr<float>();
   const int64_t x_stride = x.stride(0), y_stride = out.stride(0), block_bytes = kRowBlock * k * 4;
   const int64_t blocks = (whole + kRowBlock - 1) / kRowBlock;
-  // blocks read ahead at once, and the least a thread's task holds
-  const int64_t chunk = std::max<int64_t>(1, kRowsAheadBytes / block_bytes);
-  at::parallel_for(0, blocks, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; c += chunk) {
-      const int64_t stop = std::min(end, c + chunk);
-      if (ahead) {
-        const int64_t rows = std::min(stop * kRowBlock, whole) - c * kRowBlock;
-        warm_bytes(reinterpret_cast<const char*>(w + c * kRowBlock * k), rows * k * 4);
-      }
-      for (int64_t b = c; b < stop; ++b) {
-        const int64_t first = b * kRowBlock, rows = std::min(kRowBlock, whole - first);
-        if (m == 1) {
-          row_block<true>(xs, w + first * k, k, rows, y + first);
-        } else {
-          for (int64_t r = 0; r < m; ++r)
-            row_block<false>(xs + r * x_stride, w + first * k, k, rows, y + r * y_stride + first);
-        }
+  in_pieces(w, blocks, block_bytes, whole * k * 4, ahead, [&](int64_t c, int64_t count) {
+    for (int64_t b = c; b < c + count; ++b) {
+      const int64_t first = b * kRowBlock, rows = std::min(kRowBlock, whole - first);
+      if (m == 1) {
+        row_block<true>(xs, w + first * k, k, rows, y + first);
+      } else {
+        for (int64_t r = 0; r < m; ++r)
+          row_block<false>(xs + r * x_stride, w + first * k, k, rows, y + r * y_stride + first);
       }
     }
   });
@@ -731,8 +727,9 @@ bool rows_kernel_applies(const Tensor& x, const Tensor& weight_t) {
 // a `copy_` into the parameter under no_grad) stands where it stood. Writes that bypass the counter (through
 // `.data`, or into a storage as FSDP's all-gathers refill theirs) would leave a copy stale, so copies are made only
 // for the weights of a model marked for inference (`allow_half_width`, which printpress.load calls): a model being
-// trained or evaluated in a training loop keeps at::mm's products from its float32 weights. It costs half the weight's bytes again; the copy of a weight that is gone is dropped when the next
-// copy is made. `set_half_width(false)` turns the copies off (for A/B measurements, or to save their memory).
+// trained or evaluated in a training loop keeps at::mm's products from its float32 weights. A copy costs half the
+// weight's bytes again; the copy of a weight that is gone is dropped when the next copy is made.
+// `set_half_width(false)` turns the copies off (for A/B measurements, or to save their memory).
 struct HalfWidth {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the weight's, not kept alive by this entry
   int64_t version = 0;
@@ -885,7 +882,7 @@ void product_into(Tensor& out, const Tensor& x, const Tensor& weight_t) {
 // soft embedding (probs @ embedding, model.py `embed_canvas`: matmul's mm of the rows), where weight_t is the
 // embedding itself.
 Tensor product(const Tensor& x, const Tensor& weight_t) {
-  if (x.dim() > 2 && x.is_contiguous() && weight_t.dim() == 2) {  // at::linear's mm of the rows, as at::linear folds them
+  if (x.dim() > 2 && x.is_contiguous() && weight_t.dim() == 2) {  // the rows, as at::linear folds them for its mm
     std::vector<int64_t> sizes = x.sizes().vec();
     if (Tensor out = kernel_product(x.view({-1, x.size(-1)}), weight_t); out.defined()) {
       sizes.back() = weight_t.size(1);
