@@ -402,7 +402,10 @@ def allow_half_width(model: nn.Module) -> bool:
     bfloat16s (the same bits, fewer bytes: layers.cpp, "the half-width copies"): for a model used for inference, whose
     weights change, if at all, only through in-place operations on the parameters (which the copies notice), not
     through `.data` or storage tricks (which they would not). `printpress.load` calls it. False where the C++ layers
-    are not built or not on."""
+    are not built or not on, or the model is not a float32 one on the CPU (nothing to copy)."""
+    weight = model.get_parameter("embed_tokens.weight") if hasattr(model, "embed_tokens") else None
+    if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
     if not NATIVE_LAYERS or not native_layers():
         return False
     torch.ops.printpress_layers.allow_half_width([param.detach() for param in model.parameters()])
