@@ -72,15 +72,31 @@ class KVJoin:
                 cached.index_copy_(2, self.slots, new[:, :, t - self.keep :])
 
 
+def copy_runs(targets: list[torch.Tensor], sources: list[torch.Tensor], starts: list[int], offsets: list[int],
+              counts: list[int]) -> None:
+    """targets[i][:, :, starts[i] : starts[i] + counts[i]] = sources[i][:, :, offsets[i] : offsets[i] + counts[i]] for
+    every i, in one call to the C++ layers where they are loaded (else a view and a copy each)."""
+    if not targets:
+        return
+    if native.loaded("layers.cpp"):
+        torch.ops.printpress_layers.write_rows(targets, sources, starts, offsets, counts)
+        return
+    pairs = [(t.narrow(2, s, c), f.narrow(2, o, c)) for t, f, s, o, c in zip(targets, sources, starts, offsets,
+                                                                           counts) if c]
+    if pairs:
+        torch._foreach_copy_(*map(list, zip(*pairs)))
+
+
 @dataclass
 class RingSnapshot:
     """Sliding-ring contents a block is about to overwrite (see `KVCache.snapshot`)."""
 
     length: int  # cache length when taken: the block starts here
     new_tokens: int
-    slots: torch.Tensor  # ring slots the block writes, in block order
+    first: int  # the first ring slot the block writes; its slots run on from there, unless `slots` is set
+    slots: torch.Tensor | None  # the slots the block writes, in block order, where they wrap around the ring
     slot_positions: torch.Tensor  # positions those slots held before
-    saved: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer: old keys/values at `slots` (sliding only)
+    saved: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer: old keys/values of those slots (sliding only)
 
 
 class KVCache:
@@ -268,15 +284,7 @@ class KVCache:
             starts += [start, start]
             offsets += [offset, offset]
             counts += [count, count]
-        if not targets:
-            return
-        if native.loaded("rows_linear.cpp"):
-            torch.ops.printpress_fast.write_rows(targets, sources, starts, offsets, counts)
-            return
-        pairs = [(t.narrow(2, s, c), f.narrow(2, o, c)) for t, f, s, o, c in zip(targets, sources, starts, offsets,
-                                                                               counts) if c]
-        if pairs:
-            torch._foreach_copy_(*map(list, zip(*pairs)))
+        copy_runs(targets, sources, starts, offsets, counts)
 
     def advance(self, new_tokens: int, attention_mask: torch.Tensor | None) -> None:
         """Commit a block of `new_tokens` positions: record its pad mask and ring positions."""
@@ -312,10 +320,21 @@ class KVCache:
     def snapshot(self, new_tokens: int) -> RingSnapshot:
         """Save what writing a block of `new_tokens` would overwrite in the sliding rings, so `truncate` can
         undo part of that block. Full layers need nothing saved: positions past the length are never read."""
-        slots = self._ring_slots(new_tokens)
-        saved = [(layer.keys[:, :, slots], layer.values[:, :, slots]) if layer.sliding else None
-                 for layer in self.layers]
-        return RingSnapshot(self.length, new_tokens, slots, self.slot_positions[slots], saved)
+        keep = min(new_tokens, self.window)
+        first = (self.length + new_tokens - keep) % self.window if keep else 0
+        if first + keep > self.window:  # the slots wrap around the ring: saved by index
+            slots = self._ring_slots(new_tokens)
+            saved = [(layer.keys[:, :, slots], layer.values[:, :, slots]) if layer.sliding else None
+                     for layer in self.layers]
+            return RingSnapshot(self.length, new_tokens, first, slots, self.slot_positions[slots], saved)
+        # One run of slots (the usual case): every sliding layer's saved by one batched copy.
+        saved = [tuple(t.new_empty(t.shape[0], t.shape[1], keep, t.shape[3]) for t in (layer.keys, layer.values))
+                 if layer.sliding else None for layer in self.layers]
+        buffers = [t for pair in saved if pair is not None for t in pair]
+        sources = [t for layer in self.layers if layer.sliding for t in (layer.keys, layer.values)]
+        copy_runs(buffers, sources, [0] * len(buffers), [first] * len(buffers), [keep] * len(buffers))
+        positions = self.slot_positions[first : first + keep].clone()
+        return RingSnapshot(self.length, new_tokens, first, None, positions, saved)
 
     def truncate(self, length: int, snapshot: RingSnapshot) -> None:
         """Forget every position from `length` on, as if only the block's first `length - start` tokens had
@@ -331,14 +350,22 @@ class KVCache:
             raise GenerationError(
                 f"cannot truncate a block of {snapshot.new_tokens} tokens part way: the sliding window keeps {self.window}"
             )
-        written = torch.arange(end - snapshot.slots.numel(), end, device=self.device)  # position each slot got
-        restore = written >= length
-        slots = snapshot.slots[restore]
-        for layer, saved in zip(self.layers, snapshot.saved):
-            if saved is not None:
-                layer.keys[:, :, slots] = saved[0][:, :, restore]
-                layer.values[:, :, slots] = saved[1][:, :, restore]
-        self.slot_positions[slots] = snapshot.slot_positions[restore]
+        keep = snapshot.slot_positions.numel()  # slots the block wrote, the first holding position end - keep
+        if snapshot.slots is not None:
+            written = torch.arange(end - keep, end, device=self.device)  # position each slot got
+            restore = written >= length
+            slots = snapshot.slots[restore]
+            for layer, saved in zip(self.layers, snapshot.saved):
+                if saved is not None:
+                    layer.keys[:, :, slots] = saved[0][:, :, restore]
+                    layer.values[:, :, slots] = saved[1][:, :, restore]
+            self.slot_positions[slots] = snapshot.slot_positions[restore]
+        elif (kept := max(0, length - (end - keep))) < keep:  # the run's slots from `kept` on get theirs back
+            targets = [t for layer in self.layers if layer.sliding for t in (layer.keys, layer.values)]
+            buffers = [t for pair in snapshot.saved if pair is not None for t in pair]
+            n = len(targets)
+            copy_runs(targets, buffers, [snapshot.first + kept] * n, [kept] * n, [keep - kept] * n)
+            self.slot_positions[snapshot.first + kept : snapshot.first + keep] = snapshot.slot_positions[kept:]
         self.pad_mask[:, length:end] = False
         self._valid_until = min(self._valid_until, length)
         self.length = length

@@ -1274,10 +1274,10 @@ def test_writing_every_layer_at_once_stores_what_writing_each_does(model, monkey
     """`KVCache.write_all` (the compiled passes' store) leaves the cache bit for bit as `write` per layer does, the
     ring (5 slots here) wrapped or not and blocks longer than it too, through the kernel's op or without it."""
     from printpress import native
-    from printpress.fast import rows_linear_ready
+    from printpress.model import native_layers
 
-    if kernel and not rows_linear_ready():
-        pytest.skip("no C++ compiler for the kernel on this machine")
+    if kernel and not native_layers():
+        pytest.skip("no C++ compiler for printpress's layers on this machine")
     if not kernel:
         monkeypatch.setattr(native, "loaded", lambda source: False)
     generator = torch.Generator().manual_seed(start * 31 + n)
@@ -1300,16 +1300,20 @@ def test_writing_every_layer_at_once_stores_what_writing_each_does(model, monkey
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_the_write_rows_op_copies_any_layout_and_refuses_rows_that_do_not_fit(rows_kernel):
+def test_the_write_rows_op_copies_any_layout_and_refuses_rows_that_do_not_fit():
+    from printpress.model import native_layers
+
+    if not native_layers():
+        pytest.skip("no C++ compiler for printpress's layers on this machine")
     target, source = torch.zeros(2, 3, 8, 4), torch.randn(2, 3, 5, 4)
     strided = torch.randn(2, 5, 3, 4).transpose(1, 2)  # rows not contiguous: copied through ATen
-    torch.ops.printpress_fast.write_rows([target, target], [source, strided], [1, 6], [2, 0], [3, 2])
+    torch.ops.printpress_layers.write_rows([target, target], [source, strided], [1, 6], [2, 0], [3, 2])
     assert torch.equal(target[:, :, 1:4], source[:, :, 2:5]) and torch.equal(target[:, :, 6:8], strided[:, :, 0:2])
     assert not target[:, :, [0, 4, 5]].any()
     with pytest.raises(RuntimeError, match=r"rows 3\.\.6 of a \[2, 3, 5, 4\] block do not fit at 0"):
-        torch.ops.printpress_fast.write_rows([target], [source], [0], [3], [3])
+        torch.ops.printpress_layers.write_rows([target], [source], [0], [3], [3])
     with pytest.raises(RuntimeError, match="as many sources, starts, offsets and counts as targets"):
-        torch.ops.printpress_fast.write_rows([target], [source], [0, 1], [0], [1])
+        torch.ops.printpress_layers.write_rows([target], [source], [0, 1], [0], [1])
 
 
 def test_the_metadata_signature_moves_with_a_dtype_or_a_shape_only(rows_kernel):

@@ -1248,6 +1248,44 @@ Tensor self_conditioning(const Tensor& embeds, const Tensor& soft, at::TensorLis
 
 }  // namespace
 
+// targets[i][:, :, starts[i] : starts[i] + counts[i]] = sources[i][:, :, offsets[i] : offsets[i] + counts[i]] for
+// every i (a block's keys and values into each layer's cache, `KVCache.write_all`; a sliding ring's slots saved
+// and put back around a verification, `KVCache.snapshot` / `truncate`): one call instead of two views
+// and a copy per tensor from Python.
+void write_rows(at::TensorList targets, at::TensorList sources, at::IntArrayRef starts, at::IntArrayRef offsets,
+                at::IntArrayRef counts) {
+  const auto n = targets.size();
+  TORCH_CHECK(sources.size() == n && starts.size() == n && offsets.size() == n && counts.size() == n,
+              "printpress_layers::write_rows takes as many sources, starts, offsets and counts as targets");
+  for (size_t i = 0; i < n; ++i) {
+    const auto& to = targets[i];
+    const auto& from = sources[i];
+    const int64_t count = counts[i];
+    if (count == 0) continue;
+    TORCH_CHECK(to.dim() == 4 && from.dim() == 4 && to.size(0) == from.size(0) && to.size(1) == from.size(1) &&
+                    to.size(3) == from.size(3) && starts[i] >= 0 && starts[i] + count <= to.size(2) &&
+                    offsets[i] >= 0 && offsets[i] + count <= from.size(2),
+                "printpress_layers::write_rows: rows ", offsets[i], "..", offsets[i] + count, " of a ", from.sizes(),
+                " block do not fit at ", starts[i], " of a ", to.sizes(), " cache");
+    const int64_t D = to.size(3);
+    const bool rows_contiguous = to.scalar_type() == from.scalar_type() && to.device().is_cpu() &&
+                                 from.device().is_cpu() && to.stride(3) == 1 && from.stride(3) == 1 &&
+                                 to.stride(2) == D && from.stride(2) == D;
+    if (!rows_contiguous) {
+      to.narrow(2, starts[i], count).copy_(from.narrow(2, offsets[i], count));
+      continue;
+    }
+    // Each (batch, head) holds the block's rows as one run of count * D values in both: a memcpy each.
+    const int64_t item = to.element_size(), bytes = count * D * item;
+    char* to_base = static_cast<char*>(to.data_ptr()) + starts[i] * D * item;
+    const char* from_base = static_cast<const char*>(from.data_ptr()) + offsets[i] * D * item;
+    for (int64_t b = 0; b < to.size(0); ++b)
+      for (int64_t h = 0; h < to.size(1); ++h)
+        std::memcpy(to_base + (b * to.stride(0) + h * to.stride(1)) * item,
+                    from_base + (b * from.stride(0) + h * from.stride(1)) * item, bytes);
+  }
+}
+
 // The width the one-loop norm found matching ATen's (16 or 8 lanes), or 0 where it computes norms with ATen's
 // operators; whether the experts' weighted sums hold; and the norm itself (`rms_norm(x, weight, eps)`, the weight
 // optional), for the tests.
@@ -1389,6 +1427,8 @@ void set_warm(bool few, bool many) {
 std::tuple<bool, bool> warm_enabled() { return {warm_few.load(), warm_many.load()}; }
 
 TORCH_LIBRARY(printpress_layers, m) {
+  m.def("write_rows(Tensor(a!)[] targets, Tensor[] sources, int[] starts, int[] offsets, int[] counts) -> ()",
+        &write_rows);
   m.def("choose_warm(Tensor[] weights, int rounds) -> float[]", &choose_warm);
   m.def("set_warm(bool few, bool many) -> ()", &set_warm);
   m.def("warm_enabled() -> (bool, bool)", &warm_enabled);

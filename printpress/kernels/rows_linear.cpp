@@ -14,9 +14,8 @@
 // own, both read in place. `amx_linear` (and `routed_experts_amx`) run a canvas's products on AMX tiles in bfloat16,
 // an opt-in of the compiled passes (`weights="bfloat16"`) where the CPU has them.
 //
-// Helpers for the Python around a compiled call (printpress/fast.py, printpress/cache.py): `write_rows` stores a
-// block's keys and values in every layer's cache at once, `metadata_signature` stands for the parameters' dtypes,
-// devices and sizes in the check before each call.
+// A helper for the Python around a compiled call (printpress/fast.py): `metadata_signature` stands for the
+// parameters' dtypes, devices and sizes in the check before each call.
 //
 // Not bit-exact to MKL (another summation order); only the compiled paths, which are not exact anyway, use it.
 #include <torch/extension.h>
@@ -1119,43 +1118,6 @@ int64_t metadata_signature(at::TensorList tensors) {
   return static_cast<int64_t>(hash);
 }
 
-// targets[i][:, :, starts[i] : starts[i] + counts[i]] = sources[i][:, :, offsets[i] : offsets[i] + counts[i]] for
-// every i (a block's keys and values into each layer's cache, `KVCache.write_all`): one call instead of two views
-// and a copy per tensor from Python.
-void write_rows(at::TensorList targets, at::TensorList sources, at::IntArrayRef starts, at::IntArrayRef offsets,
-                at::IntArrayRef counts) {
-  const auto n = targets.size();
-  TORCH_CHECK(sources.size() == n && starts.size() == n && offsets.size() == n && counts.size() == n,
-              "printpress_fast::write_rows takes as many sources, starts, offsets and counts as targets");
-  for (size_t i = 0; i < n; ++i) {
-    const auto& to = targets[i];
-    const auto& from = sources[i];
-    const int64_t count = counts[i];
-    if (count == 0) continue;
-    TORCH_CHECK(to.dim() == 4 && from.dim() == 4 && to.size(0) == from.size(0) && to.size(1) == from.size(1) &&
-                    to.size(3) == from.size(3) && starts[i] >= 0 && starts[i] + count <= to.size(2) &&
-                    offsets[i] >= 0 && offsets[i] + count <= from.size(2),
-                "printpress_fast::write_rows: rows ", offsets[i], "..", offsets[i] + count, " of a ", from.sizes(),
-                " block do not fit at ", starts[i], " of a ", to.sizes(), " cache");
-    const int64_t D = to.size(3);
-    const bool rows_contiguous = to.scalar_type() == from.scalar_type() && to.device().is_cpu() &&
-                                 from.device().is_cpu() && to.stride(3) == 1 && from.stride(3) == 1 &&
-                                 to.stride(2) == D && from.stride(2) == D;
-    if (!rows_contiguous) {
-      to.narrow(2, starts[i], count).copy_(from.narrow(2, offsets[i], count));
-      continue;
-    }
-    // Each (batch, head) holds the block's rows as one run of count * D values in both: a memcpy each.
-    const int64_t item = to.element_size(), bytes = count * D * item;
-    char* to_base = static_cast<char*>(to.data_ptr()) + starts[i] * D * item;
-    const char* from_base = static_cast<const char*>(from.data_ptr()) + offsets[i] * D * item;
-    for (int64_t b = 0; b < to.size(0); ++b)
-      for (int64_t h = 0; h < to.size(1); ++h)
-        std::memcpy(to_base + (b * to.stride(0) + h * to.stride(1)) * item,
-                    from_base + (b * from.stride(0) + h * from.stride(1)) * item, bytes);
-  }
-}
-
 TORCH_LIBRARY(printpress_fast, m) {
   m.def("rows_linear(Tensor x, Tensor weight, int max_rows) -> Tensor");
   m.def("expert_rows(Tensor x, Tensor weight, Tensor index) -> Tensor");
@@ -1174,8 +1136,6 @@ TORCH_LIBRARY(printpress_fast, m) {
   m.def("small_attention(Tensor q, Tensor past_k, Tensor past_v, Tensor k, Tensor v, Tensor? mask, float scale) "
         "-> Tensor");
   m.def("metadata_signature(Tensor[] tensors) -> int", &metadata_signature);
-  m.def("write_rows(Tensor(a!)[] targets, Tensor[] sources, int[] starts, int[] offsets, int[] counts) -> ()",
-        &write_rows);
 }
 
 TORCH_LIBRARY_IMPL(printpress_fast, CPU, m) {
