@@ -719,14 +719,19 @@ class DiffusionGemma(nn.Module):
         return self.self_conditioning(self.embed(canvas_ids), soft)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
+        head, cap = self.lm_head, self.config.final_logit_softcapping
         if head is None and hidden.is_contiguous() and _cpp_layers_for(hidden):
-            # F.linear's mm, its weight read ahead in blocks where that pays (layers.cpp, `head`): the same bits.
-            rows = torch.ops.printpress_layers.head(hidden.view(-1, hidden.shape[-1]), self.embed_tokens.weight)
-            logits = rows.view(*hidden.shape[:-1], -1).float()
+            # F.linear's mm, its weight read ahead in blocks where that pays (layers.cpp, `head`), and for float32
+            # the softcap's operators in the same call: the same bits.
+            in_call = cap if cap and hidden.dtype == torch.float32 else 0.0
+            rows = torch.ops.printpress_layers.head(hidden.view(-1, hidden.shape[-1]), self.embed_tokens.weight,
+                                                    in_call)
+            logits = rows.view(*hidden.shape[:-1], -1)
+            if in_call:
+                return logits
+            logits = logits.float()
         else:
             logits = (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
-        cap = self.config.final_logit_softcapping
         return softcap(logits, cap) if cap else logits
 
     def rope(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
@@ -894,6 +899,10 @@ class DiffusionGemma(nn.Module):
         additive (0 where a key is seen, -inf elsewhere, the model's dtype), as scaled_dot_product_attention turns
         a boolean mask into in each layer: the same bits (tests/test_model.py) without that conversion per layer."""
         keys = cache.prefix_positions(True) if sliding else None
+        if _cpp_layers_for(positions):  # in one call (cold between passes, a dozen operators took ~0.1 ms)
+            return torch.ops.printpress_layers.causal_mask(keys, cache.length, len(positions),
+                                                           self.config.sliding_window if sliding else 0,
+                                                           cache.batch_size, self.dtype)
         before = torch.arange(cache.length + len(positions), device=positions.device) if keys is None else \
             torch.cat([keys, positions])
         distance = positions[:, None] - before  # (T, S): how far back each key lies from each query

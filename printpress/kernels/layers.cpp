@@ -50,6 +50,7 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/tanh.h>
 #include <ATen/ops/topk.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -65,6 +66,7 @@
 #include <cstdint>
 #include <cstring>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -941,6 +943,14 @@ Tensor head(const Tensor& x, const Tensor& weight) {
   return *holds ? head_in_blocks(x, weight, block) : at::mm(x, weight.t());
 }
 
+// DiffusionGemma.logits of a float32 model: `head`, then the logits' softcap (cap > 0) in place, with model.softcap's
+// operators (one call in place of four from Python).
+Tensor capped_head(const Tensor& x, const Tensor& weight, double cap) {
+  Tensor out = head(x, weight);
+  if (cap > 0.0 && out.scalar_type() == at::kFloat) out.div_(cap).tanh_().mul_(cap);
+  return out;
+}
+
 // The shapes the head has checked so far, and in how many its blocks gave the whole product's bits (for the tests).
 std::tuple<int64_t, int64_t> head_checks() {
   std::lock_guard<std::mutex> lock(head_mutex);
@@ -1286,6 +1296,33 @@ void write_rows(at::TensorList targets, at::TensorList sources, at::IntArrayRef 
   }
 }
 
+// DiffusionGemma._causal_mask (printpress/model.py): the additive mask (batch, 1, t, s) of a block of t tokens at
+// positions length .. length + t - 1, with no padding anywhere, over the keys a layer reads: the cached ones, at the
+// positions `keys` holds in the order attention reads them (undefined: 0 .. length - 1, a full layer's), then the
+// block's own. 0 where a key is seen (not after the query and, where window > 0, less than `window` positions before
+// it), -inf elsewhere, in `dtype`: one call in place of the dozen operators that build it from positions.
+Tensor causal_mask(const std::optional<Tensor>& keys, int64_t length, int64_t t, int64_t window, int64_t batch,
+                   at::ScalarType dtype) {
+  TORCH_CHECK(length >= 0 && t >= 0 && batch >= 1, "printpress_layers::causal_mask: length ", length, ", t ", t,
+              " and batch ", batch, " must be whole, with a batch of at least one row");
+  Tensor cached = keys.has_value() ? keys->to(at::kLong).contiguous() : Tensor();
+  const int64_t before = cached.defined() ? cached.numel() : length, s = before + t;
+  Tensor mask = at::empty({t, s}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* key = cached.defined() ? cached.data_ptr<int64_t>() : nullptr;
+  float* out = mask.data_ptr<float>();
+  const float hidden = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t query = length + i;
+    for (int64_t j = 0; j < s; ++j) {
+      const int64_t position = j < before ? (key != nullptr ? key[j] : j) : length + (j - before);
+      const int64_t distance = query - position;
+      out[i * s + j] = distance >= 0 && (window <= 0 || distance < window) ? 0.0f : hidden;
+    }
+  }
+  if (dtype != at::kFloat) mask = mask.to(dtype);
+  return mask.expand({batch, 1, t, s});
+}
+
 // The width the one-loop norm found matching ATen's (16 or 8 lanes), or 0 where it computes norms with ATen's
 // operators; whether the experts' weighted sums hold; and the norm itself (`rms_norm(x, weight, eps)`, the weight
 // optional), for the tests.
@@ -1432,7 +1469,7 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("choose_warm(Tensor[] weights, int rounds) -> float[]", &choose_warm);
   m.def("set_warm(bool few, bool many) -> ()", &set_warm);
   m.def("warm_enabled() -> (bool, bool)", &warm_enabled);
-  m.def("head(Tensor x, Tensor weight) -> Tensor", &head);
+  m.def("head(Tensor x, Tensor weight, float cap=0.0) -> Tensor", &capped_head);
   m.def("head_checks() -> (int, int)", &head_checks);
   m.def("product(Tensor x, Tensor weight_t) -> Tensor", &product);
   m.def("rows_product(Tensor x, Tensor weight_t) -> Tensor", &rows_product);
@@ -1448,6 +1485,8 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("fused_norm_width() -> int", &fused_norm_width);
   m.def("fused_slot_sums() -> bool", &fused_slot_sums);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
+  m.def("causal_mask(Tensor? keys, int length, int t, int window, int batch, ScalarType dtype) -> Tensor",
+        &causal_mask);
   m.def("attention_inputs(Tensor x, Tensor[] w, int batch, int length, int head_dim, float eps, Tensor cos, "
         "Tensor signed_sin) -> (Tensor, Tensor, Tensor)",
         &attention_inputs);
