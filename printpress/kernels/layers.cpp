@@ -28,7 +28,6 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
-#include <ATen/ops/bincount.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty_like.h>
@@ -984,12 +983,11 @@ Tensor expert_mlp(const Tensor& x, const Tensor& gate_up, const Tensor& down, in
 // out): ATen runs it as one mm per expert into its rows of an output whose rows start at multiples of 16 bytes
 // (`_grouped_mm_fallback`); the same products into the same layout here, without the checks, the offsets' copy and
 // the empty experts' calls.
-Tensor grouped_mm(const Tensor& x, const Tensor& weights_t, const Tensor& counts) {
+Tensor grouped_mm(const Tensor& x, const Tensor& weights_t, const std::vector<int64_t>& count) {
   const int64_t columns = weights_t.size(2), align = 16 / static_cast<int64_t>(x.element_size());
   Tensor out = at::empty_strided({x.size(0), columns}, {(columns + align - 1) / align * align, 1}, x.options());
-  const int64_t* count = counts.data_ptr<int64_t>();
   int64_t start = 0;
-  for (int64_t e = 0; e < counts.numel(); ++e) {
+  for (int64_t e = 0; e < static_cast<int64_t>(count.size()); ++e) {
     if (count[e] == 0) continue;
     Tensor rows = out.slice(0, start, start + count[e]);
     product_into(rows, x.slice(0, start, start + count[e]), weights_t[e]);
@@ -1107,9 +1105,12 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
     Tensor summed = weighted.sum(0, /*keepdim=*/true);
     return summed.scalar_type() == x.scalar_type() ? summed : summed.to(x.scalar_type());
   }
-  Tensor flat = chosen.reshape(-1);
-  Tensor order = std::get<1>(at::sort(flat));
-  Tensor counts = at::bincount(flat, {}, gate_up_proj.size(0));
+  auto [sorted, order] = at::sort(chosen.reshape(-1));
+  // bincount(chosen, minlength=E), from the sorted choices: each expert's rows
+  std::vector<int64_t> counts(gate_up_proj.size(0), 0);
+  const Tensor choices = sorted.contiguous();
+  const int64_t* choice = choices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < choices.numel(); ++i) ++counts[choice[i]];
   Tensor gathered = fused(x) ? gather_rows(x, order, top_k) : x.index_select(0, at::floor_divide(order, top_k));
   auto gate_up = halves(grouped_mm(gathered, gate_up_proj, counts));
   Tensor out = grouped_mm(act(gate_up[0], code) * gate_up[1], down_proj, counts);
