@@ -10,8 +10,11 @@ to quote. Each worker also reports a digest of its logits (an AR step and a deco
 report says whether the two checkouts compute the same bits.
 
 A round: `--steps` consecutive AR steps (`model.encode` of 1 token, `logits="last"`) after a 64-token prefix, then
-decoder passes (`model.denoise`, self-conditioned) over each `--canvases` length after the same prefix. The workers
-use only `printpress.load`, `new_cache`, `encode` and `denoise`, so any checkout of the last months runs.
+decoder passes (`model.denoise`, self-conditioned) over each `--canvases` length after the same prefix, then (with
+`--verify N`) `--passes` consecutive verifications of speculative decoding, each a block of N tokens (the last
+committed one and N - 1 drafts) through `model.encode_tentatively`, of which the first N // 2 are kept (about what
+the shipped model's table drafts get accepted). The workers use only `printpress.load`, `new_cache`, `encode`,
+`encode_tentatively` and `denoise`, so any checkout of the last months runs.
 
     git worktree add /tmp/before <commit>
     OMP_NUM_THREADS=1 .venv/bin/python bench/checkouts_ab.py --before /tmp/before --after . --rounds 40 \\
@@ -38,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 64
 
 
-def worker(model_path: str, steps: int, canvases: list[int], passes: int) -> None:
+def worker(model_path: str, steps: int, canvases: list[int], passes: int, verify: int = 0) -> None:
     """Loads the model from this process's checkout, prints a ready line with the logits' digest, then times one round
     per line read from stdin and prints its milliseconds per call as JSON."""
     import torch
@@ -49,7 +52,8 @@ def worker(model_path: str, steps: int, canvases: list[int], passes: int) -> Non
     model = printpress.load(model_path).model
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prefix = model.new_cache(1, CONTEXT + max(steps, max(canvases)))
+    kept = verify // 2
+    prefix = model.new_cache(1, CONTEXT + max(steps, max(canvases), passes * kept + verify))
     model.encode(torch.randint(3, vocab, (1, CONTEXT), generator=gen), prefix, logits="none")
     token = torch.randint(3, vocab, (1, 1), generator=gen)
     decoder = {}
@@ -72,21 +76,35 @@ def worker(model_path: str, steps: int, canvases: list[int], passes: int) -> Non
             logits = model.denoise(ids, prefix, self_conditioning_probs=probs)
         return (time.perf_counter() - start) / passes * 1e3, logits
 
+    block = torch.randint(3, vocab, (1, verify), generator=gen)
+
+    def verifications() -> tuple[float, torch.Tensor]:
+        cache = copy.deepcopy(prefix)
+        start = time.perf_counter()
+        for _ in range(passes):
+            logits, keep = model.encode_tentatively(block, cache)
+            keep(kept)
+        return (time.perf_counter() - start) / passes * 1e3, logits
+
     digest = hashlib.sha256()
-    for _, logits in [ar_steps()] + [decoder_passes(c) for c in canvases]:  # also the warm-up
+    runs = [ar_steps()] + [decoder_passes(c) for c in canvases] + ([verifications()] if verify else [])
+    for _, logits in runs:  # also the warm-up
         digest.update(logits.contiguous().numpy().tobytes())
     print(json.dumps({"ready": True, "digest": digest.hexdigest()[:16], "threads": torch.get_num_threads(),
                       "torch": torch.__version__}), flush=True)
     for _ in sys.stdin:
         times = {"AR step": ar_steps()[0]}
         times.update({f"decoder pass, canvas {c}": decoder_passes(c)[0] for c in canvases})
+        if verify:
+            times[f"verification of {verify} tokens ({kept} kept)"] = verifications()[0]
         print(json.dumps(times), flush=True)
 
 
 def start_worker(checkout: Path, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(Path(args.model).resolve()),
-               "--steps", str(args.steps), "--passes", str(args.passes), "--canvases", *map(str, args.canvases)]
+               "--steps", str(args.steps), "--passes", str(args.passes), "--canvases", *map(str, args.canvases),
+               "--verify", str(args.verify)]
     return subprocess.Popen(command, cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -111,15 +129,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=32, help="AR steps per round")
     parser.add_argument("--canvases", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--passes", type=int, default=3, help="decoder passes per canvas per round")
+    parser.add_argument("--passes", type=int, default=3, help="decoder passes per canvas (and verifications) per round")
+    parser.add_argument("--verify", type=int, default=0, metavar="N",
+                        help="also time verifications of N-token blocks (speculative decoding's pass; 0: none)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.model, args.steps, args.canvases, args.passes)
+        worker(args.model, args.steps, args.canvases, args.passes, args.verify)
         return
     if args.before is None:
         parser.error("--before: the checkout to compare against is required")
+    if args.verify < 0 or args.verify == 1:
+        parser.error(f"--verify: a block of at least 2 tokens (the committed one and a draft), or 0; got {args.verify}")
     for checkout in (args.before, args.after):
         if not (checkout / "printpress" / "__init__.py").is_file():
             parser.error(f"{checkout} is not a printpress checkout (no printpress/__init__.py)")

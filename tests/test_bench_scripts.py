@@ -47,23 +47,26 @@ def test_every_bench_script_answers_help_and_writes_nothing(tmp_path):
 
 
 def test_checkouts_ab_times_two_checkouts_and_says_whether_they_compute_the_same_bits(tmp_path):
-    """bench/checkouts_ab.py with this checkout on both sides: two workers, alternating rounds, the same logits; and a
-    folder that is not a checkout is refused by name."""
+    """bench/checkouts_ab.py with this checkout on both sides: two workers, alternating rounds, the same logits (the
+    verifications' too); a folder that is not a checkout, and a verification of one token, are refused by name."""
     script = str(ROOT / "bench" / "checkouts_ab.py")
     out = tmp_path / "ab.json"
     done = subprocess.run([sys.executable, script, "--before", str(ROOT), "--after", str(ROOT), "--rounds", "2",
-                           "--steps", "2", "--canvases", "4", "--passes", "1", "--out", str(out)],
+                           "--steps", "2", "--canvases", "4", "--passes", "1", "--verify", "4", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["same_bits"] and "logits identical" in done.stdout
-    assert set(report["work"]) == {"AR step", "decoder pass, canvas 4"}
+    assert set(report["work"]) == {"AR step", "decoder pass, canvas 4", "verification of 4 tokens (2 kept)"}
     for work in report["work"].values():
         assert len(work["before_ms"]) == len(work["after_ms"]) == 2 and work["ratio_median"] > 0
     refused = subprocess.run([sys.executable, script, "--before", str(tmp_path)], capture_output=True, text=True,
                              timeout=120, check=False)
     assert refused.returncode == 2 and f"{tmp_path} is not a printpress checkout" in refused.stderr
+    refused = subprocess.run([sys.executable, script, "--before", str(ROOT), "--verify", "1"], capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert refused.returncode == 2 and "--verify: a block of at least 2 tokens" in refused.stderr
 
 
 def test_checkouts_ab_takes_a_benchmark_size_as_the_model(tmp_path):
