@@ -519,6 +519,8 @@ void half_rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& hal
 // output: a multiply-add per inner element into a run's sum, the runs added up.
 using Runs = std::vector<std::pair<int64_t, int64_t>>;
 
+constexpr int64_t kFewAhead = 32;  // inner elements a block's weights are fetched ahead of their products
+
 // Outputs [0, 16 B) of M rows from B blocks, `valid` of them written.
 template <int M, int B, typename W>
 void few_blocks(const float* x, int64_t x_stride, const W* w, int64_t k, const Runs& runs, float* y, int64_t y_stride,
@@ -530,6 +532,9 @@ void few_blocks(const float* x, int64_t x_stride, const W* w, int64_t k, const R
       for (int b = 0; b < B; ++b) sums[r][b] = _mm512_setzero_ps();
     for (int64_t i = runs[run].first; i < runs[run].second; ++i) {
       __m512 weights[B];
+      if (i % 2 == 0)  // one cache line of each block per two elements: the line kFewAhead elements on
+        for (int b = 0; b < B; ++b)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (b * k + i + kFewAhead) * kHalfBlock), _MM_HINT_T0);
       for (int b = 0; b < B; ++b) weights[b] = load16(w + (b * k + i) * kHalfBlock);
       for (int r = 0; r < M; ++r) {
         const __m512 xs = _mm512_set1_ps(x[r * x_stride + i]);
