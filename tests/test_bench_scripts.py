@@ -84,3 +84,23 @@ def test_checkouts_ab_takes_a_benchmark_size_as_the_model(tmp_path):
     assert report["model"] == "tiny" and report["stored_as"] == "float16" and report["same_bits"]
     refused = subprocess.run([*common, "--model", "huge"], capture_output=True, text=True, timeout=120, check=False)
     assert refused.returncode != 0 and "--model 'huge' is neither a model folder nor a benchmark size" in refused.stderr
+
+
+def test_speculative_interleaved_compares_tables_and_caps_round_by_round(tmp_path):
+    """bench/speculative_interleaved.py: every setting (a table, a cap) has its ratio to greedy AR in each round and
+    their median (greedy speculative output equal to AR's, or the script stops); a malformed --table is refused."""
+    script = str(ROOT / "bench" / "speculative_interleaved.py")
+    table = str(ROOT / "models" / "shakespeare-joint" / "draft_table.safetensors")
+    out = tmp_path / "interleaved.json"
+    done = subprocess.run([sys.executable, script, "--rounds", "2", "--prompts", "2", "--tokens", "8", "--caps", "2",
+                           "3", "--table", f"a={table}", "--table", f"b={table}", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    settings = {"a, cap 2", "a, cap 3", "b, cap 2", "b, cap 3"}
+    assert set(report["median_ratio"]) == settings and len(report["rounds"]) == 2
+    assert all(set(r) == settings | {"ar_tokens_per_s"} and all(v > 0 for v in r.values()) for r in report["rounds"])
+    refused = subprocess.run([sys.executable, script, "--table", "nameless", "--out", str(out)], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT, check=False)
+    assert refused.returncode == 2 and "--table: NAME=PATH, got 'nameless'" in refused.stderr
