@@ -93,9 +93,8 @@ class RingSnapshot:
 
     length: int  # cache length when taken: the block starts here
     new_tokens: int
-    first: int  # the first ring slot the block writes; its slots run on from there, unless `slots` is set
-    slots: torch.Tensor | None  # the slots the block writes, in block order, where they wrap around the ring
-    slot_positions: torch.Tensor  # positions those slots held before
+    runs: list[tuple[int, int, int]]  # the ring slots the block writes: (first slot, index among them, count) each
+    slot_positions: torch.Tensor  # positions those slots held before, in block order
     saved: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer: old keys/values of those slots (sliding only)
 
 
@@ -322,19 +321,30 @@ class KVCache:
         undo part of that block. Full layers need nothing saved: positions past the length are never read."""
         keep = min(new_tokens, self.window)
         first = (self.length + new_tokens - keep) % self.window if keep else 0
-        if first + keep > self.window:  # the slots wrap around the ring: saved by index
-            slots = self._ring_slots(new_tokens)
-            saved = [(layer.keys[:, :, slots], layer.values[:, :, slots]) if layer.sliding else None
-                     for layer in self.layers]
-            return RingSnapshot(self.length, new_tokens, first, slots, self.slot_positions[slots], saved)
-        # One run of slots (the usual case): every sliding layer's saved by one batched copy.
+        # the slots from `first` on, in one run, or in two where they wrap around the ring
+        runs = [(first, 0, min(keep, self.window - first))]
+        if keep > runs[0][2]:
+            runs.append((0, runs[0][2], keep - runs[0][2]))
         saved = [tuple(t.new_empty(t.shape[0], t.shape[1], keep, t.shape[3]) for t in (layer.keys, layer.values))
                  if layer.sliding else None for layer in self.layers]
+        self._copy_ring_runs(saved, runs, into_ring=False)
+        positions = torch.cat([self.slot_positions[slot : slot + count] for slot, _, count in runs])
+        return RingSnapshot(self.length, new_tokens, runs, positions, saved)
+
+    def _copy_ring_runs(self, saved: list[tuple[torch.Tensor, torch.Tensor] | None], runs: list[tuple[int, int, int]],
+                        into_ring: bool) -> None:
+        """Every sliding layer's ring slots of `runs` ((first slot, index in `saved`, count) each) copied into `saved`,
+        or back into the ring (`into_ring`), in one batched copy."""
+        rings = [t for layer in self.layers if layer.sliding for t in (layer.keys, layer.values)]
         buffers = [t for pair in saved if pair is not None for t in pair]
-        sources = [t for layer in self.layers if layer.sliding for t in (layer.keys, layer.values)]
-        copy_runs(buffers, sources, [0] * len(buffers), [first] * len(buffers), [keep] * len(buffers))
-        positions = self.slot_positions[first : first + keep].clone()
-        return RingSnapshot(self.length, new_tokens, first, None, positions, saved)
+        targets, sources, starts, offsets, counts = [], [], [], [], []
+        for slot, index, count in runs:
+            targets += rings if into_ring else buffers
+            sources += buffers if into_ring else rings
+            starts += [slot if into_ring else index] * len(rings)
+            offsets += [index if into_ring else slot] * len(rings)
+            counts += [count] * len(rings)
+        copy_runs(targets, sources, starts, offsets, counts)
 
     def truncate(self, length: int, snapshot: RingSnapshot) -> None:
         """Forget every position from `length` on, as if only the block's first `length - start` tokens had
@@ -350,22 +360,13 @@ class KVCache:
             raise GenerationError(
                 f"cannot truncate a block of {snapshot.new_tokens} tokens part way: the sliding window keeps {self.window}"
             )
-        keep = snapshot.slot_positions.numel()  # slots the block wrote, the first holding position end - keep
-        if snapshot.slots is not None:
-            written = torch.arange(end - keep, end, device=self.device)  # position each slot got
-            restore = written >= length
-            slots = snapshot.slots[restore]
-            for layer, saved in zip(self.layers, snapshot.saved):
-                if saved is not None:
-                    layer.keys[:, :, slots] = saved[0][:, :, restore]
-                    layer.values[:, :, slots] = saved[1][:, :, restore]
-            self.slot_positions[slots] = snapshot.slot_positions[restore]
-        elif (kept := max(0, length - (end - keep))) < keep:  # the run's slots from `kept` on get theirs back
-            targets = [t for layer in self.layers if layer.sliding for t in (layer.keys, layer.values)]
-            buffers = [t for pair in snapshot.saved if pair is not None for t in pair]
-            n = len(targets)
-            copy_runs(targets, buffers, [snapshot.first + kept] * n, [kept] * n, [keep - kept] * n)
-            self.slot_positions[snapshot.first + kept : snapshot.first + keep] = snapshot.slot_positions[kept:]
+        # the slots whose block positions are `length` or later get their old keys, values and positions back
+        kept = max(0, length - (end - snapshot.slot_positions.numel()))  # block slots holding kept positions
+        restore = [(slot + skip, index + skip, count - skip) for slot, index, count in snapshot.runs
+                   if (skip := max(0, kept - index)) < count]
+        self._copy_ring_runs(snapshot.saved, restore, into_ring=True)
+        for slot, index, count in restore:
+            self.slot_positions[slot : slot + count] = snapshot.slot_positions[index : index + count]
         self.pad_mask[:, length:end] = False
         self._valid_until = min(self._valid_until, length)
         self.length = length

@@ -14,7 +14,6 @@ Module and parameter names follow the checkpoint keys under `model.decoder.` one
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -885,7 +884,7 @@ class DiffusionGemma(nn.Module):
         attention with an all-true one, and skipping it saves ~25 kernels per step."""
         if len(positions) == 1 and (new_valid is None or bool(new_valid.all())) and cache.all_valid():
             return Masks(sliding=None, full=None)
-        if new_valid is None and cache.all_valid():  # no padding: the same causal mask for every row, from positions
+        if new_valid is None and _cpp_layers_for(positions) and cache.all_valid():  # no padding: from positions
             return Masks(sliding=self._causal_mask(cache, positions, sliding=True) if self._has(True) else None,
                          full=self._causal_mask(cache, positions, sliding=False) if self._has(False) else None)
         return Masks(
@@ -895,22 +894,12 @@ class DiffusionGemma(nn.Module):
 
     def _causal_mask(self, cache: KVCache, positions: torch.Tensor, sliding: bool) -> torch.Tensor:
         """`_encoder_mask` where every cached and new position holds a real token (a verification's block, a
-        prompt): in fewer operators (no key is masked for padding, and each query sees at least itself), and
-        additive (0 where a key is seen, -inf elsewhere, the model's dtype), as scaled_dot_product_attention turns
-        a boolean mask into in each layer: the same bits (tests/test_model.py) without that conversion per layer."""
-        keys = cache.prefix_positions(True) if sliding else None
-        if _cpp_layers_for(positions):  # in one call (cold between passes, a dozen operators took ~0.1 ms)
-            return torch.ops.printpress_layers.causal_mask(keys, cache.length, len(positions),
-                                                           self.config.sliding_window if sliding else 0,
-                                                           cache.batch_size, self.dtype)
-        before = torch.arange(cache.length + len(positions), device=positions.device) if keys is None else \
-            torch.cat([keys, positions])
-        distance = positions[:, None] - before  # (T, S): how far back each key lies from each query
-        hidden = distance < 0
-        if sliding:
-            hidden |= distance >= self.config.sliding_window
-        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=hidden.device).masked_fill_(hidden, -math.inf)
-        return mask.expand(cache.batch_size, 1, *mask.shape)
+        prompt), in one C++ call (a dozen operators from Python took ~0.1 ms a pass, cold between passes), and
+        additive (0 where a key is seen, -inf elsewhere, the model's dtype), as scaled_dot_product_attention turns a
+        boolean mask into in each layer: the same bits (tests/test_model.py) without that conversion per layer."""
+        return torch.ops.printpress_layers.causal_mask(cache.prefix_positions(True) if sliding else None, cache.length,
+                                                       len(positions), self.config.sliding_window if sliding else 0,
+                                                       cache.batch_size, self.dtype)
 
     def _encoder_mask(self, cache: KVCache, positions: torch.Tensor, new_valid, sliding: bool) -> torch.Tensor | None:
         key_positions = torch.cat([cache.prefix_positions(sliding), positions])

@@ -85,8 +85,8 @@ def test_truncate_restores_exactly_the_cache_of_the_kept_tokens(name, prefix, bl
     bit for bit the one written for that position (by the prefix pass, or by the block pass for kept
     tokens), the ring holds exactly the last window positions, and decoding goes on as after encoding only
     the kept tokens (bit for bit when none is kept; to rounding otherwise, as any encoding in pieces). Blocks of
-    the whole window (the longest that can be rolled back part way: its slots wrap around the ring, saved by index)
-    and of 2 (one run of slots, saved by one batched copy)."""
+    the whole window (the longest that can be rolled back part way: its slots wrap around the ring: two runs)
+    and of 2 (one run of slots, or two on ring3 after 2 tokens)."""
     native_layers()  # the batched copies through the C++ layers where they build (else each through ATen)
     model = tiny_model(name)
     window = model.new_cache(1, 64).window
