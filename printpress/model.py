@@ -626,7 +626,12 @@ class DiffusionGemma(nn.Module):
         super().__init__()
         self.config = config
         self.specs = config.layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        # On the meta device (`checkpoint.build_empty`, whose loader writes every value) nn.Embedding's own draw is
+        # skipped: a normal_ there imports torch._dynamo (~1.1 s of every load). Elsewhere it draws as it always did,
+        # so a seed gives the same initial weights as before.
+        on_meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(Layer(config, spec) for spec in self.specs)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
@@ -651,12 +656,19 @@ class DiffusionGemma(nn.Module):
 
     @staticmethod
     def rope_buffers(config: TextConfig) -> dict[str, torch.Tensor]:
-        """RoPE inverse frequencies per layer kind (computed from the config, never stored)."""
-        return {f"{kind}_inv_freq": rope_inv_freq(config, spec) for kind, spec in _first_spec_per_kind(config).items()}
+        """RoPE inverse frequencies per layer kind (computed from the config, never stored), on the default device.
+        Computed on the CPU, as the reference computes them: on the meta device (`checkpoint.build_empty`) arange runs
+        through torch._refs, whose first use imports torch._dynamo (~1.1 s of every load)."""
+        with torch.device("cpu"):
+            values = {f"{kind}_inv_freq": rope_inv_freq(config, spec) for kind, spec in _first_spec_per_kind(config).items()}
+        device = torch.get_default_device()
+        return {name: value.to(device) for name, value in values.items()}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Random init as the reference does it: N(0, initializer_range) matrices, ones for norms and scales."""
+        if self.embed_tokens.weight.is_meta:  # no values to draw (the loader writes them); see __init__
+            return
         std = self.config.initializer_range
         for name, param in self.named_parameters():
             if param.dim() >= 2:

@@ -69,6 +69,27 @@ def test_checkouts_ab_times_two_checkouts_and_says_whether_they_compute_the_same
     assert refused.returncode == 2 and "--verify: a block of at least 2 tokens" in refused.stderr
 
 
+def test_load_time_loads_in_fresh_interpreters_and_compares_checkouts(tmp_path):
+    """bench/load_time.py with this checkout on both sides: one timed run each, their kernels cached apart, and no
+    torch._dynamo imported by a load; a folder that is not a checkout, and no runs, are refused by name."""
+    script = str(ROOT / "bench" / "load_time.py")
+    out = tmp_path / "load.json"
+    done = subprocess.run([sys.executable, script, "--before", str(ROOT), "--runs", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    for side in ("before", "now"):
+        assert len(report[side]["runs"]) == 1 and report[side]["load_s"] > 0
+        assert report[side]["dynamo_imported"] is False
+    assert report["load_ratio_before_over_now"] > 0 and "load before / now" in done.stdout
+    for args, message in ((["--before", str(tmp_path)], f"{tmp_path} is not a printpress checkout"),
+                          (["--runs", "0"], "--runs must be at least 1, got 0")):
+        refused = subprocess.run([sys.executable, script, *args, "--out", str(out)], capture_output=True, text=True,
+                                 timeout=120, check=False)
+        assert refused.returncode == 2 and message in refused.stderr
+
+
 def test_checkouts_ab_takes_a_benchmark_size_as_the_model(tmp_path):
     """`--model tiny`: bench/engine_speed.py's tiny size with random weights, written once for both sides (here in
     float16, `--stored-as`); a name that is neither a folder nor a size is refused by name."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -406,3 +408,14 @@ def test_pipeline_save_pretrained_round_trips_what_it_generates(tmp_path):
         assert again.generate("ROMEO.\n", max_new_tokens=16, seed=3, mode=mode).token_ids == first.token_ids
     half = pipe.save_pretrained(tmp_path / "half", dtype="bfloat16")
     assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_loading_leaves_the_compiler_unimported(reference_checkpoints):
+    """The model is built on the meta device and then filled; a normal_ or an arange there runs through torch._refs,
+    whose first use imports torch._dynamo: ~1.1 s of every load (each CLI command's) for nothing. A fresh interpreter
+    loads a checkpoint and generates without importing it."""
+    code = ("import sys, printpress; pipe = printpress.load(sys.argv[1]); pipe.generate([5, 6, 7], max_new_tokens=4); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(reference_checkpoints["gqa"])], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split()[-1] == "False", out.stderr[-2000:]

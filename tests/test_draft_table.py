@@ -4,6 +4,7 @@ follow the longest known context; a file that round-trips and refuses what is no
 from __future__ import annotations
 
 import collections
+import gc
 import os
 
 import numpy as np
@@ -113,6 +114,36 @@ def test_round_trip_and_refusals(tmp_path):
         DraftTable.from_rows(rows, first=0, longest=0)
     with pytest.raises(CheckpointError, match="2-D integer array"):
         DraftTable.from_rows(rows.astype(float), first=0)
+
+
+def test_tables_are_built_and_read_with_the_collector_paused_and_left_as_found(tmp_path):
+    """A table is hundreds of thousands of tuples made at once; the cyclic collector stays off while they are made
+    (with it on, each full collection on the way walked every object of the process: half of reading the shipped
+    table), and is on again afterwards exactly where it was on before."""
+    rows = np.random.default_rng(0).integers(0, 50, size=(400, 40))
+    runs = []
+
+    def count(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        table = DraftTable.from_rows(rows, first=5, sampled_rows=rows)  # ~50,000 tuples: dozens of young collections
+        assert len(runs) <= 1 and gc.isenabled()  # at most the young collection that follows, once it is on again
+        path = table.save(tmp_path / FILE)
+        runs.clear()
+        back = DraftTable.load(path)
+        assert len(runs) <= 1 and gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+    assert back.maps == table.maps and len(table.maps[-1]) > 10_000
+    gc.disable()
+    try:
+        DraftTable.load(tmp_path / FILE)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_sampled_rows_give_distributions_drawn_from_the_longest_context():
