@@ -305,10 +305,13 @@ def open_tensors(path: Path) -> Iterator[SafetensorsReader | PickleReader]:
 
 
 def build_empty(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> DiffusionGemma:
-    """A model whose parameters are allocated once, uninitialised, in `dtype` on `device`."""
+    """A model whose parameters are allocated once, uninitialised, in `dtype` on `device`: built on the meta device,
+    then each tensor replaced by an empty one of its shape (what `Module.to_empty` does, but from the shape alone:
+    `empty_like` of a meta tensor runs through torch._refs, which imports sympy, ~0.5 s of every load)."""
     with torch.device("meta"):
         model = DiffusionGemma(config.text)
-    return convert(model.to(dtype=dtype).to_empty(device=device), dtype)
+    model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    return convert(model, dtype)
 
 
 def convert(model: DiffusionGemma, dtype: torch.dtype) -> DiffusionGemma:
