@@ -257,8 +257,9 @@ def _read_counts(reader, n: int) -> dict[tuple[int, ...], tuple[np.ndarray, np.n
         raise ValueError(f"sampled counts of contexts of {n} tokens do not add up: {len(contexts)} contexts, "
                          f"{len(sizes)} sizes summing to {int(sizes.sum())}, {len(tokens)} tokens, {len(counts)} "
                          "counts")
-    bounds = np.cumsum(sizes)[:-1]
-    return dict(zip(_tuples(contexts), zip(np.split(tokens, bounds), np.split(counts, bounds))))
+    ends = np.cumsum(sizes).tolist()
+    spans = list(zip([0, *ends[:-1]], ends))  # each context's run of tokens (slices: views, 4x faster than np.split)
+    return dict(zip(_tuples(contexts), ((tokens[a:b], counts[a:b]) for a, b in spans)))
 
 
 def _tuples(rows: np.ndarray) -> Iterator[tuple[int, ...]]:
