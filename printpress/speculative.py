@@ -393,10 +393,11 @@ def sampled_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, genera
     probabilities p (m + 1, V). Each kept token, and the one drawn after them, follows p exactly."""
     m = draft.numel()
     tokens = draft.tolist()
-    uniforms = torch.rand(m, generator=generator, device=draft.device) if m else None
+    uniforms = torch.rand(m, generator=generator, device=draft.device).tolist() if m else []
+    rows = torch.arange(m, device=draft.device)
+    drafted_q, drafted_p = q[rows, draft].tolist(), p[rows, draft].tolist()  # q[i, x] and p[i, x], gathered once
     for i in range(m):
-        x = tokens[i]
-        if float(uniforms[i]) * float(q[i, x]) < float(p[i, x]):  # u < p/q without dividing by a tiny q
+        if uniforms[i] * drafted_q[i] < drafted_p[i]:  # u < p/q without dividing by a tiny q
             continue
         residual = (p[i] - q[i]).clamp_(min=0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: a rejection is then a draw from p

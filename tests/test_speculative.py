@@ -270,6 +270,34 @@ def test_sampled_accept_follows_the_target_distribution():
     assert abs(kept / 4000 - 0.5) < 0.03
 
 
+def plain_sampled_accept(draft, q, p, generator):
+    """sampled_accept written plainly, element by element (its form before session 39)."""
+    tokens = draft.tolist()
+    uniforms = torch.rand(len(tokens), generator=generator) if tokens else None
+    for i, x in enumerate(tokens):
+        if float(uniforms[i]) * float(q[i, x]) < float(p[i, x]):
+            continue
+        residual = (p[i] - q[i]).clamp_(min=0)
+        if float(residual.sum()) <= 0:
+            residual = p[i]
+        return tokens[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
+    return tokens + [int(torch.multinomial(p[len(tokens)], 1, generator=generator))]
+
+
+def test_sampled_accept_decides_and_draws_as_the_rule_written_plainly():
+    """The same kept tokens, the same draw after them and the generator left in the same state, for drafts of 0-4
+    tokens from random p and q (some q equal to p, where a rejection draws from p itself)."""
+    rng = torch.Generator().manual_seed(1)
+    for case in range(300):
+        m, vocab = case % 5, 6
+        p = torch.softmax(torch.randn(m + 1, vocab, generator=rng) * 2, dim=-1)
+        q = p[:m].clone() if case % 7 == 0 else torch.softmax(torch.randn(m, vocab, generator=rng) * 2, dim=-1)
+        draft = torch.multinomial(q, 1, generator=rng)[:, 0] if m else torch.empty(0, dtype=torch.long)
+        ours, plain = torch.Generator().manual_seed(case), torch.Generator().manual_seed(case)
+        assert sampled_accept(draft, q, p, ours) == plain_sampled_accept(draft, q, p, plain), case
+        assert torch.equal(ours.get_state(), plain.get_state()), case
+
+
 # -- generation -----------------------------------------------------------------------------------------------
 
 
