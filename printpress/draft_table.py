@@ -72,7 +72,7 @@ class DraftTable:
         self.made_by = dict(made_by or {})
         self.counts = counts  # per context length: context -> (next tokens, their counts); None: greedy only
         self.distributions: list[dict[tuple[int, ...], Distribution]] | None = None if counts is None else [
-            {context: (tokens, c / c.sum()) for context, (tokens, c) in table.items()} for table in counts]
+            _distributions(table) for table in counts]
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, first: int, longest: int = DEFAULT_LONGEST,
@@ -260,6 +260,19 @@ def _read_counts(reader, n: int) -> dict[tuple[int, ...], tuple[np.ndarray, np.n
     ends = np.cumsum(sizes).tolist()
     spans = list(zip([0, *ends[:-1]], ends))  # each context's run of tokens (slices: views, 4x faster than np.split)
     return dict(zip(_tuples(contexts), ((tokens[a:b], counts[a:b]) for a, b in spans)))
+
+
+def _distributions(counts: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]]) -> dict[tuple[int, ...], Distribution]:
+    """Each context's next tokens with their counts over the context's total, `c / c.sum()` for every context (the
+    same float64 divisions), computed for all contexts in one pass: a division per context took 0.16 s of a load."""
+    if not counts:
+        return {}
+    sizes = [len(c) for _, c in counts.values()]
+    ends = np.cumsum(sizes)
+    flat = np.concatenate([c for _, c in counts.values()])
+    probs = flat / np.repeat(np.add.reduceat(flat, ends - sizes), sizes)
+    spans = zip((ends - sizes).tolist(), ends.tolist())
+    return {context: (tokens, probs[a:b]) for (context, (tokens, _)), (a, b) in zip(counts.items(), spans)}
 
 
 def _tuples(rows: np.ndarray) -> Iterator[tuple[int, ...]]:

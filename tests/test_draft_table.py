@@ -177,7 +177,10 @@ def test_distributions_round_trip_and_a_file_that_does_not_add_up_is_refused(tmp
     assert back.maps == table.maps and len(back.counts) == 3
     for mine, theirs in zip(back.distributions, table.distributions, strict=True):
         assert mine.keys() == theirs.keys()
-        assert all(np.array_equal(mine[k][0], theirs[k][0]) and np.allclose(mine[k][1], theirs[k][1]) for k in mine)
+        assert all(np.array_equal(mine[k][0], theirs[k][0]) and np.array_equal(mine[k][1], theirs[k][1]) for k in mine)
+    for level, counts in zip(table.distributions, table.counts, strict=True):  # each c / c.sum(), the same bits
+        assert all(np.array_equal(level[k][1], c / c.sum()) and level[k][1].dtype == np.float64
+                   for k, (_, c) in counts.items())
     path = tmp_path / "bad.safetensors"
     tensors = {"contexts_1": np.zeros((1, 1), np.uint16), "next_1": np.zeros(1, np.uint16),
                "sampled_contexts_1": np.zeros((2, 1), np.uint16), "sampled_sizes_1": np.array([1, 2], np.int32),
