@@ -629,9 +629,9 @@ class DiffusionGemma(nn.Module):
         # On the meta device (`checkpoint.build_empty`, whose loader writes every value) nn.Embedding's own draw is
         # skipped: a normal_ there imports torch._dynamo (~1.1 s of every load). Elsewhere it draws as it always did,
         # so a seed gives the same initial weights as before.
-        on_meta = torch.get_default_device().type == "meta"
+        meta = torch.get_default_device().type == "meta"
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size) if on_meta else None)
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size) if meta else None)
         self.layers = nn.ModuleList(Layer(config, spec) for spec in self.specs)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
@@ -659,10 +659,10 @@ class DiffusionGemma(nn.Module):
         """RoPE inverse frequencies per layer kind (computed from the config, never stored), on the default device.
         Computed on the CPU, as the reference computes them: on the meta device (`checkpoint.build_empty`) arange runs
         through torch._refs, whose first use imports torch._dynamo (~1.1 s of every load)."""
-        with torch.device("cpu"):
-            values = {f"{kind}_inv_freq": rope_inv_freq(config, spec) for kind, spec in _first_spec_per_kind(config).items()}
         device = torch.get_default_device()
-        return {name: value.to(device) for name, value in values.items()}
+        with torch.device("cpu"):
+            return {f"{kind}_inv_freq": rope_inv_freq(config, spec).to(device)
+                    for kind, spec in _first_spec_per_kind(config).items()}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
