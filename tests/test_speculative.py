@@ -286,7 +286,7 @@ def plain_sampled_accept(draft, q, p, generator):
 
 def test_sampled_accept_decides_and_draws_as_the_rule_written_plainly():
     """The same kept tokens, the same draw after them and the generator left in the same state, for drafts of 0-4
-    tokens from random p and q (some q equal to p, where a rejection draws from p itself)."""
+    tokens from random p and q (some q equal to p: every draft kept, then the bonus draw)."""
     rng = torch.Generator().manual_seed(1)
     for case in range(300):
         m, vocab = case % 5, 6
