@@ -14,24 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import printpress
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_speed import median_ms  # the benchmarks' own timer
+
 
 def median_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - start)
-    return statistics.median(times) / 1e3
+    """engine_speed's median of `reps` timed calls after a warm-up, in microseconds."""
+    return 1e3 * median_ms(fn, reps)
 
 
 def main() -> None:
