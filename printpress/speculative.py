@@ -303,12 +303,9 @@ def _guess(model: torch.nn.Module, source: str, lookup: ContextLookup, caps: lis
     if source == "table":
         table = model.draft_table
         if state.settings.temperature > 0:
-            tokens, used = table.sample(lookup.tokens, sampled_m, state.generator)
+            tokens, q = table.sample_interpolated(lookup.tokens, sampled_m, state.generator, vocab)
             if tokens:
-                q = torch.zeros(len(tokens), vocab, device=device)
-                for row, (next_tokens, probs) in enumerate(used):
-                    q[row, torch.from_numpy(next_tokens)] = torch.from_numpy(probs).float()
-                return torch.tensor(tokens, dtype=torch.long, device=device), q
+                return torch.tensor(tokens, dtype=torch.long, device=device), torch.from_numpy(q).to(device)
         return _token_draft(table.draft(lookup.tokens, m, lookup), state.settings, vocab, device)
     return _token_draft(lookup.draft(m), state.settings, vocab, device)
 

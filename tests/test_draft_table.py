@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 from helpers import file_mode
 
-from printpress.draft_table import FILE, MIN_COUNT, DraftTable, best_next, load_beside, next_counts
+from printpress.draft_table import DISCOUNT, FILE, MIN_COUNT, DraftTable, best_next, load_beside, next_counts
 from printpress.errors import CheckpointError
 from printpress.speculative import ContextLookup
 
@@ -166,6 +166,31 @@ def test_sampled_rows_give_distributions_drawn_from_the_longest_context():
     assert len(tokens) == 3 and used[0][0].tolist() == [6, 7] and used[0][1].tolist() == [0.5, 0.5]
     assert table.sample([3], 3, generator) == ([], [])  # 3 was never followed by anything in the sampled rows
     assert DraftTable.from_rows(rows, first=2).sample([5], 3, generator) == ([], [])  # greedy only
+
+
+def test_interpolated_drafts_discount_each_context_down_to_the_unigram_and_are_drawn_from_it():
+    """A sampling request's drafts come from every known context's counts, interpolated by absolute discounting
+    (DISCOUNT 0.75), worked out by hand below; the draws follow that distribution."""
+    rows = np.array([[1, 2, 5, 6, 3], [9, 4, 5, 7, 3], [2, 2, 5, 6, 8]])
+    sampled = np.array([[0, 5, 6, 6, 6], [0, 5, 7, 7, 7], [0, 5, 6, 6, 1], [0, 4, 5, 7, 7]])
+    table = DraftTable.from_rows(rows, first=2, longest=2, sampled_rows=sampled)
+    assert DISCOUNT == 0.75
+    # (0, 5): 6 twice, 7 once (total 3): 1.25 / 3 and 0.25 / 3 kept, 1.5 / 3 = 0.5 passed down; (5,): 6 and 7 twice
+    # each (total 4): 0.5 * 1.25 / 4 each kept, 0.5 * 1.5 / 4 = 0.1875 passed down; the unigram of the 1-token
+    # contexts' counts: 1 once, 6 five times, 7 five times (of 11).
+    expected = np.zeros(10)
+    expected[[1, 6, 7]] = [0.1875 / 11, 1.25 / 3 + 0.15625 + 0.1875 * 5 / 11, 0.25 / 3 + 0.15625 + 0.1875 * 5 / 11]
+    q = table.interpolated([0, 5], 10)
+    assert q.dtype == np.float32 and np.allclose(q, expected, atol=1e-7) and abs(float(q.sum()) - 1) < 1e-6
+    assert np.allclose(table.interpolated([9, 5], 10), table.interpolated([5], 10))  # (9, 5) unknown: from (5,)
+    assert table.interpolated([3], 10) is None and DraftTable.from_rows(rows, first=2).interpolated([5], 10) is None
+    generator = torch.Generator().manual_seed(0)
+    firsts = collections.Counter(table.sample_interpolated([0, 5], 1, generator, 10)[0][0] for _ in range(20000))
+    assert set(firsts) == {1, 6, 7} and all(abs(firsts[t] / 20000 - expected[t]) < 0.012 for t in (1, 6, 7)), firsts
+    tokens, q = table.sample_interpolated([0, 5], 3, generator, 10)
+    assert len(tokens) == 3 and q.shape == (3, 10) and np.array_equal(q[0], table.interpolated([0, 5], 10))
+    assert np.array_equal(q[2], table.interpolated([0, 5] + tokens[:2], 10))
+    assert table.sample_interpolated([3], 3, generator, 10)[0] == []
 
 
 def test_distributions_round_trip_and_a_file_that_does_not_add_up_is_refused(tmp_path):

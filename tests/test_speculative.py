@@ -457,8 +457,9 @@ def test_the_draft_length_replay_drafts_and_counts_as_the_engine_does():
 
 
 def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_drawn_from(monkeypatch):
-    """When sampling, a table draft is drawn from its counts and the acceptance rule gets exactly that q (row i: the
-    distribution token i was drawn from, zero elsewhere); where no context has counts the greedy chain drafts."""
+    """When sampling, a table draft is drawn from the interpolation of its contexts' counts and the acceptance rule
+    gets exactly that q (row i: the distribution token i was drawn from, `DraftTable.interpolated` of the text before
+    it); where no context has counts the greedy chain drafts."""
     import printpress.speculative as module
 
     model = tiny_model("ring6")
@@ -466,26 +467,24 @@ def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_dr
     rows = np.random.default_rng(2).integers(3, vocab, (60, 10))
     table = model.draft_table = DraftTable.from_rows(rows, first=3, longest=2, sampled_rows=rows[:20])
     drawn, verified = [], []
-    sample = table.sample
-    monkeypatch.setattr(table, "sample", lambda *a: drawn.append(sample(*a)) or drawn[-1])
+    sample = table.sample_interpolated
+    monkeypatch.setattr(table, "sample_interpolated", lambda *a: drawn.append((list(a[0]), sample(*a))) or drawn[-1][1])
     accept = module.sampled_accept
     monkeypatch.setattr(module, "sampled_accept", lambda d, q, p, g: verified.append((d, q)) or accept(d, q, p, g))
     for seed in range(6):
         s = settings(max_new_tokens=16, temperature=0.9, draft_source="table")
         collect(speculative(model, [Request([3, 4, 5], s, seed)], canvas_length=8))
-    assert len(drawn) == len(verified) and sum(1 for tokens, _ in drawn if tokens) > 10
+    assert len(drawn) == len(verified) and sum(1 for _, (tokens, _) in drawn if tokens) > 10
     greedy_rounds = 0
-    for (tokens, used), (draft, q) in zip(drawn, verified, strict=True):
+    for (text, (tokens, rows_q)), (draft, q) in zip(drawn, verified, strict=True):
         if not tokens:  # no counts for the context: a one-hot draft of the greedy chain (or the lookup)
             greedy_rounds += 1
             assert q is None or bool(((q == 0) | (q == 1)).all())
             continue
-        assert draft.tolist() == tokens
-        expected = torch.zeros(len(tokens), vocab)
-        for i, (next_tokens, probs) in enumerate(used):
-            expected[i, torch.from_numpy(next_tokens)] = torch.from_numpy(probs).float()
-            assert tokens[i] in next_tokens.tolist()
-        assert torch.equal(q, expected)
+        assert draft.tolist() == tokens and q.dtype == torch.float32 and q.shape == (len(tokens), vocab)
+        assert torch.equal(q, torch.from_numpy(rows_q))
+        for i, token in enumerate(tokens):
+            assert np.array_equal(rows_q[i], table.interpolated(list(text) + tokens[:i], vocab)) and q[i, token] > 0
     assert greedy_rounds > 0  # the rows' counts do not cover every context
 
 
@@ -645,8 +644,10 @@ def test_sampled_speculative_with_context_drafts_follows_the_ar_distribution(sou
                                 accumulate=True)
     assert drafted > 5 * runs and kept > 300, (drafted, kept)  # both branches of the rule, many times
     tv = (observed - expected).abs().sum() / 2 / (runs * new)
-    # Sampling noise alone: 0.028-0.034 over four seed ranges; the drafts' q taken as uniform instead of one-hot
-    # (so a wrong acceptance ratio): 0.12-0.14.
+    # Sampling noise alone: 0.028-0.034 over four seed ranges (lookup), 0.037 (table); the drafts' q taken as uniform
+    # instead of what they were drawn from (so a wrong acceptance ratio): 0.12-0.14 (lookup's one-hot q), 0.062 (the
+    # table's interpolated q, itself spread over the vocabulary; test_sampled_table_drafts_are_verified_against_...
+    # checks that q row by row).
     assert tv < 0.06, (tv, drafted, kept)
 
 
