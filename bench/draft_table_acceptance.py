@@ -13,8 +13,9 @@ min(1, p(d) / q(d)), so one draft token is kept with probability sum_x min(p(x),
 (temperature 0.8, top-k 50) of the held-out prompts this averages that figure for the table's one-hot draft (q on
 the table's token: p(d)) and for a q made of the next-token counts of sampled rows (`printpress distill` at a
 temperature), taken as `printpress draft-table` takes them (the longest context seen at least `MIN_COUNT` times).
-Tokens per verification of m drafts are then about 1 + a + ... + a^m for a mean
-acceptance a (acceptances taken as independent: a rough figure).
+The engine's q (`DraftTable.interpolated`: every known context's counts, interpolated by absolute
+discounting) is counted the same way. Tokens per verification of m drafts are then about 1 + a + ... + a^m for a
+mean acceptance a (acceptances taken as independent: a rough figure).
 
     python bench/draft_table_acceptance.py --greedy --out docs/results/draft_table_acceptance.json
     python bench/draft_table_acceptance.py --sampled runs/distill/l13-t09.bin \
@@ -88,7 +89,8 @@ def sampled(pipe, prompts: list[list[int]], args) -> dict:
         counted = DraftTable.from_rows(rows, args.row_length // 2, table.longest, sampled_rows=rows)
     settings = pipe.settings(mode="ar", temperature=args.temperature, top_k=args.top_k)
     kept: dict[str, list[float]] = {"one-hot (the table)": [], "counts of sampled rows": [],
-                                    "counts, the text's token where its context is as long": []}
+                                    "counts, the text's token where its context is as long": [],
+                                    "interpolated counts (the engine's)": []}
     for prompt in prompts:
         for seed in range(args.seeds):
             new = pipe.generate(prompt, mode="ar", temperature=args.temperature, top_k=args.top_k,
@@ -107,6 +109,9 @@ def sampled(pipe, prompts: list[list[int]], args) -> dict:
                 found, token = lookup.match(ids[:j])
                 kept["counts, the text's token where its context is as long"].append(
                     float(p[j - 1, token]) if found and found >= n else float(overlap))
+                interpolated = counted.interpolated(ids[:j], p.shape[-1])
+                kept["interpolated counts (the engine's)"].append(
+                    0.0 if interpolated is None else float(torch.minimum(p[j - 1], torch.from_numpy(interpolated)).sum()))
                 lookup.extend(ids[j : j + 1])
     out = {}
     for name, values in kept.items():

@@ -43,14 +43,14 @@ FILE = "draft_table.safetensors"
 FORMAT = "printpress draft table 1"
 DEFAULT_LONGEST = 5  # contexts of 1..5 tokens: 3 drafted 3.47, 4 3.78, 5 3.91 tokens per verification (docs)
 MIN_COUNT = 3  # a sampled context's counts make a draft distribution once it was seen this often
-# The absolute discount of `interpolated`: each count of a context gives up this much (at most itself) to the shorter
-# contexts. Sampled drafts from the interpolation were kept 0.573 of the time against 0.527 from the longest context's
+# The absolute discount of `interpolated`: each count of a context gives up this much to the shorter contexts (under 1,
+# so less than any count). Sampled drafts from the interpolation were kept 0.573 of the time against 0.527 from the longest context's
 # counts alone (24 held-out prompts x 2 AR samples; 0.5: 0.563, 0.9: 0.575, 1.5: 0.566; docs/benchmarks-speculative.md)
 DISCOUNT = 0.75
 
 Distribution = tuple[np.ndarray, np.ndarray]  # the next tokens of a context, and their probabilities
-# `DraftTable.interpolated` in parts: the unigram's share, and per known context its (weight, next tokens, discounted
-# counts, their sum)
+# `DraftTable.interpolated` in parts: the unigram's share, and per known context its (weight of its counts less the
+# discount, next tokens, counts, the part's mass)
 Mixture = tuple[float, list[tuple[float, np.ndarray, np.ndarray, float]]]
 
 
@@ -82,9 +82,6 @@ class DraftTable:
             _distributions(table) for table in counts]
         self._unigram = None if counts is None else _unigram(counts[0])
         self._unigram_ends = None if counts is None else np.cumsum(self._unigram)
-        # per context length, each context's discounted counts as `_mixture` first needs them
-        self._discounted: list[dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, int, float]]] = [
-            {} for _ in counts or []]
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, first: int, longest: int = DEFAULT_LONGEST,
@@ -119,14 +116,17 @@ class DraftTable:
 
     def sample_interpolated(self, tokens: Sequence[int], m: int, generator,
                             vocab: int) -> tuple[list[int], np.ndarray]:
-        """Up to `m` tokens drawn one after another (torch `generator`) from `interpolated` over a vocabulary of
-        `vocab` tokens, with the distributions they were drawn from (m, vocab) float32: a sampling request's
-        speculative drafts. Stops where no context has counts, as `sample` does."""
+        """Up to `m` tokens drawn one after another (torch `generator`: m uniforms, one per token) from
+        `interpolated` over a vocabulary of `vocab` tokens, with the distributions they were drawn from (m, vocab)
+        float32: a sampling request's speculative drafts. Stops where no context has counts, as `sample` does."""
+        import torch
+
         text = list(tokens[-self.longest:])
         out: list[int] = []
         mixtures: list[Mixture] = []
+        uniforms = torch.rand(m, generator=generator, dtype=torch.float64).tolist() if m > 0 else []
         while len(out) < m and (mixture := self._mixture(text)) is not None:
-            token = self._draw(mixture, generator)
+            token = self._draw(mixture, uniforms[len(out)])
             out.append(token)
             mixtures.append(mixture)
             text.append(token)
@@ -135,9 +135,9 @@ class DraftTable:
     def interpolated(self, tokens: Sequence[int], vocab: int) -> np.ndarray | None:
         """The next token's distribution after `tokens` (vocab,) float32 from the sampled counts of every context
         length that knows the text's end, interpolated by absolute discounting (Ney, Essen and Kneser 1994): the
-        longest context's counts, each less `DISCOUNT` (at most itself), and what they gave up spread as the next
-        shorter known context's interpolation says, the shortest's over the counts' unigram (every count after
-        a 1-token context). None where no context is known (or the table has no sampled counts).
+        longest context's counts, each less `DISCOUNT`, and what they gave up spread as the next shorter known
+        context's interpolation says, the shortest's over the counts' unigram (every count after a 1-token
+        context). None where no context is known (or the table has no sampled counts).
 
         The longest context's counts alone (`distribution`) are few (as few as `MIN_COUNT`), so they miss much of
         what the model may write there; the shorter contexts fill that in."""
@@ -145,43 +145,37 @@ class DraftTable:
         return None if mixture is None else self._dense([mixture], vocab)[0]
 
     def _mixture(self, text: list[int]) -> Mixture | None:
-        """`interpolated` as the unigram's share and, per known context (longest first), the weight of its
-        discounted counts: (weight, next tokens, discounted counts, their sum)."""
+        """`interpolated` as the unigram's share and, per known context (longest first), its part: (weight of its
+        counts less the discount, next tokens, counts, the part's mass). Every count is at least 1, above the
+        discount, so a context of T next tokens and N counts gives up DISCOUNT * T / N of what reaches it."""
         if self.counts is None:
             return None
         parts = []
         share = 1.0  # of the mass still to place, longest context first
         for n in range(min(self.longest, len(text)), 0, -1):
-            context = tuple(text[-n:])
-            found = self._discounted[n - 1].get(context)
-            if found is None:
-                entry = self.counts[n - 1].get(context)
-                if entry is None:
-                    continue
+            entry = self.counts[n - 1].get(tuple(text[-n:]))
+            if entry is not None:
                 next_tokens, counts = entry
-                total, given = int(counts.sum()), float(np.minimum(counts, DISCOUNT).sum())
-                found = self._discounted[n - 1][context] = (next_tokens, np.maximum(counts - DISCOUNT, 0), total, given)
-            next_tokens, kept, total, given = found
-            parts.append((share / total, next_tokens, kept, total - given))
-            share *= given / total
+                total, given = int(counts.sum()), DISCOUNT * len(counts)
+                parts.append((share / total, next_tokens, counts, share * (total - given) / total))
+                share *= given / total
         return (share, parts) if parts else None
 
-    def _draw(self, mixture: Mixture, generator) -> int:
-        """One token from a mixture, at one uniform of the torch `generator`: the part its mass falls in, then the
-        token inside that part (the mixture's float64 numbers; `_dense` rounds the same ones to float32)."""
-        import torch
-
+    def _draw(self, mixture: Mixture, u: float) -> int:
+        """The token at `u` (uniform in [0, 1)) of a mixture: the part its mass falls in, then the token inside that
+        part (the mixture's float64 numbers; `_dense` rounds the same ones to float32)."""
         share, parts = mixture
-        u = float(torch.rand((), generator=generator))
-        for weight, next_tokens, kept, kept_sum in parts:
-            mass = weight * kept_sum
+        for weight, next_tokens, counts, mass in parts:
             if u < mass:
-                ends = np.cumsum(kept)
-                return int(next_tokens[min(int(np.searchsorted(ends, u / weight, "right")), len(ends) - 1)])
+                left = u / weight
+                for token, count in zip(next_tokens.tolist(), counts.tolist()):
+                    left -= count - DISCOUNT
+                    if left < 0:
+                        return token
+                return token  # rounding past the part's last token
             u -= mass
         ends = self._unigram_ends
-        return min(int(np.searchsorted(ends, u / share * ends[-1], "right")), len(ends) - 1) if share > 0 else \
-            int(parts[-1][1][-1])
+        return min(int(np.searchsorted(ends, u / share, "right")), len(ends) - 1)
 
     def _dense(self, mixtures: list[Mixture], vocab: int) -> np.ndarray:
         """The mixtures as rows (len, vocab) of float32 probabilities."""
@@ -189,8 +183,8 @@ class DraftTable:
         q = np.zeros((len(mixtures), vocab))
         q[:, : len(unigram)] = np.outer([share for share, _ in mixtures], unigram)
         for row, (_, parts) in zip(q, mixtures):
-            for weight, next_tokens, kept, _ in parts:
-                row[next_tokens] += weight * kept
+            for weight, next_tokens, counts, _ in parts:
+                row[next_tokens] += weight * (counts - DISCOUNT)
         return q.astype(np.float32)
 
     def distribution(self, tokens: Sequence[int]) -> Distribution | None:

@@ -107,6 +107,26 @@ def test_checkouts_ab_takes_a_benchmark_size_as_the_model(tmp_path):
     assert refused.returncode != 0 and "--model 'huge' is neither a model folder nor a benchmark size" in refused.stderr
 
 
+def test_sampled_drafts_compares_the_two_draft_rules_against_ar_sampling(tmp_path):
+    """bench/sampled_drafts.py: each rule (the interpolated q, the longest context's) at each cap has its ratio to AR
+    sampling in each round, their median and its tokens per verification; a temperature of 0 is refused."""
+    script = str(ROOT / "bench" / "sampled_drafts.py")
+    out = tmp_path / "sampled.json"
+    done = subprocess.run([sys.executable, script, "--rounds", "2", "--prompts", "2", "--seeds", "1", "--tokens", "8",
+                           "--caps", "2", "3", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    settings = {"interpolated, cap 2", "interpolated, cap 3", "longest, cap 2", "longest, cap 3"}
+    assert set(report["median_ratio_to_ar_sampling"]) == settings and len(report["rounds"]) == 2
+    assert all(set(r) == settings | {"ar_tokens_per_s"} and all(v > 0 for v in r.values()) for r in report["rounds"])
+    assert set(report["tokens_per_verification"]) == settings
+    assert all(1 <= v <= 4 for v in report["tokens_per_verification"].values())
+    refused = subprocess.run([sys.executable, script, "--temperature", "0", "--out", str(out)], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT, check=False)
+    assert refused.returncode == 2 and "--temperature: sampling needs a temperature above 0, got 0.0" in refused.stderr
+
+
 def test_speculative_interleaved_compares_tables_and_caps_round_by_round(tmp_path):
     """bench/speculative_interleaved.py: every setting (a table, a cap) has its ratio to greedy AR in each round and
     their median (greedy speculative output equal to AR's, or the script stops); a malformed --table is refused."""
