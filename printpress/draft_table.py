@@ -14,9 +14,11 @@ so a stale table (a model fine-tuned after it was made) costs speed, never corre
 
 When sampling, a one-hot draft is kept only with AR's probability of its token, so the table may also hold the
 model's *sampled* habits (`distributions`): for contexts seen at least `MIN_COUNT` times in continuations sampled at
-AR's default temperature, the counts of each token that followed. A sampled round draws its drafts from them
-(`sample`), and speculative sampling keeps a draft drawn from q with probability min(1, p/q), which on average is
-sum(min(p, q)): far more than p(mode) where the model's next token is spread over a few words.
+AR's default temperature, the counts of each token that followed. A sampled round draws its drafts from them, the
+counts of every context length that knows the text's end interpolated (`sample_interpolated`), and speculative
+sampling keeps a draft drawn from q with probability min(1, p/q), which on average is sum(min(p, q)): far more than
+p(mode) where the model's next token is spread over a few words. (`sample`, the longest context's counts alone, is
+what the diffusion side's table-started canvases and the table noise of training draw from.)
 
 The file (`draft_table.safetensors` beside the weights; transformers ignores it) holds the table itself, per
 context length n the contexts and the token after each, and the distributions as contexts, their number of

@@ -45,7 +45,8 @@ beside the weights; printpress/draft_table.py): what the model itself most often
 1..5 tokens in its greedy continuations of training text, token by token, except where the text's own continuation
 (the lookup's) follows a context at least as long: the table knows the model's habits, the text what it wrote here.
 When sampling, a table with distributions (next-token counts of sampled continuations) draws each draft token from
-the distribution of the longest known context and passes it as q, so the rule keeps it with probability min(1, p/q).
+the counts of every context length it knows there, interpolated (`DraftTable.interpolated`), and passes that
+distribution as q, so the rule keeps it with probability min(1, p/q).
 "auto", the default, is "table" where the model has a table and the rounds are not fused, else "diffusion"
 (`draft_source`; `SpeculativeStats.draft_source` says which ran).
 
@@ -81,8 +82,9 @@ FUSED_CANVAS = 4
 # otherwise: a block of 8 verified (docs/benchmarks-speculative.md, "Drafts from the context").
 LOOKUP_DRAFTS = 7
 # The same cap for drafts sampled from a table's distributions (sampling requests): each is kept with probability
-# sum(min(p, q)) (about 0.5 on the shipped model), so long drafts rarely survive and their q rows cost: 3 drafts ran
-# at 1.32x AR sampling, 7 at 1.15x, 11 at 1.14x (docs/benchmarks-speculative.md, "Drafts from a draft table").
+# sum(min(p, q)) (0.57 on the shipped model), so long drafts rarely survive and their q rows cost: 3 drafts ran at
+# 1.32x AR sampling, 7 at 1.15x, 11 at 1.14x on a Xeon; 3 and 4 alike on an AMD EPYC, 5 slower
+# (docs/benchmarks-speculative.md, "Drafts from a draft table" and "Drafts drawn from every context length").
 SAMPLED_TABLE_DRAFTS = 3
 LOOKUP_LONGEST = 6  # the longest suffix of the text that lookup matches (3 drafted as well alone; 6 helps a table)
 
