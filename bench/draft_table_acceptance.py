@@ -14,7 +14,7 @@ min(1, p(d) / q(d)), so one draft token is kept with probability sum_x min(p(x),
 the table's token: p(d)) and for a q made of the next-token counts of sampled rows (`printpress distill` at a
 temperature), taken as `printpress draft-table` takes them (the longest context seen at least `MIN_COUNT` times).
 The engine's q (`DraftTable.interpolated`: every known context's counts, interpolated by absolute
-discounting) is counted the same way. Tokens per verification of m drafts are then about 1 + a + ... + a^m for a
+discounting, with a share for the text's own continuation) is counted the same way. Tokens per verification of m drafts are then about 1 + a + ... + a^m for a
 mean acceptance a (acceptances taken as independent: a rough figure).
 
     python bench/draft_table_acceptance.py --greedy --out docs/results/draft_table_acceptance.json
@@ -109,7 +109,7 @@ def sampled(pipe, prompts: list[list[int]], args) -> dict:
                 found, token = lookup.match(ids[:j])
                 kept["counts, the text's token where its context is as long"].append(
                     float(p[j - 1, token]) if found and found >= n else float(overlap))
-                interpolated = counted.interpolated(ids[:j], p.shape[-1])
+                interpolated = counted.interpolated(ids[:j], p.shape[-1], lookup)
                 kept["interpolated counts (the engine's)"].append(
                     0.0 if interpolated is None else float(torch.minimum(p[j - 1], torch.from_numpy(interpolated)).sum()))
                 lookup.extend(ids[j : j + 1])

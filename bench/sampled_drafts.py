@@ -38,7 +38,7 @@ RULES = ("interpolated", "longest")
 def longest_rule(table: DraftTable):
     """`sample_interpolated`'s signature over the rule before it: each draft drawn from the longest known context's
     counts (`DraftTable.sample`), q that distribution on its tokens and zero elsewhere."""
-    def sample(tokens, m, generator, vocab):
+    def sample(tokens, m, generator, vocab, context=None):  # the text's own continuation did not enter then
         drafted, used = table.sample(tokens, m, generator)
         q = np.zeros((len(drafted), vocab), np.float32)
         for row, (next_tokens, probs) in enumerate(used):

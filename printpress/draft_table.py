@@ -45,15 +45,22 @@ FILE = "draft_table.safetensors"
 FORMAT = "printpress draft table 1"
 DEFAULT_LONGEST = 5  # contexts of 1..5 tokens: 3 drafted 3.47, 4 3.78, 5 3.91 tokens per verification (docs)
 MIN_COUNT = 3  # a sampled context's counts make a draft distribution once it was seen this often
-# The absolute discount of `interpolated`: each count of a context gives up this much to the shorter contexts (under 1,
-# so less than any count). Sampled drafts from the interpolation were kept 0.573 of the time against 0.527 from the longest context's
-# counts alone (24 held-out prompts x 2 AR samples; 0.5: 0.563, 0.9: 0.575, 1.5: 0.566; docs/benchmarks-speculative.md)
+# The absolute discount of `interpolated`: each count of a context gives up this much to the shorter contexts (under
+# 1, so less than any count). Sampled drafts from the interpolation were kept 0.573 of the time against 0.527 from the
+# longest context's counts alone (24 held-out prompts x 2 AR samples; 0.5: 0.563, 0.9: 0.575, 1.5: 0.566;
+# docs/benchmarks-speculative.md)
 DISCOUNT = 0.75
+# The share of a sampled draft's distribution given to the token that followed the text's end where it occurred
+# before (the context lookup's), where that context is longer than the longest the counts know, and where it is as
+# long. Kept drafts on the code model 0.442 -> 0.499, on Shakespeare's 0.573 -> 0.570, where the text rarely repeats
+# a context as long (24 held-out prompts x 2 AR samples each; 1.0 / 0.5: 0.504 / 0.567, 0.9 / 0 (longer only): 0.484
+# / 0.572; docs/benchmarks-speculative.md, "Drafts drawn from every context length").
+TEXT_LONGER, TEXT_AS_LONG = 0.9, 0.3
 
 Distribution = tuple[np.ndarray, np.ndarray]  # the next tokens of a context, and their probabilities
-# `DraftTable.interpolated` in parts: the unigram's share, and per known context its (weight of its counts less the
-# discount, next tokens, counts, the part's mass)
-Mixture = tuple[float, list[tuple[float, np.ndarray, np.ndarray, float]]]
+# `DraftTable.interpolated` in parts: the unigram's share, per known context its (weight of its counts less the
+# discount, next tokens, counts, the part's mass), and the text's own next token with its share (or None)
+Mixture = tuple[float, list[tuple[float, np.ndarray, np.ndarray, float]], tuple[int, float] | None]
 
 
 class TextMatch(Protocol):
@@ -116,25 +123,25 @@ class DraftTable:
             text.append(token)
         return out, used
 
-    def sample_interpolated(self, tokens: Sequence[int], m: int, generator,
-                            vocab: int) -> tuple[list[int], np.ndarray]:
+    def sample_interpolated(self, tokens: Sequence[int], m: int, generator, vocab: int,
+                            context: TextMatch | None = None) -> tuple[list[int], np.ndarray]:
         """Up to `m` tokens drawn one after another (torch `generator`: m uniforms, one per token) from
         `interpolated` over a vocabulary of `vocab` tokens, with the distributions they were drawn from (m, vocab)
         float32: a sampling request's speculative drafts. Stops where no context has counts, as `sample` does."""
         import torch
 
-        text = list(tokens[-self.longest:])
+        text = list(tokens[-max(self.longest, context.longest if context is not None else 0):])
         out: list[int] = []
         mixtures: list[Mixture] = []
         uniforms = torch.rand(m, generator=generator, dtype=torch.float64).tolist() if m > 0 else []
-        while len(out) < m and (mixture := self._mixture(text)) is not None:
+        while len(out) < m and (mixture := self._mixture(text, context)) is not None:
             token = self._draw(mixture, uniforms[len(out)])
             out.append(token)
             mixtures.append(mixture)
             text.append(token)
         return out, self._dense(mixtures, vocab)
 
-    def interpolated(self, tokens: Sequence[int], vocab: int) -> np.ndarray | None:
+    def interpolated(self, tokens: Sequence[int], vocab: int, context: TextMatch | None = None) -> np.ndarray | None:
         """The next token's distribution after `tokens` (vocab,) float32 from the sampled counts of every context
         length that knows the text's end, interpolated by absolute discounting (Ney, Essen and Kneser 1994): the
         longest context's counts, each less `DISCOUNT`, and what they gave up spread as the next shorter known
@@ -142,31 +149,51 @@ class DraftTable:
         context). None where no context is known (or the table has no sampled counts).
 
         The longest context's counts alone (`distribution`) are few (as few as `MIN_COUNT`), so they miss much of
-        what the model may write there; the shorter contexts fill that in."""
-        mixture = self._mixture(list(tokens[-self.longest:]))
+        what the model may write there; the shorter contexts fill that in. With `context` (the text's own
+        continuations, `ContextLookup.match`), the token that followed the text's end where it occurred before
+        takes `TEXT_LONGER` of the mass where that context is longer than the longest the counts know, and
+        `TEXT_AS_LONG` where it is as long; the counts' interpolation the rest."""
+        text = list(tokens[-max(self.longest, context.longest if context is not None else 0):])
+        mixture = self._mixture(text, context)
         return None if mixture is None else self._dense([mixture], vocab)[0]
 
-    def _mixture(self, text: list[int]) -> Mixture | None:
-        """`interpolated` as the unigram's share and, per known context (longest first), its part: (weight of its
-        counts less the discount, next tokens, counts, the part's mass). Every count is at least 1, above the
-        discount, so a context of T next tokens and N counts gives up DISCOUNT * T / N of what reaches it."""
+    def _mixture(self, text: list[int], context: TextMatch | None = None) -> Mixture | None:
+        """`interpolated` as the unigram's share, per known context (longest first) its part: (weight of its counts
+        less the discount, next tokens, counts, the part's mass), and the text's own next token with its share
+        (None where it has none). Every count is at least 1, above the discount, so a context of T next tokens and
+        N counts gives up DISCOUNT * T / N of what reaches it."""
         if self.counts is None:
             return None
         parts = []
+        known = 0  # the longest context the counts know
         share = 1.0  # of the mass still to place, longest context first
         for n in range(min(self.longest, len(text)), 0, -1):
             entry = self.counts[n - 1].get(tuple(text[-n:]))
             if entry is not None:
+                known = known or n
                 next_tokens, counts = entry
                 total, given = int(counts.sum()), DISCOUNT * len(counts)
                 parts.append((share / total, next_tokens, counts, share * (total - given) / total))
                 share *= given / total
-        return (share, parts) if parts else None
+        if not parts:
+            return None
+        echo = None
+        if context is not None:
+            found, token = context.match(text)
+            if found and found >= known:
+                echo = (token, TEXT_LONGER if found > known else TEXT_AS_LONG)
+        return share, parts, echo
 
     def _draw(self, mixture: Mixture, u: float) -> int:
-        """The token at `u` (uniform in [0, 1)) of a mixture: the part its mass falls in, then the token inside that
-        part (the mixture's float64 numbers; `_dense` rounds the same ones to float32)."""
-        share, parts = mixture
+        """The token at `u` (uniform in [0, 1)) of a mixture: the text's token below its share, else the part of the
+        rest that `u` falls in, then the token inside that part (the mixture's float64 numbers; `_dense` rounds the
+        same ones to float32)."""
+        share, parts, echo = mixture
+        if echo is not None:
+            token, weight = echo
+            if u < weight:
+                return token
+            u = (u - weight) / (1 - weight)
         for weight, next_tokens, counts, mass in parts:
             if u < mass:
                 left = u / weight
@@ -183,10 +210,14 @@ class DraftTable:
         """The mixtures as rows (len, vocab) of float32 probabilities."""
         unigram = self._unigram[:vocab]
         q = np.zeros((len(mixtures), vocab))
-        q[:, : len(unigram)] = np.outer([share for share, _ in mixtures], unigram)
-        for row, (_, parts) in zip(q, mixtures):
+        q[:, : len(unigram)] = np.outer([share for share, _, _ in mixtures], unigram)
+        for row, (_, parts, echo) in zip(q, mixtures):
             for weight, next_tokens, counts, _ in parts:
                 row[next_tokens] += weight * (counts - DISCOUNT)
+            if echo is not None:
+                token, weight = echo
+                row *= 1 - weight
+                row[token] += weight
         return q.astype(np.float32)
 
     def distribution(self, tokens: Sequence[int]) -> Distribution | None:

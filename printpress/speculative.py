@@ -305,7 +305,7 @@ def _guess(model: torch.nn.Module, source: str, lookup: ContextLookup, caps: lis
     if source == "table":
         table = model.draft_table
         if state.settings.temperature > 0:
-            tokens, q = table.sample_interpolated(lookup.tokens, sampled_m, state.generator, vocab)
+            tokens, q = table.sample_interpolated(lookup.tokens, sampled_m, state.generator, vocab, lookup)
             if tokens:
                 return torch.tensor(tokens, dtype=torch.long, device=device), torch.from_numpy(q).to(device)
         return _token_draft(table.draft(lookup.tokens, m, lookup), state.settings, vocab, device)

@@ -14,7 +14,8 @@ from safetensors.numpy import save_file
 
 from helpers import file_mode
 
-from printpress.draft_table import DISCOUNT, FILE, MIN_COUNT, DraftTable, best_next, load_beside, next_counts
+from printpress.draft_table import (DISCOUNT, FILE, MIN_COUNT, TEXT_AS_LONG, TEXT_LONGER, DraftTable, best_next,
+                                    load_beside, next_counts)
 from printpress.errors import CheckpointError
 from printpress.speculative import ContextLookup
 
@@ -170,7 +171,8 @@ def test_sampled_rows_give_distributions_drawn_from_the_longest_context():
 
 def test_interpolated_drafts_discount_each_context_down_to_the_unigram_and_are_drawn_from_it():
     """A sampling request's drafts come from every known context's counts, interpolated by absolute discounting
-    (DISCOUNT 0.75), worked out by hand below; the draws follow that distribution."""
+    (DISCOUNT 0.75), and from the text's own continuation where its context is as long or longer, worked out by hand
+    below; the draws follow that distribution."""
     rows = np.array([[1, 2, 5, 6, 3], [9, 4, 5, 7, 3], [2, 2, 5, 6, 8]])
     sampled = np.array([[0, 5, 6, 6, 6], [0, 5, 7, 7, 7], [0, 5, 6, 6, 1], [0, 4, 5, 7, 7]])
     table = DraftTable.from_rows(rows, first=2, longest=2, sampled_rows=sampled)
@@ -191,6 +193,18 @@ def test_interpolated_drafts_discount_each_context_down_to_the_unigram_and_are_d
     assert len(tokens) == 3 and q.shape == (3, 10) and np.array_equal(q[0], table.interpolated([0, 5], 10))
     assert np.array_equal(q[2], table.interpolated([0, 5] + tokens[:2], 10))
     assert table.sample_interpolated([3], 3, generator, 10)[0] == []
+    # The text's own continuation: (0, 5) was followed by 2 earlier in the text, a context as long as the longest the
+    # counts know, so 2 takes TEXT_AS_LONG of the mass; (9, 0, 5), longer, gives it TEXT_LONGER.
+    assert (TEXT_LONGER, TEXT_AS_LONG) == (0.9, 0.3)
+    two = np.eye(10)[2]
+    as_long = ContextLookup([0, 5, 2, 0, 5])
+    assert np.allclose(table.interpolated([0, 5, 2, 0, 5], 10, as_long), 0.7 * expected + 0.3 * two, atol=1e-7)
+    longer = ContextLookup([9, 0, 5, 2, 9, 0, 5])
+    assert np.allclose(table.interpolated([9, 0, 5, 2, 9, 0, 5], 10, longer), 0.1 * expected + 0.9 * two, atol=1e-7)
+    assert np.allclose(table.interpolated([5, 9, 0, 5], 10, ContextLookup([5, 9, 0, 5])), expected)  # (5,): shorter
+    drawn = collections.Counter(table.sample_interpolated([9, 0, 5, 2, 9, 0, 5], 1, generator, 10, longer)[0][0]
+                                for _ in range(20000))
+    assert abs(drawn[2] / 20000 - (0.9 + 0.1 * expected[2])) < 0.01 and set(drawn) == {1, 2, 6, 7}, drawn
 
 
 def test_distributions_round_trip_and_a_file_that_does_not_add_up_is_refused(tmp_path):

@@ -457,9 +457,9 @@ def test_the_draft_length_replay_drafts_and_counts_as_the_engine_does():
 
 
 def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_drawn_from(monkeypatch):
-    """When sampling, a table draft is drawn from the interpolation of its contexts' counts and the acceptance rule
-    gets exactly that q (row i: the distribution token i was drawn from, `DraftTable.interpolated` of the text before
-    it); where no context has counts the greedy chain drafts."""
+    """When sampling, a table draft is drawn from the interpolation of its contexts' counts (and the text's own
+    continuation) and the acceptance rule gets exactly that q (row i: the distribution token i was drawn from,
+    `DraftTable.interpolated` of the text before it); where no context has counts the greedy chain drafts."""
     import printpress.speculative as module
 
     model = tiny_model("ring6")
@@ -468,7 +468,14 @@ def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_dr
     table = model.draft_table = DraftTable.from_rows(rows, first=3, longest=2, sampled_rows=rows[:20])
     drawn, verified = [], []
     sample = table.sample_interpolated
-    monkeypatch.setattr(table, "sample_interpolated", lambda *a: drawn.append((list(a[0]), sample(*a))) or drawn[-1][1])
+
+    def sample_and_expect(tokens, m, generator, vocab, context):  # what each row must be, from the text as it is now
+        out, rows_q = sample(tokens, m, generator, vocab, context)
+        expected = [table.interpolated(list(tokens) + out[:i], vocab, context) for i in range(len(out))]
+        drawn.append((expected, (out, rows_q)))
+        return out, rows_q
+
+    monkeypatch.setattr(table, "sample_interpolated", sample_and_expect)
     accept = module.sampled_accept
     monkeypatch.setattr(module, "sampled_accept", lambda d, q, p, g: verified.append((d, q)) or accept(d, q, p, g))
     for seed in range(6):
@@ -476,7 +483,7 @@ def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_dr
         collect(speculative(model, [Request([3, 4, 5], s, seed)], canvas_length=8))
     assert len(drawn) == len(verified) and sum(1 for _, (tokens, _) in drawn if tokens) > 10
     greedy_rounds = 0
-    for (text, (tokens, rows_q)), (draft, q) in zip(drawn, verified, strict=True):
+    for (expected, (tokens, rows_q)), (draft, q) in zip(drawn, verified, strict=True):
         if not tokens:  # no counts for the context: a one-hot draft of the greedy chain (or the lookup)
             greedy_rounds += 1
             assert q is None or bool(((q == 0) | (q == 1)).all())
@@ -484,7 +491,7 @@ def test_sampled_table_drafts_are_verified_against_the_distribution_they_were_dr
         assert draft.tolist() == tokens and q.dtype == torch.float32 and q.shape == (len(tokens), vocab)
         assert torch.equal(q, torch.from_numpy(rows_q))
         for i, token in enumerate(tokens):
-            assert np.array_equal(rows_q[i], table.interpolated(list(text) + tokens[:i], vocab)) and q[i, token] > 0
+            assert np.array_equal(rows_q[i], expected[i]) and q[i, token] > 0
     assert greedy_rounds > 0  # the rows' counts do not cover every context
 
 
