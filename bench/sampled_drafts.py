@@ -3,8 +3,8 @@
 A sampling request's table drafts are drawn from a distribution q and kept with probability min(1, p/q), so the
 closer q is to AR's own distribution p, the more drafts a verification keeps. The engine draws them from
 `DraftTable.interpolated` (every context length's counts that know the text's end, interpolated by absolute
-discounting); before, it drew them from the longest known context's counts alone (`DraftTable.sample`, which the
-diffusion side's table-started canvases still use). Here every held-out prompt is decoded, for each seed, by AR
+discounting, with a share for the text's own earlier continuation); before, it drew them from the longest known
+context's counts alone (`DraftTable.sample`, which the diffusion side's table-started canvases still use). Here every held-out prompt is decoded, for each seed, by AR
 sampling and by speculative sampling under each rule and draft cap, back to back, the order alternating from prompt
 to prompt and round to round (bench/speculative_interleaved.py's way of seeing through a shared machine); each
 round gives every setting its speed against AR sampling over the round's prompts and its tokens per verification
