@@ -23,14 +23,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
-import printpress
 from printpress.draft_table import DraftTable
-from printpress.eval.bench import heldout_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative import run_ar, run_speculative
+from speculative_interleaved import add_arguments, prompts_of, start
 
 RULES = ("interpolated", "longest")
 
@@ -49,30 +47,19 @@ def longest_rule(table: DraftTable):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="models/shakespeare-joint")
-    parser.add_argument("--caps", type=int, nargs="+", default=[3], help="draft caps (drafts per verification)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=24, help="held-out prompts (as `printpress bench` draws them)")
+    add_arguments(parser, caps=3, rounds=5)
     parser.add_argument("--seeds", type=int, default=2, help="samples per prompt and setting")
-    parser.add_argument("--heldout-data", default="shakespeare")
-    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    if any(cap < 1 for cap in args.caps):
-        parser.error(f"--caps: at least one draft per verification, got {args.caps}")
     if args.temperature <= 0:
         parser.error(f"--temperature: sampling needs a temperature above 0, got {args.temperature}")
-    torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
-    pipe = printpress.load(args.model)
+    pipe = start(parser, args)
     table = pipe.model.draft_table
     if table is None or table.counts is None:
         parser.error(f"{args.model} has no draft table with sampled counts: make one with `printpress draft-table`")
     interpolated = table.sample_interpolated
     rules = {"interpolated": interpolated, "longest": longest_rule(table)}
-    prompts = [pipe.encode_text(text) for text in heldout_prompts(args.prompts, [args.heldout_data], 0.05)]
+    prompts = prompts_of(pipe, args)
     settings = [(rule, cap) for rule in RULES for cap in args.caps]
     names = {setting: f"{setting[0]}, cap {setting[1]}" for setting in settings}
     for prompt in prompts[:4]:  # warm-up: first calls pay one-off costs

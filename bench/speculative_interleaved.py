@@ -33,24 +33,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative import run_ar, run_speculative
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser, caps: int, rounds: int) -> None:
+    """The arguments of an interleaved comparison over held-out prompts (this script's and bench/sampled_drafts.py's)."""
     parser.add_argument("--model", default="models/shakespeare-joint")
-    parser.add_argument("--table", action="append", default=[], metavar="NAME=PATH",
-                        help="a draft table to draft from (repeatable; default: the model's own, as 'model')")
-    parser.add_argument("--caps", type=int, nargs="+", default=[7], help="draft caps (drafts per verification)")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--caps", type=int, nargs="+", default=[caps], help="draft caps (drafts per verification)")
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--prompts", type=int, default=24, help="held-out prompts (as `printpress bench` draws them)")
     parser.add_argument("--heldout-data", default="shakespeare")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+
+
+def start(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """`add_arguments`' checks, then the model (one thread unless --threads says otherwise, no gradients)."""
     if any(cap < 1 for cap in args.caps):
         parser.error(f"--caps: at least one draft per verification, got {args.caps}")
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    pipe = printpress.load(args.model)
+    return printpress.load(args.model)
+
+
+def prompts_of(pipe, args: argparse.Namespace) -> list[list[int]]:
+    """The held-out prompts `printpress bench --heldout-prompts` draws, encoded."""
+    return [pipe.encode_text(text) for text in heldout_prompts(args.prompts, [args.heldout_data], 0.05)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", action="append", default=[], metavar="NAME=PATH",
+                        help="a draft table to draft from (repeatable; default: the model's own, as 'model')")
+    add_arguments(parser, caps=7, rounds=8)
+    args = parser.parse_args(argv)
+    pipe = start(parser, args)
     tables = {}
     for item in args.table:
         name, sep, path = item.partition("=")
@@ -61,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         if pipe.model.draft_table is None:
             parser.error(f"{args.model} has no draft table: give one with --table NAME=PATH")
         tables["model"] = pipe.model.draft_table
-    prompts = [pipe.encode_text(text) for text in heldout_prompts(args.prompts, [args.heldout_data], 0.05)]
+    prompts = prompts_of(pipe, args)
     settings = [(name, cap) for name in tables for cap in args.caps]
     for prompt in prompts[:4]:  # warm-up: first calls pay one-off costs (the half-width copies among them)
         run_ar(pipe, prompt, 8)

@@ -130,7 +130,7 @@ class DraftTable:
         float32: a sampling request's speculative drafts. Stops where no context has counts, as `sample` does."""
         import torch
 
-        text = list(tokens[-max(self.longest, context.longest if context is not None else 0):])
+        text = self._tail(tokens, context)
         out: list[int] = []
         mixtures: list[Mixture] = []
         uniforms = torch.rand(m, generator=generator, dtype=torch.float64).tolist() if m > 0 else []
@@ -153,7 +153,7 @@ class DraftTable:
         continuations, `ContextLookup.match`), the token that followed the text's end where it occurred before
         takes `TEXT_LONGER` of the mass where that context is longer than the longest the counts know, and
         `TEXT_AS_LONG` where it is as long; the counts' interpolation the rest."""
-        text = list(tokens[-max(self.longest, context.longest if context is not None else 0):])
+        text = self._tail(tokens, context)
         mixture = self._mixture(text, context)
         return None if mixture is None else self._dense([mixture], vocab)[0]
 
@@ -238,7 +238,7 @@ class DraftTable:
     def chain(self, tokens: Sequence[int], m: int, context: TextMatch | None = None) -> list[tuple[int, int, str]]:
         """`draft`'s tokens, each with the length of the context it came from and whose it was ("table" or
         "text"): what a rule for a draft's length can read (bench/draft_length.py)."""
-        text = list(tokens[-max(self.longest, context.longest if context else 0):])
+        text = self._tail(tokens, context)
         out: list[tuple[int, int, str]] = []
         while len(out) < m:
             n, token = longest_entry(self.maps, text)
@@ -252,6 +252,10 @@ class DraftTable:
             out.append((token, n, source))
             text.append(token)
         return out
+
+    def _tail(self, tokens: Sequence[int], context: TextMatch | None) -> list[int]:
+        """The end of `tokens` that the table's contexts and the text's own (`context`, where given) can read."""
+        return list(tokens[-max(self.longest, context.longest if context is not None else 0):])
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the table atomically (a temporary file beside it, renamed into place): per context length n, the
