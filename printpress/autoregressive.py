@@ -27,12 +27,15 @@ def autoregressive(model: torch.nn.Module, requests: Sequence[Request], decode: 
     rows = [RequestState.start(i, r, device, r.settings.max_new_tokens, started) for i, r in enumerate(requests)]
     ids, mask = _left_pad(rows, _pad_id(model, rows), device)
     cache = model.new_cache(len(rows), ids.shape[1] + max(row.budget for row in rows))
-    logits = model.encode(ids, cache, attention_mask=mask, logits="last")
+    # Where every row is greedy and none asks for log-probabilities, the passes give only their argmax.
+    greedy = all(row.settings.temperature == 0 and row.logprobs is None for row in rows)
+    logits = model.encode(ids, cache, attention_mask=mask, logits="last", argmax=greedy)
     while True:
         keep: list[int] = []
         next_ids: list[int] = []
+        tokens = logits[:, -1].tolist() if greedy else None
         for position, row in enumerate(rows):
-            token = sample_next_token(logits[position, -1], row.settings, row.generator)
+            token = tokens[position] if greedy else sample_next_token(logits[position, -1], row.settings, row.generator)
             row.forward_passes += 1
             row.commit([token])
             logprobs = None
@@ -51,7 +54,7 @@ def autoregressive(model: torch.nn.Module, requests: Sequence[Request], decode: 
             cache.select(torch.tensor(keep, dtype=torch.long, device=device))
             rows = [rows[k] for k in keep]
         step_ids = torch.tensor(next_ids, dtype=torch.long, device=device)[:, None]
-        logits = model.encode(step_ids, cache, logits="last")
+        logits = model.encode(step_ids, cache, logits="last", argmax=greedy)
 
 
 def _left_pad(rows: list[RequestState], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

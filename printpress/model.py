@@ -26,6 +26,7 @@ from torch import nn
 from printpress import native
 from printpress.cache import KVCache, KVJoin
 from printpress.config import FULL, SLIDING, LayerSpec, TextConfig
+from printpress.sampling import capped_argmax, row_argmax
 
 if TYPE_CHECKING:
     from printpress.fast import CompiledARStep, CompiledDecoderPass, CompiledEncoderBlock, CompiledFusedPass
@@ -729,8 +730,10 @@ class DiffusionGemma(nn.Module):
                 soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         return self.self_conditioning(self.embed(canvas_ids), soft)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head, cap = self.lm_head, self.config.final_logit_softcapping
+    def logits(self, hidden: torch.Tensor, capped: bool = True) -> torch.Tensor:
+        """float32 next-token logits of final hidden states (..., H): the head, then the final softcap (`capped=False`
+        leaves it to the caller, as `capped_argmax` does)."""
+        head, cap = self.lm_head, self.config.final_logit_softcapping if capped else None
         if head is None and hidden.is_contiguous() and _cpp_layers_for(hidden):
             # F.linear's mm, its weight read ahead in blocks where that pays (layers.cpp, `head`), and for float32
             # the softcap's operators in the same call: the same bits.
@@ -833,22 +836,25 @@ class DiffusionGemma(nn.Module):
         cache: KVCache,
         attention_mask: torch.Tensor | None = None,
         logits: LogitsMode = "all",
+        argmax: bool = False,
     ) -> torch.Tensor | None:
         """Causal pass over `input_ids` (B, T) after what `cache` holds; appends them to the cache.
 
         `attention_mask` (B, T) marks real tokens (False for left padding). Returns float32 next-token
-        logits for every position ("all"), the last one ("last"), or nothing ("none").
+        logits for every position ("all"), the last one ("last"), or nothing ("none"); with `argmax`, their argmax
+        instead (int64, the first of equal maxima: greedy decoding's tokens), which the exact path finds without
+        softcapping the whole vocabulary (`capped_argmax`).
         """
         step = self.compiled_ar_step
         if step is not None and step.covers(input_ids, cache, attention_mask, logits):
             out = step(input_ids, cache)
             if out is not None:
-                return out
+                return row_argmax(out) if argmax else out
         block = self.compiled_encoder
         if block is not None and block.covers(input_ids, cache, attention_mask, logits):
             out = block(input_ids, cache, logits)
             if out is not None:
-                return None if logits == "none" else out
+                return None if logits == "none" else row_argmax(out) if argmax else out
         t = input_ids.shape[1]
         cache.check_room(t)
         start = cache.length
@@ -865,13 +871,17 @@ class DiffusionGemma(nn.Module):
         cache.advance(t, new_valid)
         if logits == "none":
             return None
-        return self.logits(hidden[:, -1:] if logits == "last" else hidden)
+        hidden = hidden[:, -1:] if logits == "last" else hidden
+        if argmax:
+            return capped_argmax(self.logits(hidden, capped=False), self.config.final_logit_softcapping)
+        return self.logits(hidden)
 
-    def encode_tentatively(self, input_ids: torch.Tensor,
-                           cache: KVCache) -> tuple[torch.Tensor, Callable[[int], None]]:
+    def encode_tentatively(self, input_ids: torch.Tensor, cache: KVCache,
+                           argmax: bool = False) -> tuple[torch.Tensor, Callable[[int], None]]:
         """A causal pass over a block (B, T) of which only a leading part is kept, decided from its logits (a
-        speculative verification): returns float32 logits for every position and `keep(n)`, which leaves the cache
-        holding the block's first n tokens after what it held, as if only they had been encoded.
+        speculative verification): returns float32 logits for every position (with `argmax`, their argmax, as
+        `encode` gives it) and `keep(n)`, which leaves the cache holding the block's first n tokens after what it
+        held, as if only they had been encoded.
 
         The exact path encodes the whole block and rolls the cache back (`KVCache.snapshot` / `truncate`); a
         compiled encoder block (`printpress.fast`) writes only the kept tokens."""
@@ -879,11 +889,11 @@ class DiffusionGemma(nn.Module):
         if block is not None and block.covers(input_ids, cache, None, "all"):
             out = block.tentatively(input_ids, cache)
             if out is not None:
-                return out
+                return (row_argmax(out[0]), out[1]) if argmax else out
         snapshot = cache.snapshot(input_ids.shape[1])
         # One token's "all" is its "last", which a compiled AR step runs (a verification with no draft).
-        logits = self.encode(input_ids, cache, logits="last" if input_ids.shape[1] == 1 else "all")
-        return logits, lambda n: cache.truncate(snapshot.length + n, snapshot)
+        out = self.encode(input_ids, cache, logits="last" if input_ids.shape[1] == 1 else "all", argmax=argmax)
+        return out, lambda n: cache.truncate(snapshot.length + n, snapshot)
 
     def _has(self, sliding: bool) -> bool:
         return any(spec.sliding == sliding for spec in self.specs)

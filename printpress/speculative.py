@@ -328,8 +328,9 @@ def _verify(
     """One causal pass over `[last, *draft]`; returns the tokens AR decoding commits, the cache keeping `last` and
     the accepted drafts."""
     block = torch.cat([torch.tensor([last], dtype=torch.long, device=draft.device), draft])[None]
-    logits, keep = model.encode_tentatively(block, cache)  # logits[0, i]: the AR model's view after block[i]
-    return _accept(keep, state, draft, q, logits[0])
+    # [0, i]: the AR model's view after block[i]; greedy rounds read only its argmax (cheaper than the logits)
+    verified, keep = model.encode_tentatively(block, cache, argmax=state.settings.temperature == 0)
+    return _accept(keep, state, draft, q, verified[0])
 
 
 def _verify_and_draft(
@@ -352,12 +353,13 @@ def _verify_and_draft(
 
 def _accept(keep: Callable[[int], None], state: _State, draft: torch.Tensor, q: torch.Tensor | None,
             logits: torch.Tensor) -> list[int]:
-    """The verification's decision from its logits (m + 1, V) (one pass counted); `keep(n)` leaves the block's
-    first n tokens (the last committed one and the accepted drafts) in the cache."""
+    """The verification's decision from its logits (m + 1, V), or from their argmax (m + 1,) when greedy (one pass
+    counted); `keep(n)` leaves the block's first n tokens (the last committed one and the accepted drafts) in the
+    cache."""
     state.forward_passes += 1
     state.verifications += 1
     if state.settings.temperature == 0:
-        new = greedy_accept(draft, logits)
+        new = greedy_accept(draft, logits if logits.dim() == 1 else row_argmax(logits))
     else:
         q = logits.new_empty(0, logits.shape[-1]) if q is None else q  # no draft: the bonus draw only
         new = sampled_accept(draft, q, next_token_probs(logits, state.settings), state.generator)
@@ -379,9 +381,10 @@ def _canvas_draft(model: torch.nn.Module, state: _State, hidden: torch.Tensor,
     return sample_canvas(q, state.generator), q
 
 
-def greedy_accept(draft: torch.Tensor, logits: torch.Tensor) -> list[int]:
-    """The drafts (m,) that match the AR argmax of `logits` (m + 1, V), then the AR argmax after them."""
-    targets = row_argmax(logits).tolist()  # a few lists of ints: cheaper than tensor ops this small
+def greedy_accept(draft: torch.Tensor, targets: torch.Tensor) -> list[int]:
+    """The drafts (m,) that match the AR argmax after each verified position, `targets` (m + 1,), then the AR argmax
+    after them."""
+    targets = targets.tolist()  # a few lists of ints: cheaper than tensor ops this small
     tokens = draft.tolist()
     kept = next((i for i, (token, target) in enumerate(zip(tokens, targets)) if token != target), len(tokens))
     return tokens[:kept] + [targets[kept]]

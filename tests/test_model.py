@@ -9,6 +9,7 @@ from transformers import DiffusionGemmaForBlockDiffusion
 from transformers.cache_utils import DynamicCache
 
 from printpress.checkpoint import load_model
+from printpress.sampling import row_argmax
 
 TOL = 1e-4
 
@@ -230,6 +231,37 @@ def test_expert_loop_for_training_equals_the_grouped_path_for_inference():
     with torch.no_grad():
         inferred = experts(x, weights, chosen)  # grouped_mm
     assert torch.equal(trained.detach(), inferred)
+
+
+@pytest.mark.parametrize("name", ["gqa", "default_pattern"])  # vocabularies of 128 (the kernel's path) and 160
+@pytest.mark.parametrize("scale", [1.0, 5000.0])  # logits far past the softcap, whose tanh then ties many
+@torch.no_grad()
+def test_argmax_passes_give_the_argmax_of_their_logits(pairs, name, scale):
+    """`encode(..., argmax=True)` and `encode_tentatively(..., argmax=True)` (greedy decoding's passes, which skip
+    most of the final softcap) give `row_argmax` of the logits the same passes give, and leave the same cache."""
+    _, model, config = pairs[name]
+    assert model.config.final_logit_softcapping
+    ids = prompt(config.text.vocab_size, 1, 2 * config.text.sliding_window + 3, seed=5)
+    weight = model.embed_tokens.weight
+    saved = weight.clone()
+    try:
+        weight.mul_(scale)
+        caches = [model.new_cache(1, 64) for _ in range(2)]
+        outs = [model.encode(ids[:, :-4], cache, logits="all", argmax=argmax) for cache, argmax in zip(caches, (0, 1))]
+        assert torch.equal(row_argmax(outs[0]), outs[1])
+        top = (outs[0] == outs[0].max(dim=-1, keepdim=True).values).sum(dim=-1)
+        assert (top.max() > 1) == (scale > 1)  # scaled up, the softcap ties rows' largest logits: the first one wins
+        steps = [model.encode(ids[:, -4:-3], cache, logits="last", argmax=argmax) for cache, argmax in
+                 zip(caches, (0, 1))]
+        assert torch.equal(row_argmax(steps[0]), steps[1])
+        verified = [model.encode_tentatively(ids[:, -3:], cache, argmax=argmax) for cache, argmax in
+                    zip(caches, (0, 1))]
+        assert torch.equal(row_argmax(verified[0][0]), verified[1][0])
+        for _, keep in verified:
+            keep(2)
+        assert all(torch.equal(a.keys, b.keys) for a, b in zip(caches[0].layers, caches[1].layers))
+    finally:
+        weight.copy_(saved)
 
 
 @pytest.mark.parametrize("name", ["gqa", "default_pattern", "twelve_layers"])

@@ -29,6 +29,7 @@ from printpress.sampling import (
     multinomial_one,
     pad_after_eos,
     row_argmax,
+    capped_argmax,
     sample_canvas,
     sample_next_token,
     softmax_kernels,
@@ -194,6 +195,39 @@ def test_row_argmax_is_torch_argmax_on_ties_nans_slices_and_many_rows():
     coarse = torch.randint(0, 4, (6, 40, 4096), generator=g).float()  # many equal maxima per row
     for x in (coarse, coarse[:, :7], coarse.transpose(0, 1), torch.randn(3, 32, 4096, generator=g).bfloat16()):
         assert torch.equal(row_argmax(x), torch.argmax(x, dim=-1))
+
+
+def test_capped_argmax_is_the_argmax_of_the_softcapped_logits_where_saturation_and_rounding_tie_them():
+    """`capped_argmax(raw, cap)` (the greedy argmax without softcapping the whole vocabulary) gives the indices the
+    model's softcap and `row_argmax` give: rows whose largest raw logit is not their capped argmax (the tanh's
+    rounding ties values near the top: the first of them wins), near-ties at every scale, NaN and infinite rows,
+    more candidates than the kernel takes, and a vocabulary that is no multiple of 64 (the plain path)."""
+    def capped(x, cap):
+        return row_argmax(x.clone().div_(cap).tanh_().mul_(cap))
+
+    saturated = torch.full((2, 4096), -5.0)
+    saturated[0, 3], saturated[0, 7] = 300.0, 400.0  # both round to the same capped value: index 3, not 7
+    saturated[1, 9], saturated[1, 2000] = 400.0, 1e6
+    assert capped(saturated, 30.0).tolist() == [3, 9] != row_argmax(saturated).tolist()
+    assert capped_argmax(saturated, 30.0).tolist() == [3, 9]
+
+    g = torch.Generator().manual_seed(0)
+    cases = [saturated]
+    for scale in (1.0, 30.0, 300.0, 1e5):
+        x = torch.randn(8, 4096, generator=g) * scale
+        top = x.max(dim=-1, keepdim=True).values
+        x[:, 100:160] = top - torch.rand(8, 60, generator=g) * 1e-4 * scale  # a crowd of near-ties below the top
+        cases.append(x)
+    special = torch.randn(4, 4096, generator=g)
+    special[0, 11], special[0, 50] = float("nan"), float("inf")  # the first NaN, as row_argmax takes it
+    special[1, 70], special[1, 80] = float("inf"), float("inf")
+    special[2] = float("-inf")
+    special[3, 1000:1400] = 500.0  # 400 tied candidates: more than the kernel takes
+    cases += [special, torch.randn(3, 4000, generator=g) * 100, torch.randn(4096, generator=g)]
+    for x in cases:
+        for cap in (30.0, 5.0):
+            assert torch.equal(capped_argmax(x, cap), capped(x, cap))
+    assert torch.equal(capped_argmax(special, None), row_argmax(special))  # no softcap: the plain argmax
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -240,13 +240,11 @@ def test_fused_pass_refuses_what_it_cannot_lay_out():
 
 
 def test_greedy_accept_keeps_the_matching_prefix_then_the_ar_token():
-    logits = torch.full((4, 6), -1.0)
-    for row, best in enumerate([2, 5, 1, 4]):
-        logits[row, best] = 1.0
-    assert greedy_accept(torch.tensor([2, 5, 1]), logits) == [2, 5, 1, 4]  # all kept, plus the bonus
-    assert greedy_accept(torch.tensor([2, 0, 1]), logits) == [2, 5]  # mismatch at the second: the AR token
-    assert greedy_accept(torch.tensor([3, 5, 1]), logits) == [2]  # later matches do not count
-    assert greedy_accept(torch.tensor([], dtype=torch.long), logits[:1]) == [2]
+    targets = torch.tensor([2, 5, 1, 4])  # the AR argmax after each verified position
+    assert greedy_accept(torch.tensor([2, 5, 1]), targets) == [2, 5, 1, 4]  # all kept, plus the bonus
+    assert greedy_accept(torch.tensor([2, 0, 1]), targets) == [2, 5]  # mismatch at the second: the AR token
+    assert greedy_accept(torch.tensor([3, 5, 1]), targets) == [2]  # later matches do not count
+    assert greedy_accept(torch.tensor([], dtype=torch.long), targets[:1]) == [2]
 
 
 @pytest.mark.slow  # a statistical sweep: 20,000 sampled acceptances
