@@ -27,6 +27,7 @@ from printpress.sampling import (
     entropy_bound_accept,
     exponential_like_torch,
     multinomial_one,
+    next_token_probs,
     pad_after_eos,
     row_argmax,
     capped_argmax,
@@ -228,6 +229,32 @@ def test_capped_argmax_is_the_argmax_of_the_softcapped_logits_where_saturation_a
         for cap in (30.0, 5.0):
             assert torch.equal(capped_argmax(x, cap), capped(x, cap))
     assert torch.equal(capped_argmax(special, None), row_argmax(special))  # no softcap: the plain argmax
+
+
+def test_next_token_probs_with_a_cut_give_atens_bits():
+    """`next_token_probs` with top_k (the C++ cut `printpress_draw::top_k_probs` between ATen's division and softmax)
+    gives the bits of ATen's operators composed as `top_k_only` composes them: rows with ties at the k-th value (they
+    stay), k of 1 and of V - 1, banned (-inf) and infinite logits, 1-D to 3-D logits; a NaN row the same (ATen's
+    path)."""
+    def aten(x, temperature, k):
+        return torch.softmax(top_k_only(x / temperature, k), dim=-1, dtype=torch.float32)
+
+    g = torch.Generator().manual_seed(3)
+    coarse = torch.randint(0, 12, (4, 4096), generator=g).float()  # hundreds of values equal to the k-th
+    wide = torch.randn(2, 3, 4096, generator=g) * 20
+    odd = torch.randn(5, 1000, generator=g)  # a vocabulary that is no multiple of a vector
+    special = torch.randn(3, 4096, generator=g)
+    special[0, :4000] = float("-inf")  # fewer finite values than k in no row, but most banned
+    special[1, 7], special[2, 9] = float("inf"), float("-inf")
+    for x in (coarse, wide, odd, special, torch.randn(4096, generator=g)):
+        for temperature, k in ((0.8, 50), (1.0, 1), (1.3, x.shape[-1] - 1), (0.5, 7)):
+            got = next_token_probs(x, SamplerSettings(temperature=temperature, top_k=k))
+            # bit for bit, a NaN (the row with +inf, in both) where the other has one
+            torch.testing.assert_close(got, aten(x, temperature, k), rtol=0, atol=0, equal_nan=True)
+    nan = torch.randn(2, 4096, generator=g)
+    nan[1, 3] = float("nan")
+    got = next_token_probs(nan, SamplerSettings(temperature=0.8, top_k=50))
+    torch.testing.assert_close(got, aten(nan, 0.8, 50), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
