@@ -91,6 +91,9 @@ class DraftTable:
             _distributions(table) for table in counts]
         self._unigram = None if counts is None else _unigram(counts[0])
         self._unigram_ends = None if counts is None else np.cumsum(self._unigram)
+        # per context length: context -> the sum of its counts, kept as drafting meets it (a numpy sum per context
+        # and draft was a tenth of a sampled round's drafting)
+        self._totals: list[dict[tuple[int, ...], int]] = [{} for _ in maps]
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, first: int, longest: int = DEFAULT_LONGEST,
@@ -168,11 +171,15 @@ class DraftTable:
         known = 0  # the longest context the counts know
         share = 1.0  # of the mass still to place, longest context first
         for n in range(min(self.longest, len(text)), 0, -1):
-            entry = self.counts[n - 1].get(tuple(text[-n:]))
+            key = tuple(text[-n:])
+            entry = self.counts[n - 1].get(key)
             if entry is not None:
                 known = known or n
                 next_tokens, counts = entry
-                total, given = int(counts.sum()), DISCOUNT * len(counts)
+                total = self._totals[n - 1].get(key)
+                if total is None:
+                    total = self._totals[n - 1][key] = int(counts.sum())
+                given = DISCOUNT * len(counts)
                 parts.append((share / total, next_tokens, counts, share * (total - given) / total))
                 share *= given / total
         if not parts:
