@@ -12,8 +12,8 @@ from printpress.draft_table import DraftTable
 from printpress.engine import CommitEvent, DoneEvent, Request, StepEvent, run
 from printpress.errors import GenerationError
 from printpress.model import DiffusionGemma, native_layers
-from printpress.sampling import MODES, SamplerSettings
-from printpress.speculative import ContextLookup, greedy_accept, sampled_accept, speculative
+from printpress.sampling import MODES, SamplerSettings, draw_kernels, next_token_probs
+from printpress.speculative import ContextLookup, _sampled_accept, greedy_accept, sampled_accept, speculative
 
 from helpers import bench_module
 
@@ -245,6 +245,28 @@ def test_greedy_accept_keeps_the_matching_prefix_then_the_ar_token():
     assert greedy_accept(torch.tensor([2, 0, 1]), targets) == [2, 5]  # mismatch at the second: the AR token
     assert greedy_accept(torch.tensor([3, 5, 1]), targets) == [2]  # later matches do not count
     assert greedy_accept(torch.tensor([], dtype=torch.long), targets[:1]) == [2]
+
+
+def test_sampled_accept_in_one_kernel_call_gives_the_python_loops_tokens_and_generator_state():
+    """`sampled_accept` (with the sampling kernels: `printpress_draw::speculative_accept`) and `_sampled_accept` (the
+    loop in Python) decide the same tokens from the same generator and leave it in the same state: 0 to 4 drafts,
+    drawn from q or not (rejections at every position), q equal to p (the all-zero residual: a draw from p), and a
+    vocabulary that is no multiple of a vector."""
+    if not draw_kernels():
+        pytest.skip("the sampling kernels are not built here")
+    g = torch.Generator().manual_seed(0)
+    rejections = 0
+    for case in range(400):
+        m, vocab = case % 5, (4096, 50)[case % 2]
+        p = next_token_probs(torch.randn(m + 1, vocab, generator=g) * 3, SamplerSettings(temperature=0.8, top_k=20))
+        q = p[:m].clone() if case % 7 == 0 else torch.softmax(torch.randn(m, vocab, generator=g) * 3, dim=-1)
+        draft = torch.multinomial(q, 1, generator=g)[:, 0] if m else torch.empty(0, dtype=torch.long)
+        kernel, loop = torch.Generator().manual_seed(case), torch.Generator().manual_seed(case)
+        tokens = sampled_accept(draft, q, p, kernel)
+        assert tokens == _sampled_accept(draft, q, p, loop)
+        assert torch.equal(kernel.get_state(), loop.get_state())
+        rejections += len(tokens) <= m
+    assert rejections > 100
 
 
 @pytest.mark.slow  # a statistical sweep: 20,000 sampled acceptances

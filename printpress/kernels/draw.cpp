@@ -23,6 +23,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/softmax.h>
+#include <ATen/ops/sub.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -393,6 +395,42 @@ at::Tensor multinomial_one(const at::Tensor& probs, const std::optional<at::Gene
   return rows.index;
 }
 
+// Speculative sampling's decision (printpress.speculative.sampled_accept, whose Python loop this is, the same
+// tokens and generator state): draft i (drawn from q[i]) is kept while uniforms[i] * q[i, d_i] < p[i, d_i] (in
+// double, as Python compares them); at the first rejection a draw from max(0, p[i] - q[i]) (p[i] itself where that is
+// all zero), or, every draft kept, a bonus draw from p[m]; each draw is `multinomial_one`'s. Returns the kept drafts
+// and the token drawn after them (int64).
+at::Tensor speculative_accept(const at::Tensor& draft, const at::Tensor& q, const at::Tensor& p,
+                              const at::Tensor& uniforms, const std::optional<at::Generator>& generator) {
+  const int64_t m = draft.numel();
+  TORCH_CHECK(draft.scalar_type() == at::kLong && q.scalar_type() == at::kFloat && p.scalar_type() == at::kFloat &&
+                  uniforms.scalar_type() == at::kFloat && q.dim() == 2 && p.dim() == 2 && q.size(0) == m &&
+                  p.size(0) == m + 1 && uniforms.numel() == m && (m == 0 || q.size(1) == p.size(1)),
+              "printpress_draw::speculative_accept expects m int64 drafts, q (m, V) and p (m + 1, V) float32, and m "
+              "float32 uniforms");
+  const auto d = draft.contiguous();
+  const auto u = uniforms.contiguous();
+  const auto qc = q.contiguous();
+  const auto pc = p.contiguous();
+  const int64_t* tokens = d.data_ptr<int64_t>();
+  const float* us = u.data_ptr<float>();
+  const int64_t V = pc.size(1);
+  std::vector<int64_t> out(tokens, tokens + m);
+  for (int64_t i = 0; i < m; ++i) {
+    TORCH_CHECK(tokens[i] >= 0 && tokens[i] < V, "printpress_draw::speculative_accept: a draft token outside the "
+                "vocabulary");
+    const double drafted_q = qc.data_ptr<float>()[i * V + tokens[i]], drafted_p = pc.data_ptr<float>()[i * V + tokens[i]];
+    if (static_cast<double>(us[i]) * drafted_q < drafted_p) continue;
+    at::Tensor residual = at::sub(pc[i], qc[i]).clamp_min_(0);
+    if (!(residual.sum().item<float>() > 0)) residual = pc[i];  // p == q up to rounding: a draw from p
+    out.resize(i);
+    out.push_back(multinomial_one(residual, generator).item<int64_t>());
+    return at::tensor(out, at::TensorOptions().dtype(at::kLong));
+  }
+  out.push_back(multinomial_one(pc[m], generator).item<int64_t>());
+  return at::tensor(out, at::TensorOptions().dtype(at::kLong));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(printpress_draw, m) {
@@ -402,6 +440,7 @@ TORCH_LIBRARY(printpress_draw, m) {
   m.def("multinomial_from_uniforms(Tensor probs, Tensor uniform) -> Tensor");
   m.def("uniform(int n, Generator? generator) -> Tensor", &uniform);  // no tensor to dispatch on: one kernel
   m.def("multinomial_one(Tensor probs, Generator? generator) -> Tensor");
+  m.def("speculative_accept(Tensor draft, Tensor q, Tensor p, Tensor uniforms, Generator? generator) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(printpress_draw, CPU, m) {
@@ -410,4 +449,5 @@ TORCH_LIBRARY_IMPL(printpress_draw, CPU, m) {
   m.impl("top_k_probs", &top_k_probs);
   m.impl("multinomial_from_uniforms", &multinomial_from_uniforms);
   m.impl("multinomial_one", &multinomial_one);
+  m.impl("speculative_accept", &speculative_accept);
 }
