@@ -12,6 +12,7 @@ too); `pad_mask` records which positions hold real tokens.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,7 @@ class KVCache:
         # Index tensors every sliding layer of a pass asks for, kept for the length they were made at.
         self._order_memo: tuple[int, torch.Tensor | None] = (-1, None)
         self._ring_memo: tuple[tuple[int, int], torch.Tensor | None] = ((-1, 0), None)
+        self._scratches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sliding layer -> `_scratch`
         self.layers: list[LayerKV] = []
         for spec in config.layers:
             slots = self.window if spec.sliding else max_length
@@ -179,6 +181,54 @@ class KVCache:
             if join.write_at + join.keep > self.window:  # the block's slots wrap around the ring
                 join.slots = self._ring_slots(new_tokens)
         return join
+
+    def tentative_joins(self, new_tokens: int) -> tuple[list[KVJoin], Callable[[int], None]]:
+        """How a block of `new_tokens` that may be kept only in part (a speculative verification) joins every
+        layer's cache, and `keep(n)`, which commits the block's first n tokens as `encode` would have (`advance`
+        included). Full layers write the block in place after the prefix, as `encoder_join` does (positions past the
+        length are never read). Sliding layers leave their ring alone: each reads a scratch buffer holding the ring
+        oldest first (what `prefix_join` concatenates) with the block written after it, the same keys in the same
+        order; `keep(n)` writes the n kept ones into the ring. Nothing to save beforehand or restore after, as
+        `snapshot` and `truncate` do for a block written into the ring."""
+        filled, wrap = self.filled_slots, self._oldest_slot()
+        joins, targets, sources, starts, offsets, counts = [], [], [], [], [], []
+        for index, layer in enumerate(self.layers):
+            if not layer.sliding:
+                joins.append(KVJoin(layer.keys, layer.values, True, self.length))
+                continue
+            scratch = self._scratch(index, filled + new_tokens)
+            joins.append(KVJoin(*scratch, True, filled))
+            runs = [(0, wrap, filled - wrap), (filled - wrap, 0, wrap)] if wrap else [(0, 0, filled)]
+            for start, offset, count in runs:  # the ring, oldest first
+                targets += list(scratch)
+                sources += [layer.keys, layer.values]
+                starts += [start, start]
+                offsets += [offset, offset]
+                counts += [count, count]
+        copy_runs(targets, sources, starts, offsets, counts)
+        length = self.length
+
+        def keep(n: int) -> None:
+            if self.length != length or not 0 <= n <= new_tokens:
+                raise GenerationError(f"cannot keep {n} of a block of {new_tokens} tokens encoded at {length}: the "
+                                      f"cache now holds {self.length}")
+            self.write_all([join.keys[:, :, filled:] if layer.sliding else None
+                            for join, layer in zip(joins, self.layers)],
+                           [join.values[:, :, filled:] if layer.sliding else None
+                            for join, layer in zip(joins, self.layers)], n)
+            self.advance(n, None)
+
+        return joins, keep
+
+    def _scratch(self, index: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sliding layer's scratch keys and values (B, H_kv, >= slots, D) for `tentative_joins`, kept between
+        blocks (grown when a longer one comes)."""
+        held = self._scratches.get(index)
+        if held is None or held[0].shape[2] < slots:
+            layer = self.layers[index]
+            shape = (*layer.keys.shape[:2], max(slots, self.window + 8), layer.keys.shape[3])
+            held = self._scratches[index] = (layer.keys.new_empty(shape), layer.values.new_empty(shape))
+        return held
 
     def decoder_join(self, index: int, canvas: int) -> KVJoin:
         """How `denoise` joins a canvas to the layer's cache without committing it: full layers borrow the free slots
@@ -265,15 +315,17 @@ class KVCache:
         """Store the keys/values of the block that starts at `self.length` (call `advance` after all layers)."""
         self.encoder_join(index, keys.shape[2]).store(keys, values)
 
-    def write_all(self, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
+    def write_all(self, keys: list[torch.Tensor | None], values: list[torch.Tensor | None], n: int) -> None:
         """`write` for every layer at once: the first `n` of each layer's block keys/values (B, KV, T >= n, D), as
         one batched copy where each layer's slots are a contiguous run (always for full layers; for the ring unless
-        the block wraps around it). Call `advance(n, ...)` after it."""
+        the block wraps around it); a layer whose keys are None is skipped. Call `advance(n, ...)` after it."""
         keep = min(n, self.window)
         first = (self.length + n - keep) % self.window if self.window else 0
         contiguous_ring = first + keep <= self.window
         targets, sources, starts, offsets, counts = [], [], [], [], []
         for index, (layer, k, v) in enumerate(zip(self.layers, keys, values)):
+            if k is None or not n:
+                continue
             if layer.sliding and not contiguous_ring:
                 self.write(index, k[:, :, :n], v[:, :, :n])
                 continue
@@ -381,6 +433,7 @@ class KVCache:
         self.pad_mask = self.pad_mask.index_select(0, rows)
         self.offsets = self.offsets.index_select(0, rows)
         self.batch_size = int(rows.numel())
+        self._scratches = {}
 
     def rows(self, rows: torch.Tensor | list[int]) -> KVCache:
         """A new cache holding copies of `rows` only, for decoder passes over part of the batch.
@@ -394,6 +447,7 @@ class KVCache:
         sub.pad_mask = self.pad_mask.index_select(0, rows)
         sub.offsets = self.offsets.index_select(0, rows)
         sub.slot_positions = self.slot_positions.clone()
+        sub._scratches = {}
         sub.batch_size = int(rows.numel())
         return sub
 

@@ -855,23 +855,39 @@ class DiffusionGemma(nn.Module):
             out = block(input_ids, cache, logits)
             if out is not None:
                 return None if logits == "none" else row_argmax(out) if argmax else out
+        hidden = self._encoder_pass(input_ids, cache, attention_mask)
+        if logits == "none":
+            return None
+        return self._block_logits(hidden[:, -1:] if logits == "last" else hidden, argmax)
+
+    def _encoder_pass(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
+                      tentative: bool = False) -> tuple[torch.Tensor, Callable[[int], None]] | torch.Tensor:
+        """`encode`'s eager pass: the final hidden states (B, T, H), the cache advanced; with `tentative` (no
+        padding), the hidden states and `keep(n)`, the cache holding the block only as `KVCache.tentative_joins`
+        leaves it until then."""
         t = input_ids.shape[1]
         cache.check_room(t)
         start = cache.length
         positions = torch.arange(start, start + t, device=input_ids.device)
         new_valid = None if attention_mask is None else attention_mask.to(torch.bool)
         masks = self._encoder_masks(cache, positions, new_valid)
-
-        joins = [cache.encoder_join(index, t) for index in range(len(self.layers))]
+        if tentative:
+            joins, keep = cache.tentative_joins(t)
+        else:
+            joins = [cache.encoder_join(index, t) for index in range(len(self.layers))]
         if start == 0 and new_valid is not None:
             cache.set_offsets(new_valid)
         row_positions = cache.row_positions(positions)
         ropes = self._block_rope(start, t, input_ids.device) if row_positions is positions else None
         hidden = self.run_layers(self.embed(input_ids), row_positions, masks, joins, encoder=True, ropes=ropes)
+        if tentative:
+            return hidden, keep
         cache.advance(t, new_valid)
-        if logits == "none":
-            return None
-        hidden = hidden[:, -1:] if logits == "last" else hidden
+        return hidden
+
+    def _block_logits(self, hidden: torch.Tensor, argmax: bool) -> torch.Tensor:
+        """`self.logits(hidden)`, or with `argmax` their argmax, found without the softcap's tanh over the whole
+        vocabulary (`capped_argmax`)."""
         if argmax:
             return capped_argmax(self.logits(hidden, capped=False), self.config.final_logit_softcapping)
         return self.logits(hidden)
@@ -883,16 +899,21 @@ class DiffusionGemma(nn.Module):
         `encode` gives it) and `keep(n)`, which leaves the cache holding the block's first n tokens after what it
         held, as if only they had been encoded.
 
-        The exact path encodes the whole block and rolls the cache back (`KVCache.snapshot` / `truncate`); a
-        compiled encoder block (`printpress.fast`) writes only the kept tokens."""
+        The exact path writes the block's sliding-window keys and values beside the rings (`KVCache.tentative_joins`)
+        and `keep(n)` writes the kept ones in; a one-token block, which a compiled AR step may run, is encoded and
+        rolled back (`KVCache.snapshot` / `truncate`); a compiled encoder block (`printpress.fast`) writes only the kept
+        tokens."""
         block = self.compiled_encoder
         if block is not None and block.covers(input_ids, cache, None, "all"):
             out = block.tentatively(input_ids, cache)
             if out is not None:
                 return (row_argmax(out[0]), out[1]) if argmax else out
+        if input_ids.shape[1] > 1:
+            hidden, keep = self._encoder_pass(input_ids, cache, None, tentative=True)
+            return self._block_logits(hidden, argmax), keep
         snapshot = cache.snapshot(input_ids.shape[1])
         # One token's "all" is its "last", which a compiled AR step runs (a verification with no draft).
-        out = self.encode(input_ids, cache, logits="last" if input_ids.shape[1] == 1 else "all", argmax=argmax)
+        out = self.encode(input_ids, cache, logits="last", argmax=argmax)
         return out, lambda n: cache.truncate(snapshot.length + n, snapshot)
 
     def _has(self, sliding: bool) -> bool:

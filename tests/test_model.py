@@ -9,6 +9,7 @@ from transformers import DiffusionGemmaForBlockDiffusion
 from transformers.cache_utils import DynamicCache
 
 from printpress.checkpoint import load_model
+from printpress.errors import GenerationError
 from printpress.sampling import row_argmax
 
 TOL = 1e-4
@@ -231,6 +232,51 @@ def test_expert_loop_for_training_equals_the_grouped_path_for_inference():
     with torch.no_grad():
         inferred = experts(x, weights, chosen)  # grouped_mm
     assert torch.equal(trained.detach(), inferred)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
+@torch.no_grad()
+def test_a_tentative_block_gives_the_bits_of_encoding_it_and_rolling_the_ring_back(pairs, name):
+    """`encode_tentatively` (the block's sliding keys beside the rings, the kept ones written in by `keep(n)`) gives
+    the logits and leaves the cache, bit for bit, as encoding the whole block and rolling it back to its first n
+    tokens (`KVCache.snapshot` / `truncate`, the exact path before) does: blocks of 2 to the ring's length, kept in
+    part, whole or not at all, before and after the ring wraps; a block longer than the ring, kept in part (which a
+    rollback cannot do), leaves what encoding its kept tokens leaves."""
+    _, model, config = pairs[name]
+    window = config.text.sliding_window - 1
+    g = torch.Generator().manual_seed(4)
+    vocab = config.text.vocab_size
+    caches = [model.new_cache(1, 96) for _ in range(2)]
+    first = torch.randint(3, vocab, (1, 3), generator=g)
+    for cache in caches:
+        model.encode(first, cache, logits="last")
+    plan = [(2, 1), (window, window), (3, 0), (window, 2), (2, 2), (window, 1), (3, 3), (2, 0), (window, window - 1)]
+    for t, n in plan * 2:
+        block = torch.randint(3, vocab, (1, t), generator=g)
+        new, keep = model.encode_tentatively(block, caches[0])
+        keep(n)
+        snapshot = caches[1].snapshot(t)
+        old = model.encode(block, caches[1], logits="all")
+        caches[1].truncate(snapshot.length + n, snapshot)
+        assert torch.equal(new, old)
+        assert caches[0].length == caches[1].length
+        assert torch.equal(caches[0].slot_positions, caches[1].slot_positions)
+        assert torch.equal(caches[0].pad_mask, caches[1].pad_mask)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            read = slice(None) if a.sliding else slice(0, caches[0].length)  # later full slots are never read
+            assert torch.equal(a.keys[:, :, read], b.keys[:, :, read]) and torch.equal(a.values[:, :, read],
+                                                                                       b.values[:, :, read])
+    assert caches[0].length > window + 3  # the ring wrapped
+    long = torch.randint(3, vocab, (1, window + 3), generator=g)
+    _, keep = model.encode_tentatively(long, caches[0])
+    keep(window + 1)
+    model.encode(long[:, : window + 1], caches[1], logits="none")
+    assert torch.equal(caches[0].slot_positions, caches[1].slot_positions)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        read = slice(None) if a.sliding else slice(0, caches[0].length)
+        assert (a.keys[:, :, read] - b.keys[:, :, read]).abs().max() < 1e-5  # other row counts: other products
+    with pytest.raises(GenerationError, match="cannot keep"):
+        keep(1)  # once only
 
 
 @pytest.mark.parametrize("name", ["gqa", "default_pattern"])  # vocabularies of 128 (the kernel's path) and 160
