@@ -15,9 +15,10 @@ to decide, so the output is the AR model's:
    standard speculative-sampling rule (accept `d_i` with probability min(1, p/q), else draw from
    norm(max(0, p - q)); a bonus draw from p when every draft is accepted), which makes the output follow the
    AR distribution exactly whatever the draft is.
-3. The cache keeps only the accepted tokens (`DiffusionGemma.encode_tentatively`: the exact path rolls it back,
-   `KVCache.snapshot` / `truncate` restoring the sliding-window ring slots the rejected drafts overwrote; a
-   compiled block writes only the kept ones), so it holds what AR decoding would hold.
+3. The cache keeps only the accepted tokens (`DiffusionGemma.encode_tentatively`: the exact path writes the
+   block's sliding-window keys beside the rings and only the kept ones into them, `KVCache.tentative_joins`; a
+   compiled block writes only the kept ones too), so it holds what AR decoding would hold. Greedy rounds read only
+   the verification's argmax (`encode_tentatively(..., argmax=True)`), not its logits.
 
 The same `t`-first layout makes the prefill's last logits give the first token, exactly as in `mode="ar"`.
 Requests are served one after another (not batched): each verification accepts a different number of tokens,

@@ -11,7 +11,10 @@
 // The parts, each its own operator for the tests: `uniform(n, generator)` (what `uniform_` of n doubles makes),
 // `multinomial_from_uniforms(probs, u)` (the draws from given uniforms), `row_argmax(x)` (torch.max(x, -1).indices:
 // the first of equal maxima; a NaN counts as the largest), `capped_row_argmax(raw, cap)` (row_argmax of the logits'
-// softcap, cap * tanh(raw / cap), with the tanh taken only where it could decide the answer).
+// softcap, cap * tanh(raw / cap), with the tanh taken only where it could decide the answer). And two pieces of AR
+// sampling and speculative sampling around ATen's operators: `top_k_probs(logits, temperature, k)` (the top-k cut
+// between ATen's division and softmax) and `speculative_accept(draft, q, p, uniforms, generator)` (the acceptance
+// rule's loop, its draws `multinomial_one`'s).
 //
 // Only torch/library.h and ATen's headers, not torch/extension.h: this library is built on a machine's first draw
 // (printpress/native.py), in about 6 s instead of 25.
@@ -179,10 +182,10 @@ at::Tensor row_argmax(const at::Tensor& x) {
 // row_argmax(raw.div(cap).tanh().mul(cap)), the final softcap of a whole (rows, V) tensor of raw logits followed by
 // its argmax, with the tanh (~3 ns an element: a verification's 8 rows of 4096 in ~0.1 ms) taken only where it could
 // decide the argmax. The softcap is monotone up to its rounding: with y = raw / cap rounded, ATen's vectorised tanh
-// (Sleef's, within 1 ulp) and a rounded product, each computed value lies within
-// kCapSlack = cap * 2^-20 of cap * tanh(raw / cap) (the three roundings are together under 2^-22 of the cap).
-// So an element whose exact capped value is more than 2 * kCapSlack below the row's largest raw element's cannot be
-// its argmax: only the elements at or above the raw threshold cap * atanh(tanh(best / cap) - 2 * slack / cap) are
+// (Sleef's, within 1 ulp) and a rounded product, each computed value lies within cap * 2^-22 of cap * tanh(raw / cap),
+// well inside slack = cap * 2^-20. So an element whose exact capped value is more than 2 * slack below the row's
+// largest raw element's cannot be its argmax: only the elements at or above the raw threshold
+// cap * atanh(tanh(best / cap) - 2 * slack / cap) are
 // softcapped, with the same ATen operators on a buffer of them (each lane of a vectorised tanh is computed alone, so
 // an element gets the bits it gets in the whole tensor), and the first largest of those is the row's answer.
 //
@@ -210,7 +213,6 @@ at::Tensor capped_row_argmax(const at::Tensor& raw, double cap) {
   const double slack = std::ldexp(cap, -20);
   std::vector<int64_t> candidates;  // flat indices, row after row, each row's in ascending order
   std::vector<int64_t> first(rows.count + 1, 0);  // row r's candidates: candidates[first[r] .. first[r + 1])
-  std::vector<float> values;
   for (int64_t r = 0; r < rows.count; ++r) {
     const float* row = data + r * V;
     const int64_t top = argmax_of(row, V);
@@ -252,17 +254,6 @@ at::Tensor capped_row_argmax(const at::Tensor& raw, double cap) {
     index[r] = candidates[best] - r * V;
   }
   return rows.index;
-}
-
-// How many of v[0 .. V) are >= t.
-inline int64_t count_at_least(const float* v, int64_t V, float t) {
-  int64_t n = 0, i = 0;
-#if defined(__AVX512F__)
-  const __m512 bound = _mm512_set1_ps(t);
-  for (; i + 16 <= V; i += 16) n += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), bound, _CMP_GE_OQ));
-#endif
-  for (; i < V; ++i) n += v[i] >= t;
-  return n;
 }
 
 // The k-th largest of v[0 .. V) counting repeats (torch.topk's k-th value; no NaN in v). Bisection on the values'
@@ -325,7 +316,7 @@ inline float kth_largest(const float* v, int64_t V, int64_t k, std::vector<float
 // AR sampling's next-token probabilities with a top-k cut (printpress.sampling.next_token_probs):
 // softmax(top_k_only(logits / temperature, k)), the same bits: the division and the softmax are ATen's own operators,
 // called from here; only the cut is done here, a row at a time: each row's k-th largest value (with repeats, as
-// torch.topk's k-th value) by selection on a copy, and every value below it set to -inf in place. Rows holding a NaN
+// torch.topk's k-th value: `kth_largest`), and every value below it set to -inf in place. Rows holding a NaN
 // (whose order torch.topk defines and selection does not) make it return an undefined tensor: the caller then runs
 // ATen's operators.
 at::Tensor top_k_probs(const at::Tensor& logits, double temperature, int64_t k) {
