@@ -109,6 +109,11 @@ class RequestState:
     tokens: list[int] = field(default_factory=list)
     eos_at: int | None = None  # index of the first EOS in `tokens`
     text: str = ""  # the completion's text handed out so far in text deltas
+    # Where `text_delta` decodes from: tokens [0, read) decode to `read_text` (whole characters), and each call decodes
+    # from `prefix` (the `read` before), so a call costs a few tokens' decoding, not the whole completion's.
+    prefix: int = 0
+    read: int = 0
+    read_text: str = ""
     first_commit: float | None = None
     forward_passes: int = 0
     decoder_passes: int = 0
@@ -177,14 +182,28 @@ class RequestState:
     def text_delta(self, decode: Decode | None) -> str:
         """Text added since the last call, so that a request's deltas add up to its final text.
 
-        The whole completion is decoded each time (a byte-level token can hold part of a character, which only
-        the tokens around it decode), and a character still unfinished at its end, which decodes as U+FFFD, is
-        held back until a later token completes it; once the request has finished nothing is held back.
+        A character still unfinished at the completion's end (a byte-level token can hold part of one, which only
+        the tokens around it decode), which decodes as U+FFFD, is held back until a later token completes it; once
+        the request has finished nothing is held back, and its final text is the whole completion decoded. Until
+        then each call decodes only the tokens from `prefix` on (as vLLM's incremental detokenizer does): what
+        tokens [prefix, read) decode to is already in `read_text`, so the new text is the rest of that decoding
+        (decoding from a token both share, a decoder that drops a leading space drops it from both). A decoding
+        that does not extend it (no byte-level tokenizer does that) falls back to decoding the whole completion.
         """
         if decode is None:
             return ""
-        full = decode(self.completion())
-        ready = full if self.finished else full.rstrip(REPLACEMENT)
+        tokens = self.completion()
+        if self.finished:
+            ready = decode(tokens)
+        else:
+            settled, new = decode(tokens[self.prefix : self.read]), decode(tokens[self.prefix :])
+            if new.startswith(settled):
+                full = self.read_text + new[len(settled) :]
+                if not full.endswith(REPLACEMENT):  # whole characters: the next call decodes from here
+                    self.prefix, self.read, self.read_text = self.read, len(tokens), full
+            else:
+                full = decode(tokens)
+            ready = full.rstrip(REPLACEMENT)
         if not ready.startswith(self.text):
             # Decoding more tokens changed earlier text (no byte-level tokenizer does): keep what was sent.
             ready = self.text + ready[len(self.text):]

@@ -127,6 +127,23 @@ def test_sampled_drafts_compares_the_two_draft_rules_against_ar_sampling(tmp_pat
     assert refused.returncode == 2 and "--temperature: sampling needs a temperature above 0, got 0.0" in refused.stderr
 
 
+def test_text_deltas_times_both_ways_on_the_same_text_and_refuses_a_length_past_its_text(tmp_path):
+    """bench/text_deltas.py: microseconds per token for each length, both ways (the script stops if their texts
+    differ); a length past what README.md gives is refused with the count."""
+    script = str(ROOT / "bench" / "text_deltas.py")
+    out = tmp_path / "deltas.json"
+    done = subprocess.run([sys.executable, script, "--lengths", "16", "64", "--repeat", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [16, 64]
+    assert all(r["whole_each_time_us_per_token"] > 0 and r["incremental_us_per_token"] > 0 for r in rows)
+    refused = subprocess.run([sys.executable, script, "--lengths", "10000000"], capture_output=True, text=True,
+                             timeout=300, cwd=ROOT, check=False)
+    assert refused.returncode == 2 and "the longest length asked is 10000000" in refused.stderr
+
+
 def test_speculative_interleaved_compares_tables_and_caps_round_by_round(tmp_path):
     """bench/speculative_interleaved.py: every setting (a table, a cap) has its ratio to greedy AR in each round and
     their median (greedy speculative output equal to AR's, or the script stops); a malformed --table is refused."""

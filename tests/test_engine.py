@@ -614,6 +614,27 @@ def test_a_character_split_across_tokens_is_held_back_until_it_is_whole():
     assert "".join(deltas) == decode(state.completion())
 
 
+def test_text_deltas_decode_only_the_newest_tokens_and_keep_the_spaces_of_a_decoder_that_strips_one():
+    """Until a request finishes, each `text_delta` decodes the tokens of its last two commits, not the whole completion
+    (a long streamed completion costs linear decoding, not quadratic), and a decoder that drops the leading space of
+    what it decodes (SentencePiece's, as Gemma's tokenizers have it) loses no space between deltas: they add up to
+    the whole completion decoded."""
+    def decode(ids):
+        text = "".join(f"\u2581w{i}" for i in ids).replace("\u2581", " ")
+        return text[1:] if text.startswith(" ") else text
+
+    decoded = []
+    state = RequestState.start(0, Request([2], SamplerSettings(max_new_tokens=300, eos_token_ids=()), seed=0),
+                               torch.device("cpu"), budget=300)
+    deltas, t = [], 0
+    while not state.finished:
+        state.commit([3 + t % 47] * (1 + t % 2))  # commits of one and two tokens
+        deltas.append(state.text_delta(lambda ids: decoded.append(len(ids)) or decode(ids)))
+        t += 1
+    assert "".join(deltas) == decode(state.completion())
+    assert deltas[1] == " w4 w4" and max(decoded[:-1]) <= 4 and decoded[-1] == 300
+
+
 @pytest.fixture(scope="module")
 def byte_pipe(tmp_path_factory):
     ref = make_reference("gqa", canvas_length=4)  # short canvases: many commits
