@@ -59,7 +59,8 @@ TEXT_LONGER, TEXT_AS_LONG = 0.9, 0.3
 
 Distribution = tuple[np.ndarray, np.ndarray]  # the next tokens of a context, and their probabilities
 # `DraftTable.interpolated` in parts: the unigram's share, per known context its (weight of its counts less the
-# discount, next tokens, counts, the part's mass), and the text's own next token with its share (or None)
+# discount, next tokens, those counts less the discount, the part's mass), and the text's own next token with its
+# share (or None)
 Mixture = tuple[float, list[tuple[float, np.ndarray, np.ndarray, float]], tuple[int, float] | None]
 
 
@@ -91,9 +92,10 @@ class DraftTable:
             _distributions(table) for table in counts]
         self._unigram = None if counts is None else _unigram(counts[0])
         self._unigram_ends = None if counts is None else np.cumsum(self._unigram)
-        # per context length: context -> the sum of its counts, kept as drafting meets it (a numpy sum per context
-        # and draft was a tenth of a sampled round's drafting)
-        self._totals: list[dict[tuple[int, ...], int]] = [{} for _ in maps]
+        # per context length: context -> the sum of its counts and the counts less the discount (float64), kept as
+        # drafting meets the context (numpy's operators on a few counts per context and draft were a fifth of a
+        # sampled round's drafting)
+        self._discounted: list[dict[tuple[int, ...], tuple[int, np.ndarray]]] = [{} for _ in maps]
 
     @classmethod
     def from_rows(cls, rows: np.ndarray, first: int, longest: int = DEFAULT_LONGEST,
@@ -162,7 +164,8 @@ class DraftTable:
 
     def _mixture(self, text: list[int], context: TextMatch | None = None) -> Mixture | None:
         """`interpolated` as the unigram's share, per known context (longest first) its part: (weight of its counts
-        less the discount, next tokens, counts, the part's mass), and the text's own next token with its share
+        less the discount, next tokens, those counts less the discount, the part's mass), and the text's own next
+        token with its share
         (None where it has none). Every count is at least 1, above the discount, so a context of T next tokens and
         N counts gives up DISCOUNT * T / N of what reaches it."""
         if self.counts is None:
@@ -176,11 +179,12 @@ class DraftTable:
             if entry is not None:
                 known = known or n
                 next_tokens, counts = entry
-                total = self._totals[n - 1].get(key)
-                if total is None:
-                    total = self._totals[n - 1][key] = int(counts.sum())
+                known_counts = self._discounted[n - 1].get(key)
+                if known_counts is None:
+                    known_counts = self._discounted[n - 1][key] = (int(counts.sum()), counts - DISCOUNT)
+                total, discounted = known_counts
                 given = DISCOUNT * len(counts)
-                parts.append((share / total, next_tokens, counts, share * (total - given) / total))
+                parts.append((share / total, next_tokens, discounted, share * (total - given) / total))
                 share *= given / total
         if not parts:
             return None
@@ -201,11 +205,11 @@ class DraftTable:
             if u < weight:
                 return token
             u = (u - weight) / (1 - weight)
-        for weight, next_tokens, counts, mass in parts:
+        for weight, next_tokens, discounted, mass in parts:
             if u < mass:
                 left = u / weight
-                for token, count in zip(next_tokens.tolist(), counts.tolist()):
-                    left -= count - DISCOUNT
+                for token, count in zip(next_tokens.tolist(), discounted.tolist()):
+                    left -= count
                     if left < 0:
                         return token
                 return token  # rounding past the part's last token
@@ -219,8 +223,8 @@ class DraftTable:
         q = np.zeros((len(mixtures), vocab))
         q[:, : len(unigram)] = np.outer([share for share, _, _ in mixtures], unigram)
         for row, (_, parts, echo) in zip(q, mixtures):
-            for weight, next_tokens, counts, _ in parts:
-                row[next_tokens] += weight * (counts - DISCOUNT)
+            for weight, next_tokens, discounted, _ in parts:
+                row[next_tokens] += weight * discounted
             if echo is not None:
                 token, weight = echo
                 row *= 1 - weight
