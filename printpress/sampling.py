@@ -145,7 +145,7 @@ def capped_argmax(raw: torch.Tensor, cap: float | None) -> torch.Tensor:
     """`row_argmax` of the logits a final softcap makes of `raw` (`cap * tanh(raw / cap)`, the model's
     `final_logit_softcapping`; none when `cap` is None or 0): the same indices. For float32 on a CPU,
     `printpress_draw::capped_row_argmax` takes the tanh only of the few elements near each row's largest (a
-    verification's 8 rows of 4096: ~10 against ~100 us); elsewhere the softcap, then `row_argmax`."""
+    verification's 8 rows of 4096: ~15 against ~105 us); elsewhere the softcap, then `row_argmax`."""
     if not cap:
         return row_argmax(raw)
     if raw.dtype == torch.float32 and raw.device.type == "cpu" and raw.dim() and raw.shape[-1] and draw_kernels():
