@@ -14,6 +14,7 @@ import torch
 
 import printpress
 from printpress.fast import CompiledARStep, compile_ar_step, remove_compiled_ar_step
+from printpress.sampling import row_argmax
 
 from helpers import TINY_CONFIGS, bench_module, make_reference
 
@@ -423,6 +424,36 @@ def test_a_one_token_verification_runs_the_compiled_ar_step(model):
     assert cache.length == expected_cache.length == 7
     for layer, expected_layer in zip(cache.layers, expected_cache.layers, strict=True):
         assert torch.equal(layer.keys, expected_layer.keys) and torch.equal(layer.values, expected_layer.values)
+
+
+def test_compiled_passes_give_the_argmax_of_their_logits_when_asked(model):
+    """`argmax=True` with compiled passes (greedy decoding's passes): the compiled AR step's and the compiled block's
+    tokens are `row_argmax` of the logits the same graphs give, for a prompt, an AR step and a tentative block, and
+    both caches end the same."""
+    compile_ar_step(model, backend="eager")
+    step, block, calls = model.compiled_ar_step, model.compiled_encoder, []
+    runs = step._run, block._run
+    step._run = lambda *args: calls.append("step") or runs[0](*args)
+    block._run = lambda *args: calls.append("block") or runs[1](*args)
+    prompt, token, draft = torch.tensor([[3, 4, 6, 7, 8, 9]]), torch.tensor([[5]]), torch.tensor([[5, 10, 12]])
+    try:
+        with torch.no_grad():
+            caches = [model.new_cache(1, 16) for _ in range(2)]
+            got = [model.encode(prompt, caches[1], logits="last", argmax=True),
+                   model.encode(token, caches[1], logits="last", argmax=True)]
+            tokens, keep = model.encode_tentatively(draft, caches[1], argmax=True)
+            keep(2)
+            want = [model.encode(prompt, caches[0], logits="last"), model.encode(token, caches[0], logits="last")]
+            logits, keep = model.encode_tentatively(draft, caches[0])
+            keep(2)
+    finally:
+        del step._run, block._run
+        remove_compiled_ar_step(model)
+    assert calls == ["block", "step", "block"] * 2
+    assert all(torch.equal(g, row_argmax(w)) for g, w in zip(got, want)) and torch.equal(tokens, row_argmax(logits))
+    assert tokens.shape == (1, 3) and caches[0].length == caches[1].length == 9
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_a_block_without_logits_runs_the_compiled_block_and_returns_none(model):
