@@ -207,15 +207,23 @@ class KVCache:
                 counts += [count, count]
         copy_runs(targets, sources, starts, offsets, counts)
         length = self.length
+        rings = [t for layer in self.layers if layer.sliding for t in (layer.keys, layer.values)]
+        scratches = [t for index, layer in enumerate(self.layers) if layer.sliding for t in self._scratches[index]]
 
         def keep(n: int) -> None:
             if self.length != length or not 0 <= n <= new_tokens:
                 raise GenerationError(f"cannot keep {n} of a block of {new_tokens} tokens encoded at {length}: the "
                                       f"cache now holds {self.length}")
-            self.write_all([join.keys[:, :, filled:] if layer.sliding else None
-                            for join, layer in zip(joins, self.layers)],
-                           [join.values[:, :, filled:] if layer.sliding else None
-                            for join, layer in zip(joins, self.layers)], n)
+            # the block's last min(n, window) kept keys into the ring slots they go to: one run, or two where the
+            # slots wrap around the ring's end (as `write_all` places them), in one batched copy
+            kept = min(n, self.window)
+            first = (length + n - kept) % self.window if self.window else 0
+            runs = [(first, filled + n - kept, min(kept, self.window - first))]
+            if kept > runs[0][2]:
+                runs.append((0, runs[0][1] + runs[0][2], kept - runs[0][2]))
+            copy_runs([t for _ in runs for t in rings], [t for _ in runs for t in scratches],
+                      [slot for slot, _, _ in runs for _ in rings], [at for _, at, _ in runs for _ in rings],
+                      [count for _, _, count in runs for _ in rings])
             self.advance(n, None)
 
         return joins, keep
