@@ -191,39 +191,25 @@ class KVCache:
         order; `keep(n)` writes the n kept ones into the ring. Nothing to save beforehand or restore after, as
         `snapshot` and `truncate` do for a block written into the ring."""
         filled, wrap = self.filled_slots, self._oldest_slot()
-        joins, targets, sources, starts, offsets, counts = [], [], [], [], [], []
+        joins, scratches = [], []
         for index, layer in enumerate(self.layers):
-            if not layer.sliding:
-                joins.append(KVJoin(layer.keys, layer.values, True, self.length))
-                continue
-            scratch = self._scratch(index, filled + new_tokens)
-            joins.append(KVJoin(*scratch, True, filled))
-            runs = [(0, wrap, filled - wrap), (filled - wrap, 0, wrap)] if wrap else [(0, 0, filled)]
-            for start, offset, count in runs:  # the ring, oldest first
-                targets += list(scratch)
-                sources += [layer.keys, layer.values]
-                starts += [start, start]
-                offsets += [offset, offset]
-                counts += [count, count]
-        copy_runs(targets, sources, starts, offsets, counts)
+            scratch = self._scratch(index, filled + new_tokens) if layer.sliding else None
+            joins.append(KVJoin(*scratch, True, filled) if scratch else KVJoin(layer.keys, layer.values, True,
+                                                                                 self.length))
+            scratches.append(scratch)
+        # the ring oldest first: its slots from `wrap` on, then those before it
+        self._copy_ring_runs(scratches, [(wrap, 0, filled - wrap), (0, filled - wrap, wrap)] if wrap else
+                             [(0, 0, filled)], into_ring=False)
         length = self.length
-        rings = [t for layer in self.layers if layer.sliding for t in (layer.keys, layer.values)]
-        scratches = [t for index, layer in enumerate(self.layers) if layer.sliding for t in self._scratches[index]]
 
         def keep(n: int) -> None:
             if self.length != length or not 0 <= n <= new_tokens:
                 raise GenerationError(f"cannot keep {n} of a block of {new_tokens} tokens encoded at {length}: the "
                                       f"cache now holds {self.length}")
-            # the block's last min(n, window) kept keys into the ring slots they go to: one run, or two where the
-            # slots wrap around the ring's end (as `write_all` places them), in one batched copy
-            kept = min(n, self.window)
-            first = (length + n - kept) % self.window if self.window else 0
-            runs = [(first, filled + n - kept, min(kept, self.window - first))]
-            if kept > runs[0][2]:
-                runs.append((0, runs[0][1] + runs[0][2], kept - runs[0][2]))
-            copy_runs([t for _ in runs for t in rings], [t for _ in runs for t in scratches],
-                      [slot for slot, _, _ in runs for _ in rings], [at for _, at, _ in runs for _ in rings],
-                      [count for _, _, count in runs for _ in rings])
+            kept = min(n, self.window)  # the ring holds the last `window` of them, read from the block's place
+            self._copy_ring_runs(scratches, [(slot, filled + n - kept + index, count)
+                                             for slot, index, count in self._ring_runs(length + n, kept)],
+                                 into_ring=True)
             self.advance(n, None)
 
         return joins, keep
@@ -323,17 +309,15 @@ class KVCache:
         """Store the keys/values of the block that starts at `self.length` (call `advance` after all layers)."""
         self.encoder_join(index, keys.shape[2]).store(keys, values)
 
-    def write_all(self, keys: list[torch.Tensor | None], values: list[torch.Tensor | None], n: int) -> None:
+    def write_all(self, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
         """`write` for every layer at once: the first `n` of each layer's block keys/values (B, KV, T >= n, D), as
         one batched copy where each layer's slots are a contiguous run (always for full layers; for the ring unless
-        the block wraps around it); a layer whose keys are None is skipped. Call `advance(n, ...)` after it."""
+        the block wraps around it). Call `advance(n, ...)` after it."""
         keep = min(n, self.window)
         first = (self.length + n - keep) % self.window if self.window else 0
         contiguous_ring = first + keep <= self.window
         targets, sources, starts, offsets, counts = [], [], [], [], []
         for index, (layer, k, v) in enumerate(zip(self.layers, keys, values)):
-            if k is None or not n:
-                continue
             if layer.sliding and not contiguous_ring:
                 self.write(index, k[:, :, :n], v[:, :, :n])
                 continue
@@ -380,16 +364,21 @@ class KVCache:
         """Save what writing a block of `new_tokens` would overwrite in the sliding rings, so `truncate` can
         undo part of that block. Full layers need nothing saved: positions past the length are never read."""
         keep = min(new_tokens, self.window)
-        first = (self.length + new_tokens - keep) % self.window if keep else 0
-        # the slots from `first` on, in one run, or in two where they wrap around the ring
-        runs = [(first, 0, min(keep, self.window - first))]
-        if keep > runs[0][2]:
-            runs.append((0, runs[0][2], keep - runs[0][2]))
+        runs = self._ring_runs(self.length + new_tokens, keep)
         saved = [tuple(t.new_empty(t.shape[0], t.shape[1], keep, t.shape[3]) for t in (layer.keys, layer.values))
                  if layer.sliding else None for layer in self.layers]
         self._copy_ring_runs(saved, runs, into_ring=False)
         positions = torch.cat([self.slot_positions[slot : slot + count] for slot, _, count in runs])
         return RingSnapshot(self.length, new_tokens, runs, positions, saved)
+
+    def _ring_runs(self, end: int, count: int) -> list[tuple[int, int, int]]:
+        """The ring slots of positions [end - count, end) (count <= window): (first slot, index among them, count) for
+        the slots from the first one on, in one run, or in two where they wrap around the ring's end."""
+        first = (end - count) % self.window if count else 0
+        runs = [(first, 0, min(count, self.window - first))]
+        if count > runs[0][2]:
+            runs.append((0, runs[0][2], count - runs[0][2]))
+        return runs
 
     def _copy_ring_runs(self, saved: list[tuple[torch.Tensor, torch.Tensor] | None], runs: list[tuple[int, int, int]],
                         into_ring: bool) -> None:

@@ -165,9 +165,8 @@ class DraftTable:
     def _mixture(self, text: list[int], context: TextMatch | None = None) -> Mixture | None:
         """`interpolated` as the unigram's share, per known context (longest first) its part: (weight of its counts
         less the discount, next tokens, those counts less the discount, the part's mass), and the text's own next
-        token with its share
-        (None where it has none). Every count is at least 1, above the discount, so a context of T next tokens and
-        N counts gives up DISCOUNT * T / N of what reaches it."""
+        token with its share (None where it has none). Every count is at least 1, above the discount, so a context
+        of T next tokens and N counts gives up DISCOUNT * T / N of what reaches it."""
         if self.counts is None:
             return None
         parts = []
