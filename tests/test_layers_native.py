@@ -357,14 +357,15 @@ HALF_WIDTH = pytest.mark.skipif(not ROWS_KERNEL, reason="the half-width kernels 
 def test_the_kernels_read_a_half_width_copy_in_the_same_order():
     """From a float16 or bfloat16 copy of a weight (its values widened exactly), the one-to-three-row kernel gives the
     bits it gives from the float32 weight, and so the documented order, for inner sizes from 4 to 768 and widths
-    around its blocks of 16 outputs."""
+    around its blocks of 16 outputs and their groups of 4 (a last group of 1 to 3 blocks; a 1000 x 768 weight in
+    several pieces, each read ahead where the process reads weights ahead)."""
     ops = torch.ops.printpress_layers
     if not ops.half_width_kernels():
         pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
     g = torch.Generator().manual_seed(21)
     for m in (1, 2, 3):
         for k in (4, 8, 64, 192, 384, 768):
-            for n in (1, 3, 4, 5, 12, 16, 17, 20, 33, 64, 100):
+            for n in (1, 3, 4, 5, 12, 16, 17, 20, 33, 64, 100, 200) + ((1000,) if k == 768 else ()):
                 x = mixed_numbers((m, k), g)
                 for dtype in (torch.float16, torch.bfloat16):
                     weight = mixed_numbers((n, k), g).to(dtype)
@@ -391,7 +392,8 @@ def test_products_of_four_or_more_rows_from_half_valued_weights_give_atens_bits(
         keep = []  # the weights live through the test, so their copies stay counted
         rows = [4, 5, 6, 7, 8, 9, 12, 16, 33, 64]
         for dtype in (torch.float16, torch.bfloat16):
-            for k, n in [(192, 16), (192, 29), (384, 192), (96, 100), (20, 17), (18, 16), (500, 64), (768, 40)]:
+            for k, n in [(192, 16), (192, 29), (384, 192), (96, 100), (20, 17), (18, 16), (500, 64), (768, 40),
+                         (768, 1000)]:
                 weight = mixed_numbers((n, k), g).to(dtype).float()
                 weight[0, 0] = 2.0**-30 if dtype == torch.bfloat16 else weight[0, 0]  # (no float16 holds it)
                 stored = weight.t().contiguous()  # (k, n): an embedding's layout
