@@ -3,7 +3,9 @@
 Full-attention layers keep every position in `[0, max_length)`. Sliding-window layers keep only the last
 `sliding_window - 1` positions in a ring buffer, which is exactly what the reference keeps: a new causal
 query sees itself plus the `sliding_window - 1` before it, and the bidirectional decoder sees those same
-cached positions plus the whole canvas.
+cached positions plus the whole canvas. A block joins a ring by concatenation (the ring oldest first, then the
+block), except while the ring has not wrapped and has room for it after its filled slots (`ring_has_room`): then
+it is written in place and read where it lies, as in a full layer.
 
 Batches are left padded, so every row shares the same absolute positions (the reference numbers pads
 too); `pad_mask` records which positions hold real tokens.
@@ -172,7 +174,7 @@ class KVCache:
         """How `encode` joins a block of `new_tokens` to the layer's cache: written after the prefix (full layers)
         or into the ring after the prefix is read (sliding layers); `advance` commits it after all layers."""
         layer = self.layers[index]
-        if not layer.sliding:
+        if not layer.sliding or self.ring_has_room(new_tokens):
             return KVJoin(layer.keys, layer.values, True, self.length)
         join = self.prefix_join(index)
         join.keep = min(new_tokens, self.window)
@@ -189,7 +191,16 @@ class KVCache:
         length are never read). Sliding layers leave their ring alone: each reads a scratch buffer holding the ring
         oldest first (what `prefix_join` concatenates) with the block written after it, the same keys in the same
         order; `keep(n)` writes the n kept ones into the ring. Nothing to save beforehand or restore after, as
-        `snapshot` and `truncate` do for a block written into the ring."""
+        `snapshot` and `truncate` do for a block written into the ring. Where the ring has room for the block after
+        its filled slots (`ring_has_room`), the sliding layers write it there in place too: the kept keys are then
+        in their slots already, and the others past the length, in slots no pass reads."""
+        length = self.length
+        if self.ring_has_room(new_tokens):
+            def advance(n: int) -> None:
+                self._check_keep(n, new_tokens, length)
+                self.advance(n, None)
+
+            return [KVJoin(layer.keys, layer.values, True, length) for layer in self.layers], advance
         filled, wrap = self.filled_slots, self._oldest_slot()
         joins, scratches = [], []
         for index, layer in enumerate(self.layers):
@@ -200,12 +211,9 @@ class KVCache:
         # the ring oldest first: its slots from `wrap` on, then those before it
         self._copy_ring_runs(scratches, [(wrap, 0, filled - wrap), (0, filled - wrap, wrap)] if wrap else
                              [(0, 0, filled)], into_ring=False)
-        length = self.length
 
         def keep(n: int) -> None:
-            if self.length != length or not 0 <= n <= new_tokens:
-                raise GenerationError(f"cannot keep {n} of a block of {new_tokens} tokens encoded at {length}: the "
-                                      f"cache now holds {self.length}")
+            self._check_keep(n, new_tokens, length)
             kept = min(n, self.window)  # the ring holds the last `window` of them, read from the block's place
             self._copy_ring_runs(scratches, [(slot, filled + n - kept + index, count)
                                              for slot, index, count in self._ring_runs(length + n, kept)],
@@ -213,6 +221,12 @@ class KVCache:
             self.advance(n, None)
 
         return joins, keep
+
+    def _check_keep(self, n: int, new_tokens: int, length: int) -> None:
+        """`keep(n)` of a tentative block of `new_tokens` encoded at `length` is still possible."""
+        if self.length != length or not 0 <= n <= new_tokens:
+            raise GenerationError(f"cannot keep {n} of a block of {new_tokens} tokens encoded at {length}: the "
+                                  f"cache now holds {self.length}")
 
     def _scratch(self, index: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sliding layer's scratch keys and values (B, H_kv, >= slots, D) for `tentative_joins`, kept between
@@ -228,12 +242,20 @@ class KVCache:
         """How `denoise` joins a canvas to the layer's cache without committing it: full layers borrow the free slots
         after the prefix when there is room (`full_with_block`), else copy the prefix; sliding layers read the ring."""
         layer = self.layers[index]
-        if not layer.sliding and self.has_room(canvas):
+        if self.ring_has_room(canvas) if layer.sliding else self.has_room(canvas):
             return KVJoin(layer.keys, layer.values, True, self.length)
         return self.prefix_join(index)
 
     def has_room(self, new_tokens: int) -> bool:
         return self.length + new_tokens <= self.max_length
+
+    def ring_has_room(self, new_tokens: int) -> bool:
+        """Whether the sliding rings have not wrapped yet and have free slots for a block of `new_tokens` after the
+        filled ones: slot i then holds position i, so the block joins them in place as in a full layer (written after
+        them, attention reading slots [0, length + new_tokens)), the same keys in the same order as the ring's
+        concatenation, without copying the ring (a real model's window of 512 or 1024 holds most of a short
+        conversation)."""
+        return self.length + new_tokens <= self.window
 
     def all_valid(self) -> bool:
         """True when every cached position holds a real token (no left padding): no key needs masking."""
@@ -518,6 +540,9 @@ class StackedCache:
 
     def has_room(self, new_tokens: int) -> bool:
         return self.length + new_tokens <= self.max_length
+
+    def ring_has_room(self, new_tokens: int) -> bool:
+        return False  # its sliding layers hold the filled slots only
 
     def all_valid(self) -> bool:
         return self._all_valid
