@@ -237,11 +237,12 @@ def test_expert_loop_for_training_equals_the_grouped_path_for_inference():
 @pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
 @torch.no_grad()
 def test_a_tentative_block_gives_the_bits_of_encoding_it_and_rolling_the_ring_back(pairs, name):
-    """`encode_tentatively` (the block's sliding keys beside the rings, the kept ones written in by `keep(n)`) gives
-    the logits and leaves the cache, bit for bit, as encoding the whole block and rolling it back to its first n
-    tokens (`KVCache.snapshot` / `truncate`, the exact path before) does: blocks of 2 to the ring's length, kept in
-    part, whole or not at all, before and after the ring wraps; a block longer than the ring, kept in part (which a
-    rollback cannot do), leaves what encoding its kept tokens leaves."""
+    """`encode_tentatively` (the block's sliding keys beside the rings, the kept ones written in by `keep(n)`; or, while
+    a ring has room after its filled slots, in place) gives the logits and leaves the cache, bit for bit, as encoding
+    the whole block and rolling it back to its first n tokens (`KVCache.snapshot` / `truncate`, the exact path before)
+    does, in every ring slot that holds a position: blocks of 2 to the ring's length, kept in part, whole or not at
+    all, in place and beside the ring, before and after the ring wraps; a block longer than the ring, kept in part
+    (which a rollback cannot do), leaves what encoding its kept tokens leaves."""
     _, model, config = pairs[name]
     window = config.text.sliding_window - 1
     g = torch.Generator().manual_seed(4)
