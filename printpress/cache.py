@@ -171,8 +171,9 @@ class KVCache:
         return KVJoin(layer.keys, layer.values, False, self.filled_slots, wrap=self._oldest_slot())
 
     def encoder_join(self, index: int, new_tokens: int) -> KVJoin:
-        """How `encode` joins a block of `new_tokens` to the layer's cache: written after the prefix (full layers)
-        or into the ring after the prefix is read (sliding layers); `advance` commits it after all layers."""
+        """How `encode` joins a block of `new_tokens` to the layer's cache: written after the prefix (full layers,
+        and sliding ones while the ring has room: `ring_has_room`) or into the ring after the prefix is read (sliding
+        layers); `advance` commits it after all layers."""
         layer = self.layers[index]
         if not layer.sliding or self.ring_has_room(new_tokens):
             return KVJoin(layer.keys, layer.values, True, self.length)
@@ -240,7 +241,8 @@ class KVCache:
 
     def decoder_join(self, index: int, canvas: int) -> KVJoin:
         """How `denoise` joins a canvas to the layer's cache without committing it: full layers borrow the free slots
-        after the prefix when there is room (`full_with_block`), else copy the prefix; sliding layers read the ring."""
+        after the prefix when there is room (`full_with_block`), else copy the prefix; sliding layers borrow the
+        ring's free slots while it has room (`ring_has_room`), else read the ring."""
         layer = self.layers[index]
         if self.ring_has_room(canvas) if layer.sliding else self.has_room(canvas):
             return KVJoin(layer.keys, layer.values, True, self.length)
