@@ -435,8 +435,8 @@ inline __m512 load16(const at::BFloat16* w) {
 // of one group of the copy, the first at `w` (inner elements `step` apart, the next block 16 on);
 // `Lead`: one row's, its first four products first, in turn.
 template <int M, int B, bool Lead, typename W>
-__attribute__((noinline)) void half_blocks(const float* x, int64_t x_stride, const W* w, int64_t step, int64_t k, float* y, int64_t y_stride,
-                 int64_t valid) {
+__attribute__((noinline)) void half_blocks(const float* x, int64_t x_stride, const W* w, int64_t step, int64_t k,
+                                           float* y, int64_t y_stride, int64_t valid) {
   __m512 sums[M][4][B];
   for (int r = 0; r < M; ++r)
     for (int j = 0; j < 4; ++j)
@@ -551,8 +551,8 @@ constexpr int64_t kFewAhead = 32;  // inner elements a block's weights are fetch
 // them written. Not inlined (nor is half_blocks): inlined into its caller, the compiler kept M = 8's weights on the
 // stack (a multiply-add from memory each: half the speed).
 template <int M, int B, typename W>
-__attribute__((noinline)) void few_blocks(const float* x, int64_t x_stride, const W* w, int64_t step, const Runs& runs, float* y,
-                int64_t y_stride, int64_t valid) {
+__attribute__((noinline)) void few_blocks(const float* x, int64_t x_stride, const W* w, int64_t step,
+                                          const Runs& runs, float* y, int64_t y_stride, int64_t valid) {
   __m512 totals[M][B];
   for (size_t run = 0; run < runs.size(); ++run) {
     __m512 sums[M][B];
