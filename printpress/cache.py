@@ -193,21 +193,20 @@ class KVCache:
         oldest first (what `prefix_join` concatenates) with the block written after it, the same keys in the same
         order; `keep(n)` writes the n kept ones into the ring. Nothing to save beforehand or restore after, as
         `snapshot` and `truncate` do for a block written into the ring. Where the ring has room for the block after
-        its filled slots (`ring_has_room`), the sliding layers write it there in place too: the kept keys are then
-        in their slots already, and the others past the length, in slots no pass reads."""
+        its filled slots (`ring_has_room`), every layer joins as `encoder_join` has it, in place: the kept keys are
+        then in their slots already, and the others past the length, in slots no pass reads."""
         length = self.length
         if self.ring_has_room(new_tokens):
             def advance(n: int) -> None:
                 self._check_keep(n, new_tokens, length)
                 self.advance(n, None)
 
-            return [KVJoin(layer.keys, layer.values, True, length) for layer in self.layers], advance
+            return [self.encoder_join(index, new_tokens) for index in range(len(self.layers))], advance
         filled, wrap = self.filled_slots, self._oldest_slot()
         joins, scratches = [], []
         for index, layer in enumerate(self.layers):
             scratch = self._scratch(index, filled + new_tokens) if layer.sliding else None
-            joins.append(KVJoin(*scratch, True, filled) if scratch else KVJoin(layer.keys, layer.values, True,
-                                                                                 self.length))
+            joins.append(KVJoin(*scratch, True, filled) if scratch else self.encoder_join(index, new_tokens))
             scratches.append(scratch)
         # the ring oldest first: its slots from `wrap` on, then those before it
         self._copy_ring_runs(scratches, [(wrap, 0, filled - wrap), (0, filled - wrap, wrap)] if wrap else

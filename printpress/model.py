@@ -899,10 +899,10 @@ class DiffusionGemma(nn.Module):
         `encode` gives it) and `keep(n)`, which leaves the cache holding the block's first n tokens after what it
         held, as if only they had been encoded.
 
-        The exact path writes the block's sliding-window keys and values beside the rings (`KVCache.tentative_joins`)
-        and `keep(n)` writes the kept ones in; a one-token block, which a compiled AR step may run, is encoded and
-        rolled back (`KVCache.snapshot` / `truncate`); a compiled encoder block (`printpress.fast`) writes only the kept
-        tokens."""
+        The exact path writes the block's sliding-window keys and values beside the rings (`KVCache.tentative_joins`;
+        in place while a ring has room after its filled slots) and `keep(n)` writes the kept ones in; a one-token
+        block, which a compiled AR step may run, is encoded and rolled back (`KVCache.snapshot` / `truncate`); a
+        compiled encoder block (`printpress.fast`) writes only the kept tokens."""
         block = self.compiled_encoder
         if block is not None and block.covers(input_ids, cache, None, "all"):
             out = block.tentatively(input_ids, cache)
