@@ -431,6 +431,8 @@ class NativePlan:
     top_k: int
     root_size: float
     act: int
+    gqa: bool  # fewer key/value heads than query heads
+    scale: float  # the attention's
 
 
 def stock_modules(module: nn.Module, linears: list[nn.Module], norms: list[nn.Module]) -> bool:
@@ -467,7 +469,24 @@ def native_plan(layer: Layer) -> NativePlan | None:
              experts.down_proj.transpose(1, 2), layer.post_feedforward_layernorm_2.weight,
              layer.post_feedforward_layernorm.weight]
     return NativePlan(_generation, attention, after + [layer.layer_scalar], after + [layer.encoder_layer_scalar],
-                      attn.head_dim, layer.input_layernorm.eps, router.top_k, router.root_size, act)
+                      attn.head_dim, layer.input_layernorm.eps, router.top_k, router.root_size, act,
+                      attn.num_kv_heads != attn.num_heads, attn.scale)
+
+
+def _has_global_hooks() -> bool:
+    """Whether forward hooks registered for every module (`nn.modules.module.register_module_forward_hook`) would
+    see a layer's call."""
+    module = torch.nn.modules.module
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
+def native_layer(plan: NativePlan, x: torch.Tensor, shape: tuple[int, int], rope, mask, join: KVJoin,
+                 encoder: bool) -> torch.Tensor:
+    """`Layer.forward` by its plan: attention_inputs, attend and after_attention in one C++ call."""
+    return torch.ops.printpress_layers.layer(
+        x, plan.attention, plan.after_encoder if encoder else plan.after_decoder, shape[0], shape[1], plan.head_dim,
+        plan.eps, rope[0], rope[1], join.keys, join.values, mask, join.in_place, join.start, join.wrap, join.keep,
+        join.write_at, join.slots, plan.gqa, plan.scale, plan.top_k, plan.root_size, plan.act)
 
 
 class Planned(nn.Module):
@@ -524,12 +543,7 @@ class Layer(Planned):
         (clean) and decoder (canvas) tokens, as block-diffusion training does."""
         plan = None if isinstance(encoder, torch.Tensor) or not isinstance(kv_fn, KVJoin) else self._plan()
         if plan is not None:  # the three parts in one C++ call
-            attn = self.self_attn
-            return torch.ops.printpress_layers.layer(
-                x, plan.attention, plan.after_encoder if encoder else plan.after_decoder, shape[0], shape[1],
-                plan.head_dim, plan.eps, rope[0], rope[1], kv_fn.keys, kv_fn.values, mask, kv_fn.in_place,
-                kv_fn.start, kv_fn.wrap, kv_fn.keep, kv_fn.write_at, kv_fn.slots, attn.num_kv_heads != attn.num_heads,
-                attn.scale, plan.top_k, plan.root_size, plan.act)
+            return native_layer(plan, x, shape, rope, mask, kv_fn, encoder)
         attended = self.self_attn.attend(*self.attention_inputs(x, shape, rope), mask, kv_fn)
         return self.after_attention(x, attended, shape, encoder)
 
@@ -643,6 +657,7 @@ class DiffusionGemma(nn.Module):
         self._rope_blocks: OrderedDict[tuple, dict] = OrderedDict()
         self._rope_head_dims: tuple[int, ...] | None = None
         self._embed_scale_memo: torch.Tensor | None = None
+        self._plans_memo: tuple[int, list[NativePlan]] | None = None  # (generation, plans): `_layer_plans`
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
         # ... and blocks of several unpadded tokens (verifications, prompts), with it (`CompiledEncoderBlock`).
@@ -815,19 +830,41 @@ class DiffusionGemma(nn.Module):
             ropes = self.rope(positions)
         b, t, h = x.shape
         x = x.reshape(b * t, h)
-        for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
-            if kv is None:
-                layer_kv = _identity_kv
-            elif isinstance(kv, list):
-                layer_kv = kv[index]
-            else:
-                layer_kv = lambda k, v, i=index: kv(i, k, v)
-            x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
+        plans = self._layer_plans() if isinstance(kv, list) and isinstance(encoder, bool) else None
+        if plans is not None:  # each layer's C++ call straight from here, without nn.Module's call around it
+            for plan, spec, join in zip(plans, self.specs, kv):
+                x = native_layer(plan, x, (b, t), ropes[spec.sliding], masks[spec.sliding], join, encoder)
+        else:
+            for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
+                if kv is None:
+                    layer_kv = _identity_kv
+                elif isinstance(kv, list):
+                    layer_kv = kv[index]
+                else:
+                    layer_kv = lambda k, v, i=index: kv(i, k, v)
+                x = layer(x, (b, t), ropes[spec.sliding], masks[spec.sliding], layer_kv, encoder)
         if not _warm_chosen:
             choose_warm_weights(self)
         if type(self.norm) is RMSNorm and _cpp_layers_for(x):
             return torch.ops.printpress_layers.rms_norm(x, self.norm.weight, self.norm.eps).view(b, t, h)
         return self.norm(x).view(b, t, h)
+
+    def _layer_plans(self) -> list[NativePlan] | None:
+        """Every layer's plan, where each layer is a stock `Layer` that its C++ call stands in for now (its plan made
+        in this generation: `Planned._plan`) and no hook would see its call; else None (each layer is then called as
+        a module)."""
+        memo = self._plans_memo
+        if memo is not None and memo[0] == _generation and not torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():
+            plans = memo[1]
+        else:
+            plans = [layer._plan() if type(layer) is Layer else None for layer in self.layers]
+            if any(plan is None for plan in plans):
+                return None
+            self._plans_memo = (_generation, plans)
+        if _has_global_hooks() or any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers):
+            return None
+        return plans
 
     # -- encoder --------------------------------------------------------------------------------------------
     def encode(

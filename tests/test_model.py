@@ -410,3 +410,33 @@ def test_one_token_expert_path_equals_the_per_expert_loop():
         looped = experts(x, weights, chosen).detach()  # parameters require grad: the per-expert loop
         with torch.no_grad():
             assert torch.equal(experts(x, weights, chosen), looped)  # the one-token path
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+@torch.no_grad()
+def test_forward_hooks_see_each_layer_call_and_change_no_bits(pairs, scope):
+    """Passes call the layers' C++ operators straight from `run_layers`, around nn.Module's call, only while no
+    forward hook would see it: with a hook on a layer (or on every module) each layer is called as a module, the
+    hook sees its output, and the logits are the same bits."""
+    _, model, config = pairs["gqa"]
+    ids = prompt(config.text.vocab_size, 1, 9, seed=5)
+
+    def logits() -> torch.Tensor:
+        return model.encode(ids, model.new_cache(1, 16), logits="all")
+
+    plain = logits()
+    seen: list[torch.Size] = []
+
+    def hook(module, _args, out):
+        if module is model.layers[1]:
+            seen.append(out.shape)
+
+    handle = (model.layers[1].register_forward_hook(hook) if scope == "layer"
+              else torch.nn.modules.module.register_module_forward_hook(hook))
+    try:
+        hooked = logits()
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([9, config.text.hidden_size])]
+    assert torch.equal(hooked, plain)
+    assert torch.equal(logits(), plain)  # the direct calls again, once the hook is gone
