@@ -24,7 +24,21 @@
 // The operators are registered without a dispatch key (CompositeImplicitAutograd); the model calls them only with
 // gradients off.
 //
-// Only torch/library.h and ATen's per-operator headers: the library builds in seconds on a machine's first pass.
+// Only torch/library.h, ATen's per-operator headers and its vector header (for the GELU, `gated`): the library builds
+// in seconds on a machine's first pass.
+//
+// ATen's vector code for the CPU capability ATen dispatches to on this machine (AVX-512 or AVX2, from the compiler's
+// -march=native), as softmax.cpp builds it.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#define PRINTPRESS_VEC 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#define PRINTPRESS_VEC 1
+#endif
+
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -76,6 +90,10 @@
 
 #if defined(__SSE2__)
 #include <immintrin.h>
+#endif
+
+#ifdef PRINTPRESS_VEC
+#include <ATen/cpu/vec/vec.h>
 #endif
 
 namespace {
@@ -998,9 +1016,119 @@ std::tuple<int64_t, int64_t> head_checks() {
   return {static_cast<int64_t>(head_blocks_hold.size()), held};
 }
 
+// -- the gated activation in one loop ------------------------------------------------------------------------------
+//
+// act(gate) * up, for GELU's tanh form (gelu_tanh, the released models' activation): at::gelu(gate, "tanh") writes a
+// new tensor and at::mul another. ATen's GELU kernel runs over the runs its iteration makes (the whole tensor where
+// gate is contiguous; each row where gate is every other half of a wider row, as the experts' are), each run two
+// vectors at a time by ATen's vector formula (`vectorized_gelu_approximated_with_tanh`, Sleef's tanh) and the rest of
+// the run by its scalar formula (`scalar_gelu_approximated_with_tanh`, std::tanh); the product is one rounding.
+// `gated` computes each element so, in one loop into one tensor. Whether that gives ATen's bits is checked once per
+// process for each layout, row length, row count and thread count (where ATen would share the rows between threads,
+// its runs are other ones) against the operators themselves (`gated_holds`); where it does not, or for another
+// activation, dtype or layout, the operators run.
+#ifdef PRINTPRESS_VEC
+// GELU's tanh form as ATen's build computes it (its kernels are compiled with contraction on, and the disassembly of
+// torch 2.13's AVX-512 and scalar forms shows one multiply-add: x + kappa * x^3): ((x * x) * x) * kappa + x in one
+// rounding, times beta, Sleef's (or libm's) tanh, plus one, times 0.5 * x. This file is built with contraction off, so
+// the multiply-add is written out and nothing else is fused.
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kGeluKappa = 0.044715f;
+
+void gelu_tanh_times(const float* gate, const float* up, int64_t n, float* out) {
+  using Vec = at::vec::Vectorized<float>;
+  int64_t i = 0;
+  for (; i + 2 * Vec::size() <= n; i += 2 * Vec::size()) {  // pairs of vectors, as ATen's loop takes them
+    for (int64_t j = i; j < i + 2 * Vec::size(); j += Vec::size()) {
+      const Vec x = Vec::loadu(gate + j);
+      const Vec inner = at::vec::fmadd(x * x * x, Vec(kGeluKappa), x) * Vec(kGeluBeta);
+      const Vec activated = Vec(0.5f) * x * (Vec(1.0f) + inner.tanh());
+      (activated * Vec::loadu(up + j)).store(out + j);
+    }
+  }
+  for (; i < n; ++i) {
+    const float x = gate[i], inner = std::fma(x * x * x, kGeluKappa, x) * kGeluBeta;
+    out[i] = (0.5f * x * (1.0f + std::tanh(inner))) * up[i];
+  }
+}
+
+// Whether the fused loop may run for gate and up of these sizes and strides: float32 on the CPU, the same sizes and
+// strides, rows of unit stride, and either contiguous or each row its own run.
+bool gated_layout(const Tensor& gate, const Tensor& up) {
+  return gate.dim() == 2 && gate.device().is_cpu() && gate.scalar_type() == at::kFloat &&
+         up.scalar_type() == at::kFloat && up.device().is_cpu() && gate.sizes() == up.sizes() &&
+         gate.strides() == up.strides() && gate.stride(1) == 1 && gate.stride(0) >= gate.size(1) && gate.size(1) > 0;
+}
+
+Tensor gated_loop(const Tensor& gate, const Tensor& up) {
+  const int64_t rows = gate.size(0), cols = gate.size(1), stride = gate.stride(0);
+  Tensor out = at::empty({rows, cols}, gate.options().memory_format(at::MemoryFormat::Contiguous));
+  const float *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  if (stride == cols) {
+    gelu_tanh_times(g, u, rows * cols, o);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) gelu_tanh_times(g + r * stride, u + r * stride, cols, o + r * cols);
+  }
+  return out;
+}
+
+std::mutex gated_mutex;
+std::map<std::tuple<int64_t, int64_t, bool, int>, bool> gated_hold;  // (rows, cols, contiguous, threads)
+
+// Whether gated_loop gives at::gelu(gate, "tanh") * up's bits for this shape and layout: random values over ~30
+// octaves (tanh's saturation included) of both signs, and exact zeros, bit for bit; once per process.
+bool gated_holds(const Tensor& gate) {
+  const bool contiguous = gate.stride(0) == gate.size(1);
+  const std::tuple<int64_t, int64_t, bool, int> key{gate.size(0), gate.size(1), contiguous, at::get_num_threads()};
+  {
+    std::lock_guard<std::mutex> lock(gated_mutex);
+    if (auto found = gated_hold.find(key); found != gated_hold.end()) return found->second;
+  }
+  printpress_sum::CheckNumbers numbers(0x2545f4914f6cdd1dull ^ static_cast<uint64_t>(gate.size(0) * 8191 + gate.size(1)));
+  const int64_t rows = gate.size(0), cols = gate.size(1);
+  bool holds = true;
+  for (int draw = 0; draw < 6 && holds; ++draw) {
+    Tensor both = at::empty({rows, 2 * cols}, gate.options());  // gate and up side by side, as the experts' are
+    float* data = both.data_ptr<float>();
+    for (int64_t i = 0; i < both.numel(); ++i) {
+      const uint64_t pick = numbers.next();
+      data[i] = pick % 23 == 0 ? 0.0f : static_cast<float>((numbers.unit() - 0.5) *
+                                                           std::ldexp(1.0, static_cast<int>(pick % 31) - 15));
+    }
+    Tensor g = both.narrow(1, 0, cols), u = both.narrow(1, cols, cols);
+    if (contiguous) {
+      g = g.contiguous();
+      u = u.contiguous();
+    }
+    Tensor expected = at::gelu(g, "tanh") * u, got = gated_loop(g, u);
+    holds = std::memcmp(expected.data_ptr<float>(), got.data_ptr<float>(), sizeof(float) * rows * cols) == 0;
+  }
+  std::lock_guard<std::mutex> lock(gated_mutex);
+  gated_hold[key] = holds;
+  return holds;
+}
+#endif
+
+// Whether `gated` runs its one loop for these inputs (else the operators).
+bool gated_fused(const Tensor& gate, const Tensor& up, int64_t code) {
+#ifdef PRINTPRESS_VEC
+  return code == 0 && gated_layout(gate, up) && gated_holds(gate);
+#else
+  return false;
+#endif
+}
+
+// act(gate) * up.
+Tensor gated(const Tensor& gate, const Tensor& up, int64_t code) {
+#ifdef PRINTPRESS_VEC
+  if (gated_fused(gate, up, code)) return gated_loop(gate, up);
+#endif
+  return act(gate, code) * up;
+}
+
 // GatedMLP.forward / SelfConditioning's MLP: down(act(gate(x)) * up(x)).
 Tensor gated_mlp(const Tensor& x, const Tensor& gate, const Tensor& up, const Tensor& down, int64_t code) {
-  return product(act(product(x, gate), code) * product(x, up), down);
+  return product(gated(product(x, gate), product(x, up), code), down);
 }
 
 // t.chunk(2, -1) for an even last size: the same two views, without chunk's and split's own dispatches.
@@ -1016,7 +1144,7 @@ std::array<Tensor, 2> halves(const Tensor& t) {
 // Experts.expert_mlp: one expert's gated MLP from the packed weights.
 Tensor expert_mlp(const Tensor& x, const Tensor& gate_up, const Tensor& down, int64_t code) {
   auto gate_up_out = halves(product(x, gate_up));
-  return product(act(gate_up_out[0], code) * gate_up_out[1], down);
+  return product(gated(gate_up_out[0], gate_up_out[1], code), down);
 }
 
 // F.grouped_mm(x, weights_t, offs=cumsum(counts)) on a CPU, `weights_t` the experts' weights transposed (E, in,
@@ -1133,7 +1261,7 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
       for (int64_t slot = 0; slot < top_k; ++slot) {
         auto gate_up = halves(product(x, gate_up_proj.select(0, index[slot])));
         Tensor slot_row = out.narrow(0, slot, 1);
-        product_into(slot_row, act(gate_up[0], code) * gate_up[1], down_proj.select(0, index[slot]));
+        product_into(slot_row, gated(gate_up[0], gate_up[1], code), down_proj.select(0, index[slot]));
       }
       return weighted_slot_sum(out, Tensor(), weights, top_k);
     }
@@ -1153,7 +1281,7 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
   for (int64_t i = 0; i < choices.numel(); ++i) ++counts[choice[i]];
   Tensor gathered = fused(x) ? gather_rows(x, order, top_k) : x.index_select(0, at::floor_divide(order, top_k));
   auto gate_up = halves(grouped_mm(gathered, gate_up_proj, counts));
-  Tensor out = grouped_mm(act(gate_up[0], code) * gate_up[1], down_proj, counts);
+  Tensor out = grouped_mm(gated(gate_up[0], gate_up[1], code), down_proj, counts);
   if (slot_sums) return weighted_slot_sum(out, order, weights, top_k);
   Tensor slot_weights = weights.reshape(-1).index_select(0, order);
   Tensor weighted = at::empty_like(out, out.options().dtype(slot_weights.scalar_type()))
@@ -1525,6 +1653,8 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("rows_kernel_verdict(int k, int rows, int tail) -> int", &rows_kernel_verdict);
   m.def("fused_norm_width() -> int", &fused_norm_width);
   m.def("fused_slot_sums() -> bool", &fused_slot_sums);
+  m.def("gated(Tensor gate, Tensor up, int act) -> Tensor", &gated);
+  m.def("gated_fused(Tensor gate, Tensor up, int act) -> bool", &gated_fused);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
   m.def("causal_mask(Tensor? keys, int length, int t, int window, int batch, ScalarType dtype) -> Tensor",
         &causal_mask);
