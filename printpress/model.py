@@ -853,9 +853,10 @@ class DiffusionGemma(nn.Module):
         """Every layer's plan, where each layer is a stock `Layer` that its C++ call stands in for now (its plan made
         in this generation: `Planned._plan`) and no hook would see its call; else None (each layer is then called as
         a module)."""
+        if not NATIVE_LAYERS or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
         memo = self._plans_memo
-        if memo is not None and memo[0] == _generation and not torch.is_grad_enabled() \
-                and not torch.compiler.is_compiling():
+        if memo is not None and memo[0] == _generation:
             plans = memo[1]
         else:
             plans = [layer._plan() if type(layer) is Layer else None for layer in self.layers]

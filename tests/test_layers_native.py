@@ -81,8 +81,13 @@ def both_sides(model: DiffusionGemma, monkeypatch) -> tuple[list[torch.Tensor], 
     assert all(isinstance(layer._native, NativePlan) for layer in model.layers)  # the C++ layers ran
     assert isinstance(model.self_conditioning._native, SelfConditioningPlan)  # and the self-conditioning
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", False)
+    calls = []  # the Python side must not reach the C++ layer (a plan kept from the native side would)
+    layer_op = torch.ops.printpress_layers.layer
+    monkeypatch.setattr(torch.ops.printpress_layers, "layer", lambda *args: calls.append(args) or layer_op(*args))
     python_out = passes(model)
+    monkeypatch.setattr(torch.ops.printpress_layers, "layer", layer_op)
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
+    assert not calls
     return native_out, python_out
 
 
