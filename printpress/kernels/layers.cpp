@@ -255,35 +255,75 @@ Tensor add_norm(const Tensor& residual, const Tensor& y, const Tensor& weight, d
   return scalar.defined() ? out * scalar : out;
 }
 
+// Whether model.rotate of x (B, T, heads, D) by the tables (1 or B, T, 1, D) runs as one loop (`rotate_row`).
+bool rotates_in_one_loop(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
+  return fused(x, {cos, signed_sin}) && x.dim() == 4 && cos.dim() == 4 && cos.sizes() == signed_sin.sizes() &&
+         (cos.size(0) == 1 || cos.size(0) == x.size(0)) && cos.size(1) == x.size(1) && cos.size(2) == 1 &&
+         cos.size(3) == x.size(3) && x.size(3) % 2 == 0;
+}
+
+// One head's row of D values rotated into `o`: in * cos + roll(in, D / 2) * signed_sin, each product rounded, then
+// their sum.
+inline void rotate_row(const float* in, const float* cs, const float* ss, int64_t d, float* o) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {  // the first half's partner is half ahead, the second's half behind
+    const float direct = in[i] * cs[i], swapped = in[i + half] * ss[i];
+    o[i] = direct + swapped;
+  }
+  for (int64_t i = half; i < d; ++i) {
+    const float direct = in[i] * cs[i], swapped = in[i - half] * ss[i];
+    o[i] = direct + swapped;
+  }
+}
+
+// Where row r (of B * T * heads rows) of x (B, T, heads, D) finds its position's tables.
+inline int64_t table_row(const Tensor& x, const Tensor& cos, int64_t r) {
+  const int64_t heads = x.size(2), length = x.size(1), position = r / heads;  // b * length + t
+  return ((cos.size(0) == 1 ? position % length : position) * x.size(3));
+}
+
 // model.rotate: x * cos + roll(x, D / 2) * signed_sin, x (B, T, heads, D) and the tables (1 or B, T, 1, D).
 Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
-  const bool one_loop = fused(x, {cos, signed_sin}) && x.dim() == 4 && cos.dim() == 4 && cos.sizes() == signed_sin.sizes() &&
-                        (cos.size(0) == 1 || cos.size(0) == x.size(0)) && cos.size(1) == x.size(1) &&
-                        cos.size(2) == 1 && cos.size(3) == x.size(3) && x.size(3) % 2 == 0;
-  if (!one_loop) return x * cos + x.roll({x.size(-1) / 2}, {-1}) * signed_sin;
+  if (!rotates_in_one_loop(x, cos, signed_sin)) return x * cos + x.roll({x.size(-1) / 2}, {-1}) * signed_sin;
   Tensor out = at::empty_like(x);
-  const int64_t batch = x.size(0), length = x.size(1), heads = x.size(2), d = x.size(3), half = d / 2;
-  const float* src = x.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* sn = signed_sin.data_ptr<float>();
+  const int64_t d = x.size(3), rows = x.numel() / d;
+  const float *src = x.data_ptr<float>(), *c = cos.data_ptr<float>(), *sn = signed_sin.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t t = 0; t < length; ++t) {
-      const int64_t table = ((cos.size(0) == 1 ? 0 : b) * length + t) * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t base = ((b * length + t) * heads + h) * d;
-        const float *in = src + base, *cs = c + table, *ss = sn + table;
-        float* o = dst + base;
-        for (int64_t i = 0; i < half; ++i) {  // the first half's partner is half ahead, the second's half behind
-          const float direct = in[i] * cs[i], swapped = in[i + half] * ss[i];
-          o[i] = direct + swapped;
-        }
-        for (int64_t i = half; i < d; ++i) {
-          const float direct = in[i] * cs[i], swapped = in[i - half] * ss[i];
-          o[i] = direct + swapped;
-        }
-      }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t table = table_row(x, cos, r);
+    rotate_row(src + r * d, c + table, sn + table, d, dst + r * d);
+  }
+  return out;
+}
+
+// rotate(norm(x, weight)) of the heads' rows of x (B, T, heads, D): the RMS norm of each row, times the weight (where
+// defined), rotated, in one loop into one tensor; `normalized`, where given, receives rms_normalize(x) (the values
+// before the weight: a K=V layer's values). What norm, scale and rotate give, bit for bit.
+Tensor norm_rotate(const Tensor& x, const Tensor& weight, double eps, const Tensor& cos, const Tensor& signed_sin,
+                   Tensor* normalized = nullptr) {
+  if (!rotates_in_one_loop(x, cos, signed_sin) || !fused(x, {weight})) {
+    Tensor plain = rms_normalize(x, eps);
+    if (normalized != nullptr) *normalized = scale(plain, Tensor(), x.scalar_type());
+    return rotate(scale(plain, weight, x.scalar_type()), cos, signed_sin);
+  }
+  Tensor out = at::empty_like(x);
+  if (normalized != nullptr) *normalized = at::empty_like(x);
+  const int64_t d = x.size(3);
+  const float *c = cos.data_ptr<float>(), *sn = signed_sin.data_ptr<float>();
+  const float* w = weight.defined() ? weight.data_ptr<float>() : nullptr;
+  float* dst = out.data_ptr<float>();
+  float* plain = normalized != nullptr ? normalized->data_ptr<float>() : nullptr;
+  std::vector<float> scaled(d);
+  rms_rows(x, eps, FusedNorms::width(), [&](int64_t r, const float* row, float inverse) {
+    float* values = plain != nullptr ? plain + r * d : scaled.data();
+    for (int64_t i = 0; i < d; ++i) values[i] = row[i] * inverse;
+    if (w != nullptr) {
+      for (int64_t i = 0; i < d; ++i) scaled[i] = values[i] * w[i];
+      values = scaled.data();
     }
+    const int64_t table = table_row(x, cos, r);
+    rotate_row(values, c + table, sn + table, d, dst + r * d);
+  });
   return out;
 }
 
@@ -1192,27 +1232,25 @@ Tensor weighted_slot_sum(const Tensor& out, const Tensor& order, const Tensor& w
   const float* src = out.data_ptr<float>();
   Tensor result = at::empty({tokens, h}, out.options().memory_format(at::MemoryFormat::Contiguous));
   float* dst = result.data_ptr<float>();
-  std::vector<float> products(top_k * h);
+  std::vector<float> products(top_k * (h - grouped));
   for (int64_t t = 0; t < tokens; ++t) {
+    float* sums = dst + t * h;
+    // columns [0, grouped): each the slots' products added in slot order from 0, then the three zeros of the other
+    // sequences and the output's 0 (ATen's sum of k values a lane), a column per lane of the loops
+    for (int64_t c = 0; c < grouped; ++c) sums[c] = 0.0f;
     for (int64_t j = 0; j < top_k; ++j) {
       const float* row = src + row_of[t * top_k + j] * stride;
       const float weight = slot_weight[t * top_k + j];
-      for (int64_t c = 0; c < h; ++c) products[c * top_k + j] = row[c] * weight;
+      for (int64_t c = 0; c < grouped; ++c) sums[c] += row[c] * weight;
     }
-    for (int64_t c = 0; c < h; ++c) {
-      const float* column = products.data() + c * top_k;
-      float sum;
-      if (c < grouped) {
-        sum = 0.0f;
-        for (int64_t j = 0; j < top_k; ++j) sum += column[j];
-        sum += 0.0f;
-        sum += 0.0f;
-        sum += 0.0f;
-      } else {
-        sum = row_sum<1>(column, top_k);
-      }
-      dst[t * h + c] = 0.0f + sum;
+    for (int64_t c = 0; c < grouped; ++c) sums[c] = 0.0f + (((sums[c] + 0.0f) + 0.0f) + 0.0f);
+    // the rest: ATen's row sum over the k products
+    for (int64_t j = 0; j < top_k; ++j) {
+      const float* row = src + row_of[t * top_k + j] * stride;
+      const float weight = slot_weight[t * top_k + j];
+      for (int64_t c = grouped; c < h; ++c) products[(c - grouped) * top_k + j] = row[c] * weight;
     }
+    for (int64_t c = grouped; c < h; ++c) sums[c] = 0.0f + row_sum<1>(products.data() + (c - grouped) * top_k, top_k);
   }
   return result;
 }
@@ -1346,14 +1384,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_inputs(const Tensor& x, at::TensorL
                                                     int64_t head_dim, double eps, const Tensor& cos,
                                                     const Tensor& signed_sin) {
   TORCH_CHECK(w.size() == 5 || w.size() == 6, "printpress_layers.attention_inputs: 5 or 6 weights, not ", w.size());
-  const auto dtype = x.scalar_type();
   Tensor h = norm(x, w[0], eps);
-  Tensor q = rotate(norm(product(h, w[1]).view({batch, length, -1, head_dim}), w[3], eps), cos, signed_sin);
-  Tensor k_normalized = rms_normalize(product(h, w[2]).view({batch, length, -1, head_dim}), eps);
-  Tensor k = rotate(scale(k_normalized, w[4], dtype), cos, signed_sin).transpose(1, 2);
-  Tensor v = w.size() == 5 ? scale(k_normalized, Tensor(), dtype)
-                           : norm(product(h, w[5]).view({batch, length, -1, head_dim}), Tensor(), eps);
-  return {q, k, v.transpose(1, 2)};
+  Tensor q = norm_rotate(product(h, w[1]).view({batch, length, -1, head_dim}), w[3], eps, cos, signed_sin);
+  Tensor k_normalized;  // before k_norm's weight: a K=V layer's values
+  Tensor k = norm_rotate(product(h, w[2]).view({batch, length, -1, head_dim}), w[4], eps, cos, signed_sin,
+                         w.size() == 5 ? &k_normalized : nullptr);
+  Tensor v = w.size() == 5 ? k_normalized : norm(product(h, w[5]).view({batch, length, -1, head_dim}), Tensor(), eps);
+  return {q, k.transpose(1, 2), v.transpose(1, 2)};
 }
 
 // KVJoin.__call__ and Attention.attend (printpress/model.py): the block's keys/values `k`, `v` (B, kv_heads, T, D)
