@@ -255,20 +255,22 @@ def added_as_the_rows_kernel_adds(x: torch.Tensor, weight: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 384), (1, 192), (8, 384), (32, 384), (64, 192), (3, 37), (5, 48), (2, 1)])
-@pytest.mark.parametrize("layout", ["contiguous", "halves"])
+@pytest.mark.parametrize("layout", ["contiguous", "halves", "three_dims"])
 def test_the_gated_activation_in_one_loop_gives_atens_bits(rows, cols, layout):
     """act(gate) * up in one loop (`gated`, GELU's tanh form): on CPUs where ATen runs its AVX2 or AVX-512 kernels
     the loop's self-check holds, and it gives at::gelu(gate, "tanh") * up's bits, for the MLPs' separate products
-    (contiguous) and the experts' halves of one product, with runs that end in whole pairs of vectors and runs with a
-    scalar tail. Another activation runs as the operators."""
+    (contiguous; the self-conditioning MLP's in three dimensions) and the experts' halves of one product, with runs
+    that end in whole pairs of vectors and runs with a scalar tail. Another activation runs as the operators."""
     g = torch.Generator().manual_seed(rows * 1000 + cols)
     both = torch.randn(rows, 2 * cols, generator=g) * 4.0
     gate, up = both[:, :cols], both[:, cols:]
-    if layout == "contiguous":
+    if layout != "halves":
         gate, up = gate.contiguous(), up.contiguous()
     ops = torch.ops.printpress_layers
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert ops.gated_fused(gate, up, 0)
+    if layout == "three_dims":
+        gate, up = gate[None], up[None]
     assert torch.equal(ops.gated(gate, up, 0), F.gelu(gate, approximate="tanh") * up)
     assert not ops.gated_fused(gate, up, 2)
     assert torch.equal(ops.gated(gate, up, 2), F.silu(gate) * up)

@@ -1158,9 +1158,15 @@ bool gated_fused(const Tensor& gate, const Tensor& up, int64_t code) {
 #endif
 }
 
-// act(gate) * up.
+// act(gate) * up. Contiguous inputs of more dimensions (the self-conditioning MLP's (B, C, H)) as their rows: ATen
+// runs them as one run too.
 Tensor gated(const Tensor& gate, const Tensor& up, int64_t code) {
 #ifdef PRINTPRESS_VEC
+  if (gate.dim() > 2 && gate.is_contiguous() && up.is_contiguous() && gate.sizes() == up.sizes() && gate.numel() > 0) {
+    const int64_t cols = gate.size(-1);
+    const Tensor rows = gate.view({-1, cols}), up_rows = up.view({-1, cols});
+    if (gated_fused(rows, up_rows, code)) return gated_loop(rows, up_rows).view(gate.sizes());
+  }
   if (gated_fused(gate, up, code)) return gated_loop(gate, up);
 #endif
   return act(gate, code) * up;
