@@ -159,7 +159,8 @@ class DiffusionBatch:
         shared = [row for row in rows if id(row) not in found]
         if shared:
             feedback, mask = self._self_conditioning(shared)
-            logits = denoise(self.model, torch.cat([row.canvas for row in shared]), self._cache(shared), feedback, mask)
+            canvases = shared[0].canvas if len(shared) == 1 else torch.cat([row.canvas for row in shared])
+            logits = denoise(self.model, canvases, self._cache(shared), feedback, mask)
             found.update((id(row), logits[i : i + 1]) for i, row in enumerate(shared))
         logits = found[id(rows[0])] if len(rows) == 1 else torch.cat([found[id(row)] for row in rows])
         # A compiled decoder's logits are not the exact path's: its steps take their softmax and entropies in one
@@ -249,6 +250,8 @@ class DiffusionBatch:
         previous = [row.self_conditioning for row in rows]
         if all(p is None for p in previous):
             return None, None
+        if len(previous) == 1:  # one row's own signal, not a copy of it
+            return previous[0], None
         template = next(p for p in previous if p is not None)
         stacked = torch.cat([template.new_zeros(template.shape) if p is None else p for p in previous])
         if all(p is not None for p in previous):
