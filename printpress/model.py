@@ -489,6 +489,11 @@ def native_layer(plan: NativePlan, x: torch.Tensor, shape: tuple[int, int], rope
         join.write_at, join.slots, plan.gqa, plan.scale, plan.top_k, plan.root_size, plan.act)
 
 
+def _native_now() -> bool:
+    """Whether the C++ operators may stand in for the Python methods now: on, gradients off, not compiling."""
+    return NATIVE_LAYERS and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 class Planned(nn.Module):
     """A module printpress_layers can stand in for: its plan (the weights it hands the C++ operator, in order) is
     made on first use and remade when the generation it was made in has passed; None where the C++ operator cannot
@@ -504,8 +509,8 @@ class Planned(nn.Module):
         return super()._apply(fn, recurse)
 
     def _plan(self):
-        """The plan, where the C++ operator stands in for the Python methods now (gradients off, not compiling)."""
-        if not NATIVE_LAYERS or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        """The plan, where the C++ operator stands in for the Python methods now (`_native_now`)."""
+        if not _native_now():
             return None
         plan = self._native
         if plan is False or (plan is not None and plan.generation != _generation):
@@ -853,7 +858,7 @@ class DiffusionGemma(nn.Module):
         """Every layer's plan, where each layer is a stock `Layer` that its C++ call stands in for now (its plan made
         in this generation: `Planned._plan`) and no hook would see its call; else None (each layer is then called as
         a module)."""
-        if not NATIVE_LAYERS or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not _native_now():
             return None
         memo = self._plans_memo
         if memo is not None and memo[0] == _generation:

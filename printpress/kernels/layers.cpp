@@ -26,18 +26,7 @@
 //
 // Only torch/library.h, ATen's per-operator headers and its vector header (for the GELU, `gated`): the library builds
 // in seconds on a machine's first pass.
-//
-// ATen's vector code for the CPU capability ATen dispatches to on this machine (AVX-512 or AVX2, from the compiler's
-// -march=native), as softmax.cpp builds it.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#define PRINTPRESS_VEC 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#define PRINTPRESS_VEC 1
-#endif
+#include "aten_vec.h"  // first: it picks the CPU capability of ATen's vector headers
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
@@ -90,10 +79,6 @@
 
 #if defined(__SSE2__)
 #include <immintrin.h>
-#endif
-
-#ifdef PRINTPRESS_VEC
-#include <ATen/cpu/vec/vec.h>
 #endif
 
 namespace {

@@ -15,15 +15,7 @@
 // Which exp ATen's softmax uses (Sleef's or exp_u20) and how many lanes its sums take depend on torch's build: the
 // library tries each form once per process against ATen's operators on random rows (`form`), and the caller uses
 // ATen's operators where none holds. Built only where ATen's AVX2 or AVX-512 vector code compiles.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#define PRINTPRESS_VEC 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#define PRINTPRESS_VEC 1
-#endif
+#include "aten_vec.h"  // first: it picks the CPU capability of ATen's vector headers
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
@@ -49,7 +41,6 @@
 
 #ifdef PRINTPRESS_VEC
 #include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #endif
 
 namespace {
