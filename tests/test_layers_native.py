@@ -389,7 +389,7 @@ def test_the_kernels_read_a_half_width_copy_in_the_same_order():
     several pieces, each read ahead where the process reads weights ahead)."""
     ops = torch.ops.printpress_layers
     if not ops.half_width_kernels():
-        pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
+        pytest.skip("no AVX-512 and no AVX2 with F16C on this CPU: no half-width copies are made")
     g = torch.Generator().manual_seed(21)
     for m in (1, 2, 3):
         for k in (4, 8, 64, 192, 384, 768):
@@ -412,7 +412,7 @@ def test_products_of_four_or_more_rows_from_half_valued_weights_give_atens_bits(
     do not fit half width; a weight's copy is made once per layout."""
     ops = torch.ops.printpress_layers
     if not ops.half_width_kernels():
-        pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
+        pytest.skip("no AVX-512 and no AVX2 with F16C on this CPU: no half-width copies are made")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -461,7 +461,7 @@ def test_a_half_valued_model_reads_its_weights_at_half_width_with_the_same_bits(
     they give the new weights' bits, not the old copy's; with the copies off, the same bits again."""
     ops = torch.ops.printpress_layers
     if not ops.half_width_kernels():
-        pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
+        pytest.skip("no AVX-512 and no AVX2 with F16C on this CPU: no half-width copies are made")
     model = half_valued(tiny_model("gqa"), dtype)
     assert model_module.allow_half_width(model)
     before = ops.half_width_copies()
@@ -488,7 +488,7 @@ def test_only_a_model_marked_for_inference_reads_half_width_copies(tmp_path, mon
     version counter; `printpress.load` marks the model it loads."""
     ops = torch.ops.printpress_layers
     if not ops.half_width_kernels():
-        pytest.skip("no AVX-512 on this CPU: no half-width copies are made")
+        pytest.skip("no AVX-512 and no AVX2 with F16C on this CPU: no half-width copies are made")
     model = half_valued(tiny_model("gqa"), torch.float16)
     before = ops.half_width_copies()
     assert_bit_equal(*both_sides(model, monkeypatch))

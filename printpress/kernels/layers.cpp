@@ -418,7 +418,7 @@ void row_block(const float*, const float*, int64_t, int64_t, float*) {}
 // four products first added in turn — the order above, so the same bits. A product of one row computes a whole group
 // at a time, so it reads the copy as one sequential stream: from DRAM at the machine's read speed, where four blocks
 // stored one after the other (four streams, a block's 16 outputs apart) read ~15% slower on an AMD EPYC (a 48 MiB
-// weight: 22 against 19 GB/s). AVX-512 only; elsewhere no copies are made.
+// weight: 22 against 19 GB/s). AVX-512, or AVX2 with F16C and FMA (`Lanes`); elsewhere no copies are made.
 constexpr int64_t kHalfBlock = 16;  // outputs per block of the copy
 constexpr int64_t kGroupBlocks = 4;  // blocks per group of the copy, stored by inner element together
 constexpr int64_t kFewRowsMin = 4, kFewRowsMax = 64;  // input rows few_rows_kernel takes
@@ -463,81 +463,133 @@ inline BlockAt block_at(int64_t b, int64_t blocks, int64_t k) {
   return {(first * k + (b - first)) * kHalfBlock, std::min(kGroupBlocks, blocks - first) * kHalfBlock};
 }
 
+// The vector the half-width kernels compute with: 16 float lanes with AVX-512, 8 with AVX2 (with F16C's conversion and
+// FMA's multiply-add), so a block of the copy is one vector or two. Each lane adds up one output in the same order
+// whatever the width, so the width changes no bit, only how many outputs a register holds.
 #if defined(__AVX512F__) && defined(__F16C__)
+#define PRINTPRESS_HALF_ROWS 1
+struct Lanes {
+  using Reg = __m512;
+  static constexpr int64_t kWidth = 16;
+  static Reg zero() { return _mm512_setzero_ps(); }
+  static Reg set1(float v) { return _mm512_set1_ps(v); }
+  static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static Reg load(const at::Half* w) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  }
+  static Reg load(const at::BFloat16* w) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  // the first `lanes` (1 to kWidth) of v into y
+  static void store(float* y, Reg v, int64_t lanes) {
+    _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << lanes) - 1), v);
+  }
+};
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define PRINTPRESS_HALF_ROWS 1
+struct Lanes {
+  using Reg = __m256;
+  static constexpr int64_t kWidth = 8;
+  static Reg zero() { return _mm256_setzero_ps(); }
+  static Reg set1(float v) { return _mm256_set1_ps(v); }
+  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static Reg load(const at::Half* w) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+  static Reg load(const at::BFloat16* w) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static void store(float* y, Reg v, int64_t lanes) {
+    if (lanes >= kWidth) {
+      _mm256_storeu_ps(y, v);
+      return;
+    }
+    alignas(32) float all[kWidth];
+    _mm256_store_ps(all, v);
+    std::memcpy(y, all, sizeof(float) * lanes);
+  }
+};
+#endif
+
+#if defined(PRINTPRESS_HALF_ROWS)
 constexpr bool kHalfRows = true;
+constexpr int64_t kBlockVecs = kHalfBlock / Lanes::kWidth;  // vectors a block of the copy holds
+using Reg = Lanes::Reg;
 
-inline __m512 load16(const at::Half* w) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-}
-inline __m512 load16(const at::BFloat16* w) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// Outputs [0, 16 B) of M input rows (x: stride x_stride; y: y_stride, `valid` of its outputs written) from B blocks
-// of one group of the copy, the first at `w` (inner elements `step` apart, the next block 16 on);
+// Outputs [0, kWidth N) of M input rows (x: stride x_stride; y: y_stride, `valid` of its outputs written) from N
+// vectors' columns of one group of the copy, the first column at `w` (inner elements `step` apart);
 // `Lead`: one row's, its first four products first, in turn.
-template <int M, int B, bool Lead, typename W>
-__attribute__((noinline)) void half_blocks(const float* x, int64_t x_stride, const W* w, int64_t step, int64_t k,
-                                           float* y, int64_t y_stride, int64_t valid) {
-  __m512 sums[M][4][B];
+template <int M, int N, bool Lead, typename W>
+__attribute__((noinline)) void half_vecs(const float* x, int64_t x_stride, const W* w, int64_t step, int64_t k,
+                                         float* y, int64_t y_stride, int64_t valid) {
+  Reg sums[M][4][N];
   for (int r = 0; r < M; ++r)
     for (int j = 0; j < 4; ++j)
-      for (int b = 0; b < B; ++b) sums[r][j][b] = _mm512_setzero_ps();
+      for (int v = 0; v < N; ++v) sums[r][j][v] = Lanes::zero();
   if (Lead) {
-    for (int b = 0; b < B; ++b) {
-      const W* block = w + b * kHalfBlock;
-      __m512 first = _mm512_mul_ps(_mm512_set1_ps(x[0]), load16(block));
+    for (int v = 0; v < N; ++v) {
+      const W* column = w + v * Lanes::kWidth;
+      Reg first = Lanes::mul(Lanes::set1(x[0]), Lanes::load(column));
       for (int i = 1; i < 4; ++i)
-        first = _mm512_add_ps(first, _mm512_mul_ps(_mm512_set1_ps(x[i]), load16(block + i * step)));
-      sums[0][0][b] = first;
+        first = Lanes::add(first, Lanes::mul(Lanes::set1(x[i]), Lanes::load(column + i * step)));
+      sums[0][0][v] = first;
     }
   }
   for (int64_t i = Lead ? 4 : 0; i < k; i += 4) {
     for (int j = 0; j < 4; ++j) {
-      __m512 xs[M];
-      for (int r = 0; r < M; ++r) xs[r] = _mm512_set1_ps(x[r * x_stride + i + j]);
-      for (int b = 0; b < B; ++b) {
-        const __m512 weights = load16(w + (i + j) * step + b * kHalfBlock);
-        for (int r = 0; r < M; ++r) sums[r][j][b] = _mm512_add_ps(sums[r][j][b], _mm512_mul_ps(xs[r], weights));
+      Reg xs[M];
+      for (int r = 0; r < M; ++r) xs[r] = Lanes::set1(x[r * x_stride + i + j]);
+      for (int v = 0; v < N; ++v) {
+        const Reg weights = Lanes::load(w + (i + j) * step + v * Lanes::kWidth);
+        for (int r = 0; r < M; ++r) sums[r][j][v] = Lanes::add(sums[r][j][v], Lanes::mul(xs[r], weights));
       }
     }
   }
   for (int r = 0; r < M; ++r) {
-    for (int b = 0; b < B; ++b) {
-      const __m512 total = _mm512_add_ps(_mm512_add_ps(sums[r][0][b], sums[r][2][b]),
-                                         _mm512_add_ps(sums[r][1][b], sums[r][3][b]));
-      const int64_t lanes = std::min<int64_t>(kHalfBlock, valid - b * kHalfBlock);
-      if (lanes > 0)
-        _mm512_mask_storeu_ps(y + r * y_stride + b * kHalfBlock, static_cast<__mmask16>((1u << lanes) - 1), total);
+    for (int v = 0; v < N; ++v) {
+      const Reg total = Lanes::add(Lanes::add(sums[r][0][v], sums[r][2][v]), Lanes::add(sums[r][1][v], sums[r][3][v]));
+      const int64_t lanes = std::min<int64_t>(Lanes::kWidth, valid - v * Lanes::kWidth);
+      if (lanes > 0) Lanes::store(y + r * y_stride + v * Lanes::kWidth, total, lanes);
     }
   }
 }
 
-// Blocks per pass: enough sums to keep the adder busy, few enough to stay in the 32 registers (one row: a whole
-// group, read as one stream).
+// Vectors per call: enough sums to keep the adder busy, few enough to stay in the registers (32 with AVX-512, where
+// one row's call takes a whole group and reads the copy as one stream; 16 with AVX2).
 template <int M>
-constexpr int kHalfPass = M == 1 ? 4 : 2;
-static_assert(kGroupBlocks % kHalfPass<1> == 0 && kGroupBlocks % kHalfPass<2> == 0, "passes stay in their group");
+constexpr int kHalfVecs = Lanes::kWidth == 16 ? (M == 1 ? 4 : 2) : (M == 1 ? 2 : 1);
 
-// Blocks [first, end) of a copy of `blocks` (`first` on a group's start, `end` a group's end or `blocks`); x, y and
-// `valid` (the outputs written) count from the copy's first block.
+// `f(group's first block, its blocks, where it starts)` for each group of blocks [first, end) of a copy of `blocks`
+// (`first` on a group's start, `end` a group's end or `blocks`).
+template <typename F>
+void each_group(int64_t first, int64_t end, int64_t blocks, int64_t k, const F& f) {
+  for (int64_t b = first; b < end; b += kGroupBlocks) f(b, std::min(kGroupBlocks, end - b), block_at(b, blocks, k));
+}
+
+// Blocks [first, end) of a copy of `blocks` (see each_group); x, y and `valid` (the outputs written) count from the
+// copy's first block.
 template <int M, bool Lead, typename W>
 void half_pass(int64_t first, int64_t end, int64_t blocks, const float* x, int64_t x_stride, const W* w, int64_t k,
                float* y, int64_t y_stride, int64_t valid) {
-  for (int64_t b = first; b < end; b += kHalfPass<M>) {
-    const int64_t left = valid - b * kHalfBlock;
-    if (end - b >= kHalfPass<M>) {
-      const BlockAt at = block_at(b, blocks, k);
-      half_blocks<M, kHalfPass<M>, Lead>(x, x_stride, w + at.start, at.step, k, y + b * kHalfBlock, y_stride, left);
-    } else {
-      for (int64_t c = b; c < end; ++c) {
-        const BlockAt at = block_at(c, blocks, k);
-        half_blocks<M, 1, Lead>(x, x_stride, w + at.start, at.step, k, y + c * kHalfBlock, y_stride,
-                                valid - c * kHalfBlock);
+  constexpr int N = kHalfVecs<M>;
+  each_group(first, end, blocks, k, [&](int64_t b, int64_t width, BlockAt at) {
+    const int64_t vecs = width * kBlockVecs;
+    for (int64_t v = 0; v < vecs;) {
+      const int64_t out = b * kHalfBlock + v * Lanes::kWidth;
+      const W* column = w + at.start + v * Lanes::kWidth;
+      if (vecs - v >= N) {
+        half_vecs<M, N, Lead>(x, x_stride, column, at.step, k, y + out, y_stride, valid - out);
+        v += N;
+      } else {
+        half_vecs<M, 1, Lead>(x, x_stride, column, at.step, k, y + out, y_stride, valid - out);
+        v += 1;
       }
     }
-  }
+  });
 }
 
 // half_pass for `rows` (1 to 3) input rows; `lead` (one row only): its first four products first.
@@ -580,7 +632,8 @@ void half_rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& hal
 // at::mm of 4 or more float32 rows by a weight of at least 16 outputs (MKL's matrix product) adds each output's
 // products one after the other from zero as multiply-adds, in runs: the whole inner size up to 192, two equal halves
 // up to 384, runs of 192 beyond; each run's sum is then added to those before it (found by the same probing, on an AMD
-// EPYC; MKL first copies the whole weight into its packed layout). On one thread that holds for every row count
+// EPYC with AVX-512, where MKL runs its generic code for AMD's CPUs, and the same on one with AVX2 only; MKL first
+// copies the whole weight into its packed layout). On one thread that holds for every row count
 // checked (4 to 64, up to which the kernel takes them); on two, for 4, 8 and 12 or more rows, while of 5 to 7 (9 to
 // 11) it adds the first four (eight) so and the rest in the four interleaved sums of a product of one to three rows
 // (above), and where the outputs are not in whole groups of 4, those rows' last outputs in yet another order (the
@@ -590,74 +643,78 @@ using Runs = std::vector<std::pair<int64_t, int64_t>>;
 
 constexpr int64_t kFewAhead = 32;  // inner elements a block's weights are fetched ahead of their products
 
-// Outputs [0, 16 B) of M rows from B blocks of one group, the first at `w` (inner elements `step` apart), `valid` of
-// them written. Not inlined (nor is half_blocks): inlined into its caller, the compiler kept M = 8's weights on the
-// stack (a multiply-add from memory each: half the speed).
-template <int M, int B, typename W>
-__attribute__((noinline)) void few_blocks(const float* x, int64_t x_stride, const W* w, int64_t step,
-                                          const Runs& runs, float* y, int64_t y_stride, int64_t valid) {
-  __m512 totals[M][B];
+// Outputs [0, kWidth N) of M rows from N vectors' columns of one group, the first at `w` (inner elements `step`
+// apart), `valid` of them written. Not inlined (nor is half_vecs): inlined into its caller, the compiler kept M = 8's
+// weights on the stack (a multiply-add from memory each: half the speed).
+template <int M, int N, typename W>
+__attribute__((noinline)) void few_vecs(const float* x, int64_t x_stride, const W* w, int64_t step, const Runs& runs,
+                                        float* y, int64_t y_stride, int64_t valid) {
+  constexpr int64_t kBytes = N * Lanes::kWidth * sizeof(W);  // of one inner element's weights
+  Reg totals[M][N];
   for (size_t run = 0; run < runs.size(); ++run) {
-    __m512 sums[M][B];
+    Reg sums[M][N];
     for (int r = 0; r < M; ++r)
-      for (int b = 0; b < B; ++b) sums[r][b] = _mm512_setzero_ps();
+      for (int v = 0; v < N; ++v) sums[r][v] = Lanes::zero();
     for (int64_t i = runs[run].first; i < runs[run].second; ++i) {
-      __m512 weights[B];
-      // the cache lines of the blocks' element kFewAhead elements on (two 16-lane half-width vectors a line)
-      for (int b = 0; b < B; b += 2)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (i + kFewAhead) * step + b * kHalfBlock), _MM_HINT_T0);
-      for (int b = 0; b < B; ++b) weights[b] = load16(w + i * step + b * kHalfBlock);
+      Reg weights[N];
+      // the cache lines of the element kFewAhead elements on
+      for (int64_t line = 0; line < kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (i + kFewAhead) * step) + line, _MM_HINT_T0);
+      for (int v = 0; v < N; ++v) weights[v] = Lanes::load(w + i * step + v * Lanes::kWidth);
       for (int r = 0; r < M; ++r) {
-        const __m512 xs = _mm512_set1_ps(x[r * x_stride + i]);
-        for (int b = 0; b < B; ++b) sums[r][b] = _mm512_fmadd_ps(xs, weights[b], sums[r][b]);
+        const Reg xs = Lanes::set1(x[r * x_stride + i]);
+        for (int v = 0; v < N; ++v) sums[r][v] = Lanes::fmadd(xs, weights[v], sums[r][v]);
       }
     }
     for (int r = 0; r < M; ++r)
-      for (int b = 0; b < B; ++b) totals[r][b] = run == 0 ? sums[r][b] : _mm512_add_ps(totals[r][b], sums[r][b]);
+      for (int v = 0; v < N; ++v) totals[r][v] = run == 0 ? sums[r][v] : Lanes::add(totals[r][v], sums[r][v]);
   }
   for (int r = 0; r < M; ++r) {
-    for (int b = 0; b < B; ++b) {
-      const int64_t lanes = std::min<int64_t>(kHalfBlock, valid - b * kHalfBlock);
-      if (lanes > 0)
-        _mm512_mask_storeu_ps(y + r * y_stride + b * kHalfBlock, static_cast<__mmask16>((1u << lanes) - 1),
-                              totals[r][b]);
+    for (int v = 0; v < N; ++v) {
+      const int64_t lanes = std::min<int64_t>(Lanes::kWidth, valid - v * Lanes::kWidth);
+      if (lanes > 0) Lanes::store(y + r * y_stride + v * Lanes::kWidth, totals[r][v], lanes);
     }
   }
 }
 
-template <int B, typename W>
-void few_rows_blocks(int64_t rows, const float* x, int64_t x_stride, const W* w, int64_t step, const Runs& runs,
-                     float* y, int64_t y_stride, int64_t valid) {
+template <int N, typename W>
+void few_rows_vecs(int64_t rows, const float* x, int64_t x_stride, const W* w, int64_t step, const Runs& runs,
+                   float* y, int64_t y_stride, int64_t valid) {
   switch (rows) {
-    case 1: return few_blocks<1, B>(x, x_stride, w, step, runs, y, y_stride, valid);
-    case 2: return few_blocks<2, B>(x, x_stride, w, step, runs, y, y_stride, valid);
-    case 3: return few_blocks<3, B>(x, x_stride, w, step, runs, y, y_stride, valid);
-    default: return few_blocks<4, B>(x, x_stride, w, step, runs, y, y_stride, valid);
+    case 1: return few_vecs<1, N>(x, x_stride, w, step, runs, y, y_stride, valid);
+    case 2: return few_vecs<2, N>(x, x_stride, w, step, runs, y, y_stride, valid);
+    case 3: return few_vecs<3, N>(x, x_stride, w, step, runs, y, y_stride, valid);
+    default: return few_vecs<4, N>(x, x_stride, w, step, runs, y, y_stride, valid);
   }
 }
 
-// `rows` input rows from blocks [first, end) of a copy of `blocks` (`first` on a group's start, `end` a group's end or
-// `blocks`): a group at a time (the copy read in order), for every four rows while it is in the L1 (four rows by four
-// blocks: 16 sums, each weight vector used four times; 7% faster than eight rows by two blocks from the caches, on
-// an AMD EPYC); y and `valid` count from the copy's first block.
+// Vectors per call of few_vecs: four rows by four 16-lane vectors with AVX-512 (16 sums, each weight vector used four
+// times; 7% faster than eight rows by two from the caches, on an AMD EPYC), by two 8-lane ones with AVX2.
+constexpr int64_t kFewVecs = Lanes::kWidth == 16 ? 4 : 2;
+
+// `rows` input rows from blocks [first, end) of a copy of `blocks` (see each_group): a group at a time (the copy read
+// in order), kFewVecs of its vectors' columns at a time, for every four rows while those are in the L1; y and `valid`
+// count from the copy's first block.
 template <typename W>
 void few_pass(int64_t rows, int64_t first, int64_t end, int64_t blocks, const float* x, int64_t x_stride, const W* w,
               int64_t k, const Runs& runs, float* y, int64_t y_stride, int64_t valid) {
-  for (int64_t b = first; b < end; b += kGroupBlocks) {
-    const BlockAt at = block_at(b, blocks, k);
-    const int64_t width = std::min(kGroupBlocks, end - b);
-    for (int64_t r = 0; r < rows; r += 4) {
-      const float* xr = x + r * x_stride;
-      float* out = y + r * y_stride + b * kHalfBlock;
-      const int64_t some = std::min<int64_t>(4, rows - r), left = valid - b * kHalfBlock;
-      switch (width) {
-        case 4: few_rows_blocks<4>(some, xr, x_stride, w + at.start, at.step, runs, out, y_stride, left); break;
-        case 3: few_rows_blocks<3>(some, xr, x_stride, w + at.start, at.step, runs, out, y_stride, left); break;
-        case 2: few_rows_blocks<2>(some, xr, x_stride, w + at.start, at.step, runs, out, y_stride, left); break;
-        default: few_rows_blocks<1>(some, xr, x_stride, w + at.start, at.step, runs, out, y_stride, left);
+  each_group(first, end, blocks, k, [&](int64_t b, int64_t width, BlockAt at) {
+    const int64_t vecs = width * kBlockVecs;
+    for (int64_t v = 0; v < vecs; v += kFewVecs) {
+      const W* column = w + at.start + v * Lanes::kWidth;
+      for (int64_t r = 0; r < rows; r += 4) {
+        const float* xr = x + r * x_stride;
+        const int64_t some = std::min<int64_t>(4, rows - r), out = b * kHalfBlock + v * Lanes::kWidth;
+        float* yr = y + r * y_stride + out;
+        switch (std::min(kFewVecs, vecs - v)) {
+          case 4: few_rows_vecs<4>(some, xr, x_stride, column, at.step, runs, yr, y_stride, valid - out); break;
+          case 3: few_rows_vecs<3>(some, xr, x_stride, column, at.step, runs, yr, y_stride, valid - out); break;
+          case 2: few_rows_vecs<2>(some, xr, x_stride, column, at.step, runs, yr, y_stride, valid - out); break;
+          default: few_rows_vecs<1>(some, xr, x_stride, column, at.step, runs, yr, y_stride, valid - out);
+        }
       }
     }
-  }
+  });
 }
 
 template <typename W>
@@ -1570,7 +1627,7 @@ int64_t allow_half_width(const std::vector<Tensor>& weights) {
   return static_cast<int64_t>(half_allowed.size());
 }
 
-// Whether this build has the half-width kernels (AVX-512); what the many-row check found for inner size k and `rows`
+// Whether this build has the half-width kernels (AVX-512, or AVX2 with F16C and FMA); what the many-row check found for inner size k and `rows`
 // rows at the current thread count (1 held, 0 did not, -1 not checked yet).
 bool half_width_kernels() { return kHalfRows; }
 
