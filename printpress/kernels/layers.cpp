@@ -409,18 +409,26 @@ void row_block(const float*, const float*, int64_t, int64_t, float*) {}
 // A float32 weight whose every value is a float16 (the shipped model's checkpoint is stored in float16) or a bfloat16
 // (released checkpoints are) holds the same numbers in half the bytes at that width, and a product of a few rows
 // waits on those bytes wherever the weights come from beyond the core's caches. Its copy at that width (made and kept
-// by `half_width_copy` below) is laid out for 16-lane vectors: the weight rows (outputs) in blocks of 16 (the last
-// padded with zero rows), and the blocks in groups of four (the last group may hold fewer), each group stored by
-// inner element: element 0 of its blocks' 64 outputs, then element 1's, and so on. One load widened to float32
-// (F16C's conversion; a bfloat16 is the top half of its float32: both exact) then holds one inner element's weight
-// for 16 outputs, and each vector lane adds up one output: for one to three rows in four sums per output, element i
+// by `half_width_copy` below) is laid out for the vectors: the weight rows (outputs) in blocks of 16 (the last
+// padded with zero rows), and the blocks in groups (kGroupBlocks: four with AVX-512, the last group may hold fewer;
+// one with AVX2), each group stored by inner element: element 0 of its blocks' 64 (16) outputs, then element 1's, and
+// so on. One load widened to float32 (F16C's conversion; a bfloat16 is the top half of its float32: both exact) then
+// holds one inner element's weight for 16 (8) outputs, and each vector lane adds up one output: for one to three rows in four sums per output, element i
 // into sum i % 4, each product rounded before it is added, then (sum 0 + sum 2) + (sum 1 + sum 3), one row's first
 // four products first added in turn — the order above, so the same bits. A product of one row computes a whole group
 // at a time, so it reads the copy as one sequential stream: from DRAM at the machine's read speed, where four blocks
 // stored one after the other (four streams, a block's 16 outputs apart) read ~15% slower on an AMD EPYC (a 48 MiB
 // weight: 22 against 19 GB/s). AVX-512, or AVX2 with F16C and FMA (`Lanes`); elsewhere no copies are made.
 constexpr int64_t kHalfBlock = 16;  // outputs per block of the copy
-constexpr int64_t kGroupBlocks = 4;  // blocks per group of the copy, stored by inner element together
+// Blocks per group of the copy, stored by inner element together: as many as one row's product takes at a time, so
+// that it reads the copy as one stream: four with AVX-512 (a group's 16 sums fill half its 32 registers), one with
+// AVX2 (a block's 8 sums fill half its 16; with groups of four, each cache line was read in two passes 4 KiB or more
+// apart, and the 99.7M model's AR step took 1.4x as long).
+#if defined(__AVX512F__)
+constexpr int64_t kGroupBlocks = 4;
+#else
+constexpr int64_t kGroupBlocks = 1;
+#endif
 constexpr int64_t kFewRowsMin = 4, kFewRowsMax = 64;  // input rows few_rows_kernel takes
 constexpr int64_t kRowsAheadBytes = 256 * 1024;  // bytes of a weight read ahead at a time (see rows_kernel)
 
