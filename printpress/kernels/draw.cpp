@@ -234,6 +234,12 @@ at::Tensor capped_row_argmax(const at::Tensor& raw, double cap) {
     for (; i + 16 <= V; i += 16)
       for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), bound, _CMP_GE_OQ); hit; hit &= hit - 1)
         candidates.push_back(r * V + i + __builtin_ctz(hit));
+#elif defined(__AVX2__)
+    const __m256 bound = _mm256_set1_ps(low);
+    for (; i + 8 <= V; i += 8)
+      for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), bound, _CMP_GE_OQ)); hit;
+           hit &= hit - 1)
+        candidates.push_back(r * V + i + __builtin_ctz(hit));
 #endif
     for (; i < V; ++i)
       if (row[i] >= low) candidates.push_back(r * V + i);
@@ -274,6 +280,20 @@ inline float kth_largest(const float* v, int64_t V, int64_t k, std::vector<float
     low = _mm512_reduce_min_ps(lows);
     high = _mm512_reduce_max_ps(highs);
   }
+#elif defined(__AVX2__)
+  if (V >= 8) {
+    __m256 lows = _mm256_loadu_ps(v), highs = lows;
+    for (i = 8; i + 8 <= V; i += 8) {
+      const __m256 x = _mm256_loadu_ps(v + i);
+      lows = _mm256_min_ps(lows, x);
+      highs = _mm256_max_ps(highs, x);
+    }
+    alignas(32) float lane_lows[8], lane_highs[8];
+    _mm256_store_ps(lane_lows, lows);
+    _mm256_store_ps(lane_highs, highs);
+    low = *std::min_element(lane_lows, lane_lows + 8);
+    high = *std::max_element(lane_highs, lane_highs + 8);
+  }
 #endif
   for (; i < V; ++i) {
     low = std::min(low, v[i]);
@@ -285,6 +305,13 @@ inline float kth_largest(const float* v, int64_t V, int64_t k, std::vector<float
     const __m512 bound = _mm512_set1_ps(t);
     for (; j + 16 <= V; j += 16) {
       __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + j), bound, _CMP_GE_OQ);
+      n += __builtin_popcount(hit);
+      for (; keep && hit; hit &= hit - 1) buffer.push_back(v[j + __builtin_ctz(hit)]);
+    }
+#elif defined(__AVX2__)
+    const __m256 bound = _mm256_set1_ps(t);
+    for (; j + 8 <= V; j += 8) {
+      int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + j), bound, _CMP_GE_OQ));
       n += __builtin_popcount(hit);
       for (; keep && hit; hit &= hit - 1) buffer.push_back(v[j + __builtin_ctz(hit)]);
     }
