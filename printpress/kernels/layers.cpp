@@ -413,17 +413,18 @@ void row_block(const float*, const float*, int64_t, int64_t, float*) {}
 // padded with zero rows), and the blocks in groups (kGroupBlocks: four with AVX-512, the last group may hold fewer;
 // one with AVX2), each group stored by inner element: element 0 of its blocks' 64 (16) outputs, then element 1's, and
 // so on. One load widened to float32 (F16C's conversion; a bfloat16 is the top half of its float32: both exact) then
-// holds one inner element's weight for 16 (8) outputs, and each vector lane adds up one output: for one to three rows in four sums per output, element i
-// into sum i % 4, each product rounded before it is added, then (sum 0 + sum 2) + (sum 1 + sum 3), one row's first
-// four products first added in turn — the order above, so the same bits. A product of one row computes a whole group
-// at a time, so it reads the copy as one sequential stream: from DRAM at the machine's read speed, where four blocks
-// stored one after the other (four streams, a block's 16 outputs apart) read ~15% slower on an AMD EPYC (a 48 MiB
-// weight: 22 against 19 GB/s). AVX-512, or AVX2 with F16C and FMA (`Lanes`); elsewhere no copies are made.
+// holds one inner element's weight for 16 (8) outputs, and each vector lane adds up one output: for one to three rows
+// in four sums per output, element i into sum i % 4, each product rounded before it is added, then (sum 0 + sum 2) +
+// (sum 1 + sum 3), one row's first four products first added in turn — the order above, so the same bits. A product
+// of one row computes a whole group at a time, so it reads the copy as one sequential stream: from DRAM at the
+// machine's read speed, where four blocks stored one after the other (four streams, a block's 16 outputs apart) read
+// ~15% slower on an AMD EPYC (a 48 MiB weight: 22 against 19 GB/s). AVX-512, or AVX2 with F16C and FMA (`Lanes`);
+// elsewhere no copies are made.
 constexpr int64_t kHalfBlock = 16;  // outputs per block of the copy
 // Blocks per group of the copy, stored by inner element together: as many as one row's product takes at a time, so
 // that it reads the copy as one stream: four with AVX-512 (a group's 16 sums fill half its 32 registers), one with
-// AVX2 (a block's 8 sums fill half its 16; with groups of four, each cache line was read in two passes 4 KiB or more
-// apart, and the 99.7M model's AR step took 1.4x as long).
+// AVX2 (a block's 8 sums fill half its 16; with groups of four, one row's product read each cache line in two passes
+// a group apart, and the 99.7M model's AR step took 1.29x as long).
 #if defined(__AVX512F__)
 constexpr int64_t kGroupBlocks = 4;
 #else
@@ -1635,8 +1636,8 @@ int64_t allow_half_width(const std::vector<Tensor>& weights) {
   return static_cast<int64_t>(half_allowed.size());
 }
 
-// Whether this build has the half-width kernels (AVX-512, or AVX2 with F16C and FMA); what the many-row check found for inner size k and `rows`
-// rows at the current thread count (1 held, 0 did not, -1 not checked yet).
+// Whether this build has the half-width kernels (AVX-512, or AVX2 with F16C and FMA); what the many-row check found
+// for inner size k and `rows` rows at the current thread count (1 held, 0 did not, -1 not checked yet).
 bool half_width_kernels() { return kHalfRows; }
 
 int64_t few_rows_verdict(int64_t k, int64_t rows, int64_t tail, bool plain) {
