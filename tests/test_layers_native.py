@@ -236,6 +236,21 @@ def test_the_one_loop_norm_holds_on_this_cpu_and_gives_atens_bits():
         assert torch.equal(torch.ops.printpress_layers.rms_norm(value, norm.weight, 1e-6), norm(value))
 
 
+def test_with_gradients_on_the_operators_inside_dispatch_through_autograd():
+    """With gradients off the C++ operators run the ATen operators inside them below autograd's dispatch keys (the
+    model calls them only so); with gradients on they dispatch as usual, so a product they hand to at::mm (more rows
+    than the kernels take) is recorded and its gradient is at::mm's."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 24, generator=g, requires_grad=True)
+    weight_t = torch.randn(24, 16, generator=g)
+    out = torch.ops.printpress_layers.product(x, weight_t)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.ones(70, 16) @ weight_t.t())
+    with torch.no_grad():
+        assert torch.equal(torch.ops.printpress_layers.product(x, weight_t), x @ weight_t)
+
+
 def added_as_the_rows_kernel_adds(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (m, k) times weight (n, k), k a multiple of 4, in the order layers.cpp's `rows_kernel` documents (what MKL's
     product of one to three rows does on an AMD EPYC), each product and each sum a float32 operator of its own: four
