@@ -55,8 +55,6 @@
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/topk.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/util/Exception.h>
@@ -78,25 +76,13 @@
 #include <vector>
 
 #include "aten_sum.h"
+#include "below_autograd.h"
 
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
 namespace {
-
-// The operators of this file, while gradients are off (the model calls them only so), run the ATen operators inside
-// them below autograd's dispatch keys: each dispatches once rather than through autograd's kernel and the
-// views-and-in-place one first, and the views made inside carry no autograd metadata (AR step 1.08x, verification
-// 1.07x, canvas passes 1.04x on an AMD EPYC Zen 3). The same kernels, so the same numbers; the tensors written in
-// place inside (a cache's keys and values, fresh outputs) keep their version counters where they were, which nothing
-// reads. With gradients on, everything dispatches as usual, so autograd records it.
-struct BelowAutograd {
-  std::optional<at::AutoDispatchBelowADInplaceOrView> guard;
-  BelowAutograd() {
-    if (!at::GradMode::is_enabled()) guard.emplace();
-  }
-};
 
 using at::Tensor;
 using printpress_sum::aten_row_sum;
