@@ -1033,7 +1033,6 @@ void product_into(Tensor& out, const Tensor& x, const Tensor& weight_t) {
 // soft embedding (probs @ embedding, model.py `embed_canvas`: matmul's mm of the rows), where weight_t is the
 // embedding itself.
 Tensor product(const Tensor& x, const Tensor& weight_t) {
-  const BelowAutograd below;
   if (x.dim() > 2 && x.is_contiguous() && weight_t.dim() == 2) {  // the rows, as at::linear folds them for its mm
     std::vector<int64_t> sizes = x.sizes().vec();
     if (Tensor out = kernel_product(x.view({-1, x.size(-1)}), weight_t); out.defined()) {
@@ -1096,7 +1095,6 @@ Tensor head(const Tensor& x, const Tensor& weight) {
 // DiffusionGemma.logits of a float32 model: `head`, then the logits' softcap (cap > 0) in place, with model.softcap's
 // operators (one call in place of four from Python).
 Tensor capped_head(const Tensor& x, const Tensor& weight, double cap) {
-  const BelowAutograd below;
   Tensor out = head(x, weight);
   if (cap > 0.0 && out.scalar_type() == at::kFloat) out.div_(cap).tanh_().mul_(cap);
   return out;
@@ -1443,7 +1441,6 @@ Tensor route_weights(const Tensor& top, const Tensor& chosen, const Tensor& per_
 std::tuple<Tensor, Tensor, Tensor> attention_inputs(const Tensor& x, at::TensorList w, int64_t batch, int64_t length,
                                                     int64_t head_dim, double eps, const Tensor& cos,
                                                     const Tensor& signed_sin) {
-  const BelowAutograd below;
   TORCH_CHECK(w.size() == 5 || w.size() == 6, "printpress_layers.attention_inputs: 5 or 6 weights, not ", w.size());
   Tensor h = norm(x, w[0], eps);
   Tensor q = norm_rotate(product(h, w[1]).view({batch, length, -1, head_dim}), w[3], eps, cos, signed_sin);
@@ -1492,7 +1489,6 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k
 // post_feedforward_layernorm_2, post_feedforward_layernorm, the layer scalar.
 Tensor after_attention(const Tensor& x_in, const Tensor& attended, at::TensorList w, int64_t top_k, double root_size,
                        double eps, int64_t code) {
-  const BelowAutograd below;
   TORCH_CHECK(w.size() == 16, "printpress_layers.after_attention: 16 weights, not ", w.size());
   const auto dtype = x_in.scalar_type();
   Tensor x = add_norm(x_in, product(attended, w[0]), w[1], eps);
@@ -1512,7 +1508,6 @@ Tensor layer(const Tensor& x, at::TensorList attention_w, at::TensorList after_w
              const Tensor& values, const std::optional<Tensor>& mask, bool in_place, int64_t start, int64_t wrap,
              int64_t keep, int64_t write_at, const std::optional<Tensor>& slots, bool gqa, double scale,
              int64_t top_k, double root_size, int64_t code) {
-  const BelowAutograd below;
   auto [q, k, v] = attention_inputs(x, attention_w, batch, length, head_dim, eps, cos, signed_sin);
   Tensor attended = attend(q, k, v, keys, values, mask, in_place, start, wrap, keep, write_at, slots, gqa, scale);
   return after_attention(x, attended, after_w, top_k, root_size, eps, code);
@@ -1521,7 +1516,6 @@ Tensor layer(const Tensor& x, at::TensorList attention_w, at::TensorList after_w
 // SelfConditioning.forward with a previous step's signal `soft`: post_norm(embeds + MLP(pre_norm(soft))), the MLP's
 // weights and the pre-norm's in `w` (pre_norm, gate, up, down); the post-norm has no weight.
 Tensor self_conditioning(const Tensor& embeds, const Tensor& soft, at::TensorList w, double eps, int64_t code) {
-  const BelowAutograd below;
   TORCH_CHECK(w.size() == 4, "printpress_layers.self_conditioning: 4 weights, not ", w.size());
   return norm(embeds + gated_mlp(norm(soft, w[0], eps), w[1], w[2], w[3], code), Tensor(), eps);
 }
@@ -1534,7 +1528,6 @@ Tensor self_conditioning(const Tensor& embeds, const Tensor& soft, at::TensorLis
 // and a copy per tensor from Python.
 void write_rows(at::TensorList targets, at::TensorList sources, at::IntArrayRef starts, at::IntArrayRef offsets,
                 at::IntArrayRef counts) {
-  const BelowAutograd below;
   const auto n = targets.size();
   TORCH_CHECK(sources.size() == n && starts.size() == n && offsets.size() == n && counts.size() == n,
               "printpress_layers::write_rows takes as many sources, starts, offsets and counts as targets");
@@ -1682,7 +1675,6 @@ std::tuple<int64_t, int64_t> rows_kernel_checks() {
 }
 
 Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& weight, double eps) {
-  const BelowAutograd below;
   return norm(x, weight.value_or(Tensor()), eps);
 }
 
@@ -1737,13 +1729,13 @@ std::tuple<bool, bool> warm_enabled() { return {warm_few.load(), warm_many.load(
 
 TORCH_LIBRARY(printpress_layers, m) {
   m.def("write_rows(Tensor(a!)[] targets, Tensor[] sources, int[] starts, int[] offsets, int[] counts) -> ()",
-        &write_rows);
+        &Below<&write_rows>::op);
   m.def("choose_warm(Tensor[] weights, int rounds) -> float[]", &choose_warm);
   m.def("set_warm(bool few, bool many) -> ()", &set_warm);
   m.def("warm_enabled() -> (bool, bool)", &warm_enabled);
-  m.def("head(Tensor x, Tensor weight, float cap=0.0) -> Tensor", &capped_head);
+  m.def("head(Tensor x, Tensor weight, float cap=0.0) -> Tensor", &Below<&capped_head>::op);
   m.def("head_checks() -> (int, int)", &head_checks);
-  m.def("product(Tensor x, Tensor weight_t) -> Tensor", &product);
+  m.def("product(Tensor x, Tensor weight_t) -> Tensor", &Below<&product>::op);
   m.def("rows_product(Tensor x, Tensor weight_t) -> Tensor", &rows_product);
   m.def("rows_kernel_product(Tensor x, Tensor weight) -> Tensor", &rows_kernel_product);
   m.def("rows_kernel_checks() -> (int, int)", &rows_kernel_checks);
@@ -1758,20 +1750,20 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("fused_slot_sums() -> bool", &fused_slot_sums);
   m.def("gated(Tensor gate, Tensor up, int act) -> Tensor", &gated);
   m.def("gated_fused(Tensor gate, Tensor up, int act) -> bool", &gated_fused);
-  m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor", &Below<&rms_norm>::op);
   m.def("causal_mask(Tensor? keys, int length, int t, int window, int batch, ScalarType dtype) -> Tensor",
         &causal_mask);
   m.def("attention_inputs(Tensor x, Tensor[] w, int batch, int length, int head_dim, float eps, Tensor cos, "
         "Tensor signed_sin) -> (Tensor, Tensor, Tensor)",
-        &attention_inputs);
+        &Below<&attention_inputs>::op);
   m.def("layer(Tensor x, Tensor[] attention_w, Tensor[] after_w, int batch, int length, int head_dim, float eps, "
         "Tensor cos, Tensor signed_sin, Tensor(a!) keys, Tensor(b!) values, Tensor? mask, bool in_place, int start, "
         "int wrap, int keep, int write_at, Tensor? slots, bool gqa, float scale, int top_k, float root_size, "
         "int act) -> Tensor",
-        &layer);
+        &Below<&layer>::op);
   m.def("self_conditioning(Tensor embeds, Tensor soft, Tensor[] w, float eps, int act) -> Tensor",
-        &self_conditioning);
+        &Below<&self_conditioning>::op);
   m.def("after_attention(Tensor x, Tensor attended, Tensor[] w, int top_k, float root_size, float eps, int act) "
         "-> Tensor",
-        &after_attention);
+        &Below<&after_attention>::op);
 }
