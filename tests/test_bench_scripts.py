@@ -162,3 +162,23 @@ def test_speculative_interleaved_compares_tables_and_caps_round_by_round(tmp_pat
     refused = subprocess.run([sys.executable, script, "--table", "nameless", "--out", str(out)], capture_output=True,
                              text=True, timeout=120, cwd=ROOT, check=False)
     assert refused.returncode == 2 and "--table: NAME=PATH, got 'nameless'" in refused.stderr
+
+
+def test_op_counts_counts_each_pass_kinds_operators_per_pass(tmp_path):
+    """bench/op_counts.py on the tiny size (two layers): an AR step calls the C++ layer once per layer and the head
+    once, a canvas pass the layer once per layer too, each with its ATen calls counted per pass; a pass kind that is
+    neither `ar` nor `canvas:C` is refused by name."""
+    script = str(ROOT / "bench" / "op_counts.py")
+    out = tmp_path / "ops.json"
+    common = [sys.executable, script, "--models", "tiny", "--passes", "2"]
+    done = subprocess.run([*common, "--work", "ar", "canvas:4", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ar, canvas = json.loads(out.read_text())["results"]
+    assert (ar["work"], canvas["work"]) == ("ar", "canvas:4")
+    assert ar["ops"]["printpress_layers::layer"]["calls"] == canvas["ops"]["printpress_layers::layer"]["calls"] == 2
+    assert ar["ops"]["printpress_layers::head"]["calls"] == 1
+    assert ar["aten_calls"] > 0 and ar["wall_ms"] > 0
+    refused = subprocess.run([*common, "--work", "canvas:0", "--out", str(out)], capture_output=True, text=True,
+                             timeout=120, check=False)
+    assert refused.returncode != 0 and "'canvas:0' is neither 'ar' nor 'canvas:C'" in refused.stderr
