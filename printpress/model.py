@@ -489,6 +489,16 @@ def native_layer(plan: NativePlan, x: torch.Tensor, shape: tuple[int, int], rope
         join.write_at, join.slots, plan.gqa, plan.scale, plan.top_k, plan.root_size, plan.act)
 
 
+def layer_stack(plans: list[NativePlan], specs: list[LayerSpec]) -> torch.ScriptObject:
+    """The layers' plans handed to printpress_layers once, for `printpress_layers.layers` to run them all in one call
+    (layers.cpp, "a model's layers in one call")."""
+    stack = torch.classes.printpress_layers.LayerStack()
+    for plan, spec in zip(plans, specs):
+        stack.add(plan.attention, plan.after_decoder, plan.after_encoder, plan.head_dim, plan.eps, plan.gqa, plan.scale,
+                  plan.top_k, plan.root_size, plan.act, spec.sliding)
+    return stack
+
+
 def _native_now() -> bool:
     """Whether the C++ operators may stand in for the Python methods now: on, gradients off, not compiling."""
     return NATIVE_LAYERS and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
@@ -662,7 +672,8 @@ class DiffusionGemma(nn.Module):
         self._rope_blocks: OrderedDict[tuple, dict] = OrderedDict()
         self._rope_head_dims: tuple[int, ...] | None = None
         self._embed_scale_memo: torch.Tensor | None = None
-        self._plans_memo: tuple[int, list[NativePlan]] | None = None  # (generation, plans): `_layer_plans`
+        # (generation, plans, their LayerStack): `_layer_plans`
+        self._plans_memo: tuple[int, list[NativePlan], torch.ScriptObject] | None = None
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
         # ... and blocks of several unpadded tokens (verifications, prompts), with it (`CompiledEncoderBlock`).
@@ -836,9 +847,12 @@ class DiffusionGemma(nn.Module):
         b, t, h = x.shape
         x = x.reshape(b * t, h)
         plans = self._layer_plans() if isinstance(kv, list) and isinstance(encoder, bool) else None
-        if plans is not None:  # each layer's C++ call straight from here, without nn.Module's call around it
-            for plan, spec, join in zip(plans, self.specs, kv):
-                x = native_layer(plan, x, (b, t), ropes[spec.sliding], masks[spec.sliding], join, encoder)
+        if plans is not None:  # every layer in one C++ call, without nn.Module's call around each
+            sliding, full = ropes.get(True, (None, None)), ropes.get(False, (None, None))
+            x = torch.ops.printpress_layers.layers(
+                x, self._plans_memo[2], encoder, b, t, *sliding, *full, masks.sliding, masks.full,
+                [j.keys for j in kv], [j.values for j in kv], [j.in_place for j in kv], [j.start for j in kv],
+                [j.wrap for j in kv], [j.keep for j in kv], [j.write_at for j in kv], [j.slots for j in kv])
         else:
             for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
                 if kv is None:
@@ -867,7 +881,7 @@ class DiffusionGemma(nn.Module):
             plans = [layer._plan() if type(layer) is Layer else None for layer in self.layers]
             if any(plan is None for plan in plans):
                 return None
-            self._plans_memo = (_generation, plans)
+            self._plans_memo = (_generation, plans, layer_stack(plans, self.specs))
         if _has_global_hooks() or any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers):
             return None
         return plans

@@ -77,18 +77,48 @@ def passes(model: DiffusionGemma) -> list[torch.Tensor]:
 
 
 def both_sides(model: DiffusionGemma, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ops = torch.ops.printpress_layers
+    layer_op, layers_op = ops.layer, ops.layers
+    one_call = []  # the native side runs a pass's layers in one call (`layers`, with the plans' LayerStack)
+    monkeypatch.setattr(ops, "layers", lambda *args: one_call.append(args) or layers_op(*args))
     native_out = passes(model)
     assert all(isinstance(layer._native, NativePlan) for layer in model.layers)  # the C++ layers ran
     assert isinstance(model.self_conditioning._native, SelfConditioningPlan)  # and the self-conditioning
+    assert len(one_call) >= 8  # every pass of `passes`
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", False)
-    calls = []  # the Python side must not reach the C++ layer (a plan kept from the native side would)
-    layer_op = torch.ops.printpress_layers.layer
-    monkeypatch.setattr(torch.ops.printpress_layers, "layer", lambda *args: calls.append(args) or layer_op(*args))
+    calls = []  # the Python side must not reach the C++ layers (a plan kept from the native side would)
+    monkeypatch.setattr(ops, "layer", lambda *args: calls.append(args) or layer_op(*args))
+    monkeypatch.setattr(ops, "layers", lambda *args: calls.append(args) or layers_op(*args))
     python_out = passes(model)
-    monkeypatch.setattr(torch.ops.printpress_layers, "layer", layer_op)
+    monkeypatch.setattr(ops, "layer", layer_op)
+    monkeypatch.setattr(ops, "layers", layers_op)
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
     assert not calls
     return native_out, python_out
+
+
+def test_a_layer_stack_refuses_a_layer_or_a_pass_it_cannot_run():
+    """LayerStack.add takes a layer's weights as `layer` does; `layers` takes one cache and join per layer: the errors
+    name what is wrong."""
+    model = tiny_model("gqa")
+    with torch.no_grad():
+        plans = model._layer_plans()
+    stack = torch.classes.printpress_layers.LayerStack()
+    plan = plans[0]
+    with pytest.raises(RuntimeError, match="5 or 6 attention weights and 16 after attention per mode, not 6, 15 and 16"):
+        stack.add(plan.attention, plan.after_decoder[:-1], plan.after_encoder, plan.head_dim, plan.eps, plan.gqa,
+                  plan.scale, plan.top_k, plan.root_size, plan.act, True)
+    stack = model_module.layer_stack(plans, model.specs)
+    assert stack.size() == len(model.layers)
+    cache = model.new_cache(1, 8)
+    joins = [cache.encoder_join(i, 1) for i in range(len(model.layers))][:-1]  # one short
+    x, rope = torch.randn(1, model.config.hidden_size), model.rope(torch.arange(1))
+    with pytest.raises(RuntimeError, match=f"one cache and join per layer \\({len(model.layers)}\\)"):
+        torch.ops.printpress_layers.layers(x, stack, True, 1, 1, *rope[True], *rope[False], None, None,
+                                           [j.keys for j in joins], [j.values for j in joins],
+                                           [j.in_place for j in joins], [j.start for j in joins],
+                                           [j.wrap for j in joins], [j.keep for j in joins],
+                                           [j.write_at for j in joins], [j.slots for j in joins])
 
 
 def assert_bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
