@@ -394,7 +394,7 @@ def settle_warm_weights(model: DiffusionGemma) -> None:
 def _cpp_layers_for(x: torch.Tensor) -> bool:
     """Whether printpress_layers' operators may take `x` now: on, loaded, a CPU tensor, gradients off, not
     compiling (the model's head and final norm ask this; the layers' plans ask it in `Planned._plan`)."""
-    return (NATIVE_LAYERS and native.loaded("layers.cpp") and x.device.type == "cpu" and not torch.is_grad_enabled()
+    return (NATIVE_LAYERS and native.loaded("layers.cpp") and x.is_cpu and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling())
 
 
@@ -487,6 +487,19 @@ def native_layer(plan: NativePlan, x: torch.Tensor, shape: tuple[int, int], rope
         x, plan.attention, plan.after_encoder if encoder else plan.after_decoder, shape[0], shape[1], plan.head_dim,
         plan.eps, rope[0], rope[1], join.keys, join.values, mask, join.in_place, join.start, join.wrap, join.keep,
         join.write_at, join.slots, plan.gqa, plan.scale, plan.top_k, plan.root_size, plan.act)
+
+
+class ProcessOnly:
+    """A value a model keeps for this process only, such as a LayerStack (a C++ object that cannot be copied): a copy
+    of the model (copy.deepcopy, pickle) holds None in its place and makes its own."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value=None) -> None:
+        self.value = value
+
+    def __reduce__(self):
+        return ProcessOnly, ()
 
 
 def layer_stack(plans: list[NativePlan], specs: list[LayerSpec]) -> torch.ScriptObject:
@@ -670,10 +683,11 @@ class DiffusionGemma(nn.Module):
         self._rope_memo: tuple | None = None  # (key, positions, tables) of the last canvas (`_canvas_rope`)
         # RoPE tables of the blocks of ROPE_BLOCK positions used last, newest last (`_block_rope`).
         self._rope_blocks: OrderedDict[tuple, dict] = OrderedDict()
+        self._rope_rows: OrderedDict[tuple, dict] = OrderedDict()  # one position's views of them (`_block_rope`)
         self._rope_head_dims: tuple[int, ...] | None = None
         self._embed_scale_memo: torch.Tensor | None = None
         # (generation, plans, their LayerStack): `_layer_plans`
-        self._plans_memo: tuple[int, list[NativePlan], torch.ScriptObject] | None = None
+        self._plans_memo = ProcessOnly()  # of a tuple (generation, plans, their LayerStack)
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
         # ... and blocks of several unpadded tokens (verifications, prompts), with it (`CompiledEncoderBlock`).
@@ -713,15 +727,25 @@ class DiffusionGemma(nn.Module):
     # -- shared pieces ------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.embedding_weight().dtype
+
+    def embedding_weight(self) -> torch.Tensor:
+        """`self.embed_tokens.weight`, found without nn.Module's attribute fallback: on Python 3.11 each lookup that
+        reaches `Module.__getattr__` first builds the AttributeError of the plain lookup (~2 us), and a pass made
+        several of these."""
+        module = self._modules["embed_tokens"]
+        if torch.compiler.is_compiling():
+            return module.weight
+        weight = module._parameters.get("weight") if type(module) is nn.Embedding else None
+        return weight if weight is not None else module.weight
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
-        return KVCache(self.config, batch_size, max_length, dtype=self.dtype, device=self.embed_tokens.weight.device)
+        return KVCache(self.config, batch_size, max_length, dtype=self.dtype, device=self.embedding_weight().device)
 
     def embed_scale(self) -> torch.Tensor:
         """The embeddings' scale, rounded to the weight dtype first as the reference rounds it (it matters in bf16);
         kept while the weights' dtype and device stay."""
-        weight = self.embed_tokens.weight
+        weight = self.embedding_weight()
         if torch.compiler.is_compiling():
             return torch.tensor(self.config.embed_scale, dtype=torch.float32, device=weight.device).to(weight.dtype)
         memo = self._embed_scale_memo
@@ -731,7 +755,11 @@ class DiffusionGemma(nn.Module):
         return memo
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_tokens.weight, padding_idx=self.config.pad_token_id) * self.embed_scale()
+        # F.embedding's own operator, without its Python checks (~30 us a call here): padding_idx as F.embedding
+        # passes it (it only keeps that row's gradient at zero)
+        weight, pad = self.embedding_weight(), self.config.pad_token_id
+        padding_idx = -1 if pad is None else pad if pad >= 0 else weight.shape[0] + pad
+        return torch.embedding(weight, ids, padding_idx) * self.embed_scale()
 
     def embed_canvas(
         self,
@@ -769,7 +797,7 @@ class DiffusionGemma(nn.Module):
             # F.linear's mm, its weight read ahead in blocks where that pays (layers.cpp, `head`), and for float32
             # the softcap's operators in the same call: the same bits.
             in_call = cap if cap and hidden.dtype == torch.float32 else 0.0
-            rows = torch.ops.printpress_layers.head(hidden.view(-1, hidden.shape[-1]), self.embed_tokens.weight,
+            rows = torch.ops.printpress_layers.head(hidden.view(-1, hidden.shape[-1]), self.embedding_weight(),
                                                     in_call)
             logits = rows.view(*hidden.shape[:-1], -1)
             if in_call:
@@ -796,9 +824,15 @@ class DiffusionGemma(nn.Module):
                     device: torch.device) -> dict[bool, tuple[torch.Tensor, torch.Tensor]] | None:
         """`self.rope` of positions start..start + t - 1 (the same for every row) as views into the tables of the block
         of ROPE_BLOCK positions they lie in, kept for the last ROPE_BLOCKS_KEPT blocks: an AR step reads its row
-        rather than computing it (~70 us of small kernels on the shipped model). None where the positions span two
+        rather than computing it (~70 us of small kernels on the shipped model), and a position's views are kept too
+        (as many as the blocks' positions), so a step makes none (~20 us of indexing). None where the positions span two
         blocks, inside compiled graphs, or where a table's rows are not the positions' own computation on this
         machine (`_rope_rows_hold`)."""
+        if t == 1 and not torch.compiler.is_compiling():  # an AR step: its position's views, once made
+            row_key = (start, self.dtype, device)
+            row = self._rope_rows.get(row_key)
+            if row is not None:
+                return row
         block = start // ROPE_BLOCK
         if (start + t - 1) // ROPE_BLOCK != block or torch.compiler.is_compiling() or not self._rope_rows_hold(device):
             return None
@@ -812,7 +846,12 @@ class DiffusionGemma(nn.Module):
         else:
             self._rope_blocks.move_to_end(key)
         first = start - block * ROPE_BLOCK
-        return {kind: (cos[:, first : first + t], sin[:, first : first + t]) for kind, (cos, sin) in tables.items()}
+        views = {kind: (cos[:, first : first + t], sin[:, first : first + t]) for kind, (cos, sin) in tables.items()}
+        if t == 1:
+            self._rope_rows[row_key] = views
+            while len(self._rope_rows) > ROPE_BLOCK * ROPE_BLOCKS_KEPT:
+                self._rope_rows.popitem(last=False)
+        return views
 
     def _rope_rows_hold(self, device: torch.device) -> bool:
         """Whether the rows of a table of many positions are, bit for bit, the tables of each position alone (cos
@@ -850,7 +889,7 @@ class DiffusionGemma(nn.Module):
         if plans is not None:  # every layer in one C++ call, without nn.Module's call around each
             sliding, full = ropes.get(True, (None, None)), ropes.get(False, (None, None))
             x = torch.ops.printpress_layers.layers(
-                x, self._plans_memo[2], encoder, b, t, *sliding, *full, masks.sliding, masks.full,
+                x, self._plans_memo.value[2], encoder, b, t, *sliding, *full, masks.sliding, masks.full,
                 [j.keys for j in kv], [j.values for j in kv], [j.in_place for j in kv], [j.start for j in kv],
                 [j.wrap for j in kv], [j.keep for j in kv], [j.write_at for j in kv], [j.slots for j in kv])
         else:
@@ -874,14 +913,14 @@ class DiffusionGemma(nn.Module):
         a module)."""
         if not _native_now():
             return None
-        memo = self._plans_memo
+        memo = self._plans_memo.value
         if memo is not None and memo[0] == _generation:
             plans = memo[1]
         else:
             plans = [layer._plan() if type(layer) is Layer else None for layer in self.layers]
             if any(plan is None for plan in plans):
                 return None
-            self._plans_memo = (_generation, plans, layer_stack(plans, self.specs))
+            self._plans_memo.value = (_generation, plans, layer_stack(plans, self.specs))
         if _has_global_hooks() or any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers):
             return None
         return plans

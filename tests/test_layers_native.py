@@ -548,3 +548,18 @@ def test_only_a_model_marked_for_inference_reads_half_width_copies(tmp_path, mon
         cache = loaded.new_cache(1, 8)
         loaded.encode(torch.tensor([[3, 4, 5]]), cache, logits="none")
     assert ops.half_width_copies()[0] > before[0]
+
+
+def test_a_copied_model_makes_its_own_layer_stack_and_computes_the_same():
+    """A model's LayerStack (a C++ object) stays with its process and model: copy.deepcopy and pickle give a model
+    without it, which makes its own on its first pass and computes the original's bits."""
+    import copy
+    import pickle
+
+    model = tiny_model("gqa")
+    first = passes(model)
+    stack = model._plans_memo.value[2]
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert twin._plans_memo.value is None
+        assert_bit_equal(passes(twin), first)
+        assert twin._plans_memo.value[2] is not stack
