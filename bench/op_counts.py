@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import benchmark_model, shipped_model  # noqa: E402  (the same models the roofline times)
 
-from engine_speed import SIZES  # noqa: E402
+from engine_speed import SIZES, median_ms  # noqa: E402  (the benchmarks' own timer)
 
 PREFIX = 64  # tokens in the cache before each pass
 REFILL = 32  # AR steps between fresh caches
@@ -79,16 +77,6 @@ def count_ops(run: Callable[[], None], passes: int) -> dict:
     return dict(sorted(ops.items(), key=lambda item: -item[1]["self_us"]))
 
 
-def wall_ms(run: Callable[[], None], passes: int) -> float:
-    """The median wall time of a pass, without the profiler."""
-    seconds = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(seconds)
-
-
 def work_name(text: str) -> str:
     if text != "ar" and not (text.startswith("canvas:") and text[7:].isdigit() and int(text[7:]) > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is neither 'ar' nor 'canvas:C' with C a positive length")
@@ -115,7 +103,7 @@ def main() -> None:
         for work in args.work:
             run = workload(model, work)
             ops = count_ops(run, args.passes)
-            wall = wall_ms(run, args.passes)
+            wall = median_ms(run, args.passes)  # without the profiler
             aten = {op: v for op, v in ops.items() if op.startswith("aten::")}
             entry = {"model": name, "work": work, "wall_ms": wall, "ops": ops,
                      "aten_calls": sum(v["calls"] for v in aten.values()),
