@@ -686,8 +686,7 @@ class DiffusionGemma(nn.Module):
         self._rope_rows: OrderedDict[tuple, dict] = OrderedDict()  # one position's views of them (`_block_rope`)
         self._rope_head_dims: tuple[int, ...] | None = None
         self._embed_scale_memo: torch.Tensor | None = None
-        # (generation, plans, their LayerStack): `_layer_plans`
-        self._plans_memo = ProcessOnly()  # of a tuple (generation, plans, their LayerStack)
+        self._plans_memo = ProcessOnly()  # holds (generation, plans, their LayerStack): `_layer_plans`
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
         # ... and blocks of several unpadded tokens (verifications, prompts), with it (`CompiledEncoderBlock`).
@@ -825,8 +824,8 @@ class DiffusionGemma(nn.Module):
         """`self.rope` of positions start..start + t - 1 (the same for every row) as views into the tables of the block
         of ROPE_BLOCK positions they lie in, kept for the last ROPE_BLOCKS_KEPT blocks: an AR step reads its row
         rather than computing it (~70 us of small kernels on the shipped model), and a position's views are kept too
-        (as many as the blocks' positions), so a step makes none (~20 us of indexing). None where the positions span two
-        blocks, inside compiled graphs, or where a table's rows are not the positions' own computation on this
+        (as many as the blocks' positions), so a step makes none (~20 us of indexing). None where the positions span
+        two blocks, inside compiled graphs, or where a table's rows are not the positions' own computation on this
         machine (`_rope_rows_hold`)."""
         if t == 1 and not torch.compiler.is_compiling():  # an AR step: its position's views, once made
             row_key = (start, self.dtype, device)
@@ -888,7 +887,10 @@ class DiffusionGemma(nn.Module):
         plans = self._layer_plans() if isinstance(kv, list) and isinstance(encoder, bool) else None
         if plans is not None:  # every layer in one C++ call, without nn.Module's call around each
             sliding, full = ropes.get(True, (None, None)), ropes.get(False, (None, None))
-            x = torch.ops.printpress_layers.layers(
+            # the operator's own callable: the packet's call first looks through every argument for a traced
+            # stand-in of the LayerStack (~50 us here), which only a compiler's tracing makes, never this path
+            packet = torch.ops.printpress_layers.layers
+            x = getattr(packet, "_op", packet)(
                 x, self._plans_memo.value[2], encoder, b, t, *sliding, *full, masks.sliding, masks.full,
                 [j.keys for j in kv], [j.values for j in kv], [j.in_place for j in kv], [j.start for j in kv],
                 [j.wrap for j in kv], [j.keep for j in kv], [j.write_at for j in kv], [j.slots for j in kv])
