@@ -33,7 +33,8 @@ browser:
 	else echo "note: chromium is not installed; the browser tests will be skipped"; fi
 
 # The suite over the machine's cores (pytest-xdist; at most TEST_WORKERS): each test runs on one thread
-# (tests/conftest.py), so two workers on a 2-core machine take ~12 instead of ~19 minutes. TEST_WORKERS=0: one process.
+# (tests/conftest.py), so two workers on a 2-core machine take 12-14 instead of ~19 minutes.
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 4
 test: setup browser
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS))

@@ -1,8 +1,8 @@
 """The operators a pass calls, by name: how many per pass and their self time, next to the pass's own wall time.
 
-Where an exact pass's time goes once its products run near the machine's limit (docs/benchmarks.md §6, "Where the
-rest of a pass goes"): the products are a few C++ kernels, everything else is many small ATen operators (views,
-allocations, copies), each paying dispatch and bookkeeping. This runs one kind of pass over and over under
+Where an exact pass's time goes once its products run near the machine's limit (docs/benchmarks.md §6, "The layers
+of a pass in one call, less Python around it"): the products are a few C++ kernels, everything else is many small
+ATen operators (views, allocations, copies), each paying dispatch and bookkeeping. This runs one kind of pass over and over under
 `torch.profiler` and divides its counts by the passes, then times the same passes without the profiler:
 
 - `ar`: one AR step, `encode` of 1 token after a 64-token prefix (`logits="last"`), the cache made again every 32

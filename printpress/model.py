@@ -686,7 +686,7 @@ class DiffusionGemma(nn.Module):
         self._rope_rows: OrderedDict[tuple, dict] = OrderedDict()  # one position's views of them (`_block_rope`)
         self._rope_head_dims: tuple[int, ...] | None = None
         self._embed_scale_memo: torch.Tensor | None = None
-        self._plans_memo = ProcessOnly()  # holds (generation, plans, their LayerStack): `_layer_plans`
+        self._stack_memo = ProcessOnly()  # holds (generation, the layers' LayerStack): `_layer_stack`
         # Opt-in, not bit-exact: AR steps through one compiled graph (`printpress.fast.compile_ar_step`).
         self.compiled_ar_step: CompiledARStep | None = None
         # ... and blocks of several unpadded tokens (verifications, prompts), with it (`CompiledEncoderBlock`).
@@ -884,14 +884,14 @@ class DiffusionGemma(nn.Module):
             ropes = self.rope(positions)
         b, t, h = x.shape
         x = x.reshape(b * t, h)
-        plans = self._layer_plans() if isinstance(kv, list) and isinstance(encoder, bool) else None
-        if plans is not None:  # every layer in one C++ call, without nn.Module's call around each
+        stack = self._layer_stack() if isinstance(kv, list) and isinstance(encoder, bool) else None
+        if stack is not None:  # every layer in one C++ call, without nn.Module's call around each
             sliding, full = ropes.get(True, (None, None)), ropes.get(False, (None, None))
             # the operator's own callable: the packet's call first looks through every argument for a traced
             # stand-in of the LayerStack (~50 us here), which only a compiler's tracing makes, never this path
             packet = torch.ops.printpress_layers.layers
             x = getattr(packet, "_op", packet)(
-                x, self._plans_memo.value[2], encoder, b, t, *sliding, *full, masks.sliding, masks.full,
+                x, stack, encoder, b, t, *sliding, *full, masks.sliding, masks.full,
                 [j.keys for j in kv], [j.values for j in kv], [j.in_place for j in kv], [j.start for j in kv],
                 [j.wrap for j in kv], [j.keep for j in kv], [j.write_at for j in kv], [j.slots for j in kv])
         else:
@@ -909,23 +909,24 @@ class DiffusionGemma(nn.Module):
             return torch.ops.printpress_layers.rms_norm(x, self.norm.weight, self.norm.eps).view(b, t, h)
         return self.norm(x).view(b, t, h)
 
-    def _layer_plans(self) -> list[NativePlan] | None:
-        """Every layer's plan, where each layer is a stock `Layer` that its C++ call stands in for now (its plan made
-        in this generation: `Planned._plan`) and no hook would see its call; else None (each layer is then called as
-        a module)."""
+    def _layer_stack(self) -> torch.ScriptObject | None:
+        """Every layer's plan as one LayerStack (`layer_stack`), where each layer is a stock `Layer` that its C++ call
+        stands in for now (its plan made in this generation: `Planned._plan`) and no hook would see its call; else
+        None (each layer is then called as a module)."""
         if not _native_now():
             return None
-        memo = self._plans_memo.value
+        memo = self._stack_memo.value
         if memo is not None and memo[0] == _generation:
-            plans = memo[1]
+            stack = memo[1]
         else:
             plans = [layer._plan() if type(layer) is Layer else None for layer in self.layers]
             if any(plan is None for plan in plans):
                 return None
-            self._plans_memo.value = (_generation, plans, layer_stack(plans, self.specs))
+            stack = layer_stack(plans, self.specs)
+            self._stack_memo.value = (_generation, stack)
         if _has_global_hooks() or any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers):
             return None
-        return plans
+        return stack
 
     # -- encoder --------------------------------------------------------------------------------------------
     def encode(

@@ -102,7 +102,7 @@ def test_a_layer_stack_refuses_a_layer_or_a_pass_it_cannot_run():
     name what is wrong."""
     model = tiny_model("gqa")
     with torch.no_grad():
-        plans = model._layer_plans()
+        plans = [layer._plan() for layer in model.layers]
     stack = torch.classes.printpress_layers.LayerStack()
     plan = plans[0]
     with pytest.raises(RuntimeError, match="16 after attention per mode, not 6, 15 and 16"):
@@ -558,8 +558,8 @@ def test_a_copied_model_makes_its_own_layer_stack_and_computes_the_same():
 
     model = tiny_model("gqa")
     first = passes(model)
-    stack = model._plans_memo.value[2]
+    stack = model._stack_memo.value[1]
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert twin._plans_memo.value is None
+        assert twin._stack_memo.value is None
         assert_bit_equal(passes(twin), first)
-        assert twin._plans_memo.value[2] is not stack
+        assert twin._stack_memo.value[1] is not stack

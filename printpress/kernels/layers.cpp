@@ -1517,7 +1517,7 @@ Tensor layer(const Tensor& x, at::TensorList attention_w, at::TensorList after_w
 //
 // `layer` from Python takes each layer's ~22 weights and ~17 numbers on every call, which the binding converts one by
 // one: about 20 us a call on an AMD Zen 3 (one call for all six: the shipped model's AR step 1.07x). A LayerStack
-// holds every layer's weights and sizes, handed over once per plan (model.py, `DiffusionGemma._layer_plans`), and
+// holds every layer's weights and sizes, handed over once per plan (model.py, `DiffusionGemma._layer_stack`), and
 // `layers` runs them all in one call from what changes between passes: the same `layer` calls, so the same bits.
 struct LayerStack : torch::CustomClassHolder {
   struct Entry {
