@@ -6,8 +6,10 @@ operators), and two runs of a bench a minute apart on a shared machine can diffe
 AMD EPYC of session 35: the same code's AR step 2.2-3.7 ms from one run to the next). Here both sides wait loaded and
 warmed up, and each round runs one side's calls and then the other's (the order alternating), so a spell of load
 hits both; the report gives each side's median and best, and the median of the per-round ratios, which is the figure
-to quote. Each worker also reports a digest of its logits (an AR step and a decoder pass on fixed inputs), so the
-report says whether the two checkouts compute the same bits.
+to quote; and the same median of the ratios of each round's quietest calls (each side's least time a call in the
+round), steadier where a neighbour's bursts lengthen some calls of most rounds (a change of a few percent). Each
+worker also reports a digest of its logits (an AR step and a decoder pass on fixed inputs), so the report says
+whether the two checkouts compute the same bits.
 
 A round: `--steps` consecutive AR steps (`model.encode` of 1 token, `logits="last"`) after a 64-token prefix, then
 decoder passes (`model.denoise`, self-conditioned) over each `--canvases` length after the same prefix, then (with
@@ -43,7 +45,7 @@ CONTEXT = 64
 
 def worker(model_path: str, steps: int, canvases: list[int], passes: int, verify: int = 0) -> None:
     """Loads the model from this process's checkout, prints a ready line with the logits' digest, then times one round
-    per line read from stdin and prints its milliseconds per call as JSON."""
+    per line read from stdin and prints, per work, its mean and least milliseconds a call as JSON."""
     import torch
 
     import printpress
@@ -62,29 +64,34 @@ def worker(model_path: str, steps: int, canvases: list[int], passes: int, verify
         probs = torch.softmax(model.denoise(ids, prefix) / 0.8, dim=-1, dtype=torch.float32)
         decoder[c] = (ids, probs)
 
-    def ar_steps() -> tuple[float, torch.Tensor]:
-        cache = copy.deepcopy(prefix)
-        start = time.perf_counter()
-        for _ in range(steps):
-            logits = model.encode(token, cache, logits="last")
-        return (time.perf_counter() - start) / steps * 1e3, logits
+    def timed(call, times: int) -> tuple[list[float], torch.Tensor]:
+        """`call()` `times` times in a row: the mean and the least milliseconds a call, and the last call's logits."""
+        took = []
+        for _ in range(times):
+            start = time.perf_counter()
+            logits = call()
+            took.append(time.perf_counter() - start)
+        return [sum(took) / times * 1e3, min(took) * 1e3], logits
 
-    def decoder_passes(c: int) -> tuple[float, torch.Tensor]:
+    def ar_steps() -> tuple[list[float], torch.Tensor]:
+        cache = copy.deepcopy(prefix)
+        return timed(lambda: model.encode(token, cache, logits="last"), steps)
+
+    def decoder_passes(c: int) -> tuple[list[float], torch.Tensor]:
         ids, probs = decoder[c]
-        start = time.perf_counter()
-        for _ in range(passes):
-            logits = model.denoise(ids, prefix, self_conditioning_probs=probs)
-        return (time.perf_counter() - start) / passes * 1e3, logits
+        return timed(lambda: model.denoise(ids, prefix, self_conditioning_probs=probs), passes)
 
     block = torch.randint(3, vocab, (1, verify), generator=gen)
 
-    def verifications() -> tuple[float, torch.Tensor]:
+    def verifications() -> tuple[list[float], torch.Tensor]:
         cache = copy.deepcopy(prefix)
-        start = time.perf_counter()
-        for _ in range(passes):
+
+        def verification() -> torch.Tensor:
             logits, keep = model.encode_tentatively(block, cache)
             keep(kept)
-        return (time.perf_counter() - start) / passes * 1e3, logits
+            return logits
+
+        return timed(verification, passes)
 
     digest = hashlib.sha256()
     runs = [ar_steps()] + [decoder_passes(c) for c in canvases] + ([verifications()] if verify else [])
@@ -160,12 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     report["machine"] = {"cpu": cpu_name(), "load_average": os.getloadavg()}
     print(f"{args.rounds} alternating rounds; logits {'identical' if report['same_bits'] else 'DIFFERENT'} "
           "between the checkouts")
-    print("| work | before, median / best (ms) | after, median / best (ms) | before / after, median of the rounds |")
-    print("|---|---|---|---|")
+    print("| work | before, median / best (ms) | after, median / best (ms) | before / after, median of the rounds | "
+          "the same of each round's quietest calls |")
+    print("|---|---|---|---|---|")
     for work, figures in report["work"].items():
         before, after = figures["before_ms"], figures["after_ms"]
         print(f"| {work} | {statistics.median(before):.2f} / {min(before):.2f} | "
-              f"{statistics.median(after):.2f} / {min(after):.2f} | **{figures['ratio_median']:.2f}x** |")
+              f"{statistics.median(after):.2f} / {min(after):.2f} | **{figures['ratio_median']:.2f}x** | "
+              f"{figures['quietest_ratio_median']:.2f}x |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
@@ -212,10 +221,15 @@ def compare(args: argparse.Namespace, sides: dict[str, Path]) -> dict:
               "rounds": args.rounds, "steps": args.steps, "passes": args.passes, "ready": ready,
               "same_bits": ready["before"]["digest"] == ready["after"]["digest"], "work": {}}
     for work in seconds["before"][0]:
-        before = [r[work] for r in seconds["before"]]
-        after = [r[work] for r in seconds["after"]]
-        ratio = statistics.median(b / a for b, a in zip(before, after))
-        report["work"][work] = {"before_ms": before, "after_ms": after, "ratio_median": ratio}
+        (before, before_least), (after, after_least) = (
+            zip(*(r[work] for r in seconds[side])) for side in ("before", "after"))
+        report["work"][work] = {
+            "before_ms": list(before), "after_ms": list(after),
+            "ratio_median": statistics.median(b / a for b, a in zip(before, after)),
+            # each side's least time a call in the round: on a shared machine a neighbour's burst lengthens some
+            # calls of a round, and the quietest call of each is the steadier figure (for a change of a few percent)
+            "before_quietest_ms": list(before_least), "after_quietest_ms": list(after_least),
+            "quietest_ratio_median": statistics.median(b / a for b, a in zip(before_least, after_least))}
     return report
 
 

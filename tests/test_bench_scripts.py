@@ -61,6 +61,9 @@ def test_checkouts_ab_times_two_checkouts_and_says_whether_they_compute_the_same
     assert set(report["work"]) == {"AR step", "decoder pass, canvas 4", "verification of 4 tokens (2 kept)"}
     for work in report["work"].values():
         assert len(work["before_ms"]) == len(work["after_ms"]) == 2 and work["ratio_median"] > 0
+        for side in ("before", "after"):  # a round's quietest call is one of its calls: no longer than their mean
+            assert all(0 < least <= mean for least, mean in zip(work[f"{side}_quietest_ms"], work[f"{side}_ms"]))
+        assert work["quietest_ratio_median"] > 0
     refused = subprocess.run([sys.executable, script, "--before", str(tmp_path)], capture_output=True, text=True,
                              timeout=120, check=False)
     assert refused.returncode == 2 and f"{tmp_path} is not a printpress checkout" in refused.stderr
