@@ -1471,11 +1471,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_inputs(const Tensor& x, at::TensorL
 // `dst.narrow(2, slot, count).copy_(src.narrow(2, from, count))` sets them: one memcpy per (b, h) run where both
 // have unit-stride rows of the same dtype (each row a run of D elements, a (b, h)'s rows one after the other where
 // they are so in both), without ATen's copy machinery (~3 us a copy on an AMD Zen 3, four to six a layer's AR step).
+// With gradients on, ATen's copy, which autograd records.
 void copy_slots(const Tensor& dst, int64_t slot, const Tensor& src, int64_t from, int64_t count) {
   if (count <= 0) return;
-  if (dst.dim() != 4 || src.dim() != 4 || dst.scalar_type() != src.scalar_type() || dst.stride(3) != 1 ||
-      src.stride(3) != 1 || dst.size(0) != src.size(0) || dst.size(1) != src.size(1) || dst.size(3) != src.size(3) ||
-      !dst.device().is_cpu() || !src.device().is_cpu()) {
+  if (at::GradMode::is_enabled() || dst.dim() != 4 || src.dim() != 4 || dst.scalar_type() != src.scalar_type() ||
+      dst.stride(3) != 1 || src.stride(3) != 1 || dst.size(0) != src.size(0) || dst.size(1) != src.size(1) ||
+      dst.size(3) != src.size(3) || !dst.device().is_cpu() || !src.device().is_cpu()) {
     dst.narrow(2, slot, count).copy_(src.narrow(2, from, count));
     return;
   }
