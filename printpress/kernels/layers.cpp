@@ -534,7 +534,7 @@ using Reg = Lanes::Reg;
 // there (one block per group), which the hardware prefetcher follows, but asked for 2 KiB ahead the AR step ran 1.09x
 // as fast on the 99.7M model (weights from DRAM) and 1.10x on the shipped one (from the L3) on an AMD EPYC Zen 3
 // (distances of 0.5-8 KiB alternating in one process, session 46; 1-2 KiB best). None with AVX-512: on a Zen 4 every
-// distance tried was slower there (session 42).
+// distance tried was slower there (session 43).
 #if defined(__AVX512F__)
 constexpr int64_t kHalfAheadBytes = 0;
 #else
