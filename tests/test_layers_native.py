@@ -121,6 +121,33 @@ def test_a_layer_stack_refuses_a_layer_or_a_pass_it_cannot_run():
                                            [j.write_at for j in joins], [j.slots for j in joins])
 
 
+def test_a_block_is_written_into_the_cache_through_atens_copy_only_with_gradients_on():
+    """A pass's keys and values go into the cache by memcpy with gradients off (the model's only way); with gradients
+    on, through ATen's copy, which autograd sees (the cache tensors' version counters move). The same keys either
+    way."""
+    model = tiny_model("gqa")
+    with torch.no_grad():
+        stack = model_module.layer_stack([layer._plan() for layer in model.layers], model.specs)
+    x, rope = torch.randn(1, model.config.hidden_size), model.rope(torch.arange(1))
+
+    def written(gradients: bool) -> tuple[list[bool], list[torch.Tensor]]:
+        cache = model.new_cache(1, 8)
+        joins = [cache.encoder_join(i, 1) for i in range(len(model.layers))]
+        before = [j.keys._version for j in joins]
+        with torch.set_grad_enabled(gradients):
+            torch.ops.printpress_layers.layers(x, stack, True, 1, 1, *rope[True], *rope[False], None, None,
+                                               [j.keys for j in joins], [j.values for j in joins],
+                                               [j.in_place for j in joins], [j.start for j in joins],
+                                               [j.wrap for j in joins], [j.keep for j in joins],
+                                               [j.write_at for j in joins], [j.slots for j in joins])
+        return [j.keys._version != v for j, v in zip(joins, before)], [j.keys.detach().clone() for j in joins]
+
+    moved_off, keys_off = written(False)
+    moved_on, keys_on = written(True)
+    assert not any(moved_off) and all(moved_on)
+    assert_bit_equal(keys_off, keys_on)
+
+
 def assert_bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for index, (x, y) in enumerate(zip(a, b)):
