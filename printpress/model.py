@@ -512,6 +512,13 @@ def layer_stack(plans: list[NativePlan], specs: list[LayerSpec]) -> torch.Script
     return stack
 
 
+def join_arguments(joins: list[KVJoin]) -> list[list]:
+    """What `printpress_layers.layers` takes of each layer's join, one list per field, in the operator's order: the
+    cache's keys and values, whether in place, start, wrap, keep, write_at and slots."""
+    return [[j.keys for j in joins], [j.values for j in joins], [j.in_place for j in joins], [j.start for j in joins],
+            [j.wrap for j in joins], [j.keep for j in joins], [j.write_at for j in joins], [j.slots for j in joins]]
+
+
 def _native_now() -> bool:
     """Whether the C++ operators may stand in for the Python methods now: on, gradients off, not compiling."""
     return NATIVE_LAYERS and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
@@ -890,10 +897,8 @@ class DiffusionGemma(nn.Module):
             # the operator's own callable: the packet's call first looks through every argument for a traced
             # stand-in of the LayerStack (~50 us here), which only a compiler's tracing makes, never this path
             packet = torch.ops.printpress_layers.layers
-            x = getattr(packet, "_op", packet)(
-                x, stack, encoder, b, t, *sliding, *full, masks.sliding, masks.full,
-                [j.keys for j in kv], [j.values for j in kv], [j.in_place for j in kv], [j.start for j in kv],
-                [j.wrap for j in kv], [j.keep for j in kv], [j.write_at for j in kv], [j.slots for j in kv])
+            x = getattr(packet, "_op", packet)(x, stack, encoder, b, t, *sliding, *full, masks.sliding, masks.full,
+                                               *join_arguments(kv))
         else:
             for index, (layer, spec) in enumerate(zip(self.layers, self.specs)):
                 if kv is None:

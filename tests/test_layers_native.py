@@ -115,10 +115,7 @@ def test_a_layer_stack_refuses_a_layer_or_a_pass_it_cannot_run():
     x, rope = torch.randn(1, model.config.hidden_size), model.rope(torch.arange(1))
     with pytest.raises(RuntimeError, match=f"one cache and join per layer \\({len(model.layers)}\\)"):
         torch.ops.printpress_layers.layers(x, stack, True, 1, 1, *rope[True], *rope[False], None, None,
-                                           [j.keys for j in joins], [j.values for j in joins],
-                                           [j.in_place for j in joins], [j.start for j in joins],
-                                           [j.wrap for j in joins], [j.keep for j in joins],
-                                           [j.write_at for j in joins], [j.slots for j in joins])
+                                           *model_module.join_arguments(joins))
 
 
 def test_a_block_is_written_into_the_cache_through_atens_copy_only_with_gradients_on():
@@ -136,10 +133,7 @@ def test_a_block_is_written_into_the_cache_through_atens_copy_only_with_gradient
         before = [j.keys._version for j in joins]
         with torch.set_grad_enabled(gradients):
             torch.ops.printpress_layers.layers(x, stack, True, 1, 1, *rope[True], *rope[False], None, None,
-                                               [j.keys for j in joins], [j.values for j in joins],
-                                               [j.in_place for j in joins], [j.start for j in joins],
-                                               [j.wrap for j in joins], [j.keep for j in joins],
-                                               [j.write_at for j in joins], [j.slots for j in joins])
+                                               *model_module.join_arguments(joins))
         return [j.keys._version != v for j, v in zip(joins, before)], [j.keys.detach().clone() for j in joins]
 
     moved_off, keys_off = written(False)
