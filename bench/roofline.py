@@ -27,7 +27,10 @@ One process, one thread (by default). It measures the machine, then the engine:
 
 The workloads of one model are timed interleaved (one repetition of each in turn), so a change in the machine's
 load hits them alike; medians and minima are reported, and the 1-minute load average at the start and the end
-(the machine may be shared: ratios measured in one run are what matter).
+(the machine may be shared: ratios measured in one run are what matter). The read of each memory level a workload's
+roof comes from is timed in the same rounds, and each row also gets the median over rounds of measured / roofline
+with the memory roof at that round's read speed (`ratio_paired_median`): on a machine whose read speed drifts with
+its neighbours' load, the ratio that a step at the memory roof keeps at 1.0 whatever the spell.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/roofline.py --compiled --out docs/results/roofline.json
     OMP_NUM_THREADS=1 .venv/bin/python bench/roofline.py --models shipped --reps 3 --out /tmp/roofline.json  # smoke
@@ -391,6 +394,33 @@ def measure(loads: list[Workload], reps: int) -> dict[str, list[float]]:
     return seconds
 
 
+READ = "read, "  # the name of a level's interleaved read (`level_reads`): "read, DRAM"
+
+
+def level_reads(loads: list[Workload], roofs: dict[str, Any]) -> list[Workload]:
+    """For each memory level a workload's roof is read from, that level's read (`x.sum()` over an array of the size
+    the roofs measured it with), to time in the same rounds as the work: the read speed each round had."""
+    levels = sorted({predict(load.work, roofs)["memory_level"] for load in loads})
+    out = []
+    for level in levels:
+        x = torch.rand(roofs["read_bandwidth"][level]["bytes"] // FP32)
+        out.append(Workload(READ + level, lambda x=x: x.sum(), Work(0.0, 0.0, 0.0)))
+    return out
+
+
+def paired_ratio(work: Work, prediction: dict[str, Any], measured: list[float], reads: list[float],
+                 read_bytes: int) -> float:
+    """The median over rounds of measured / roofline where the memory roof is the read speed of the same round
+    (`read_bytes` read in `reads[i]` seconds in round i; the compute roof stays the peak): a neighbour's burst slows
+    the work and its level's read alike, so this ratio moves less with the machine's load than the median time over
+    the roof at the best read speed does."""
+    ratios = []
+    for seconds, read in zip(measured, reads, strict=True):
+        memory_ms = 1e3 * work.bytes * read / read_bytes
+        ratios.append(1e3 * seconds / max(prediction["compute_ms"], memory_ms))
+    return statistics.median(ratios)
+
+
 def bench_model(label: str, model: DiffusionGemma, roofs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The model's workloads in fp32, and with `args.bf16` its AR step and decoder passes again on a bf16 copy
     (rows named "..., bf16"; the sampler works on fp32 logits either way), all interleaved."""
@@ -414,23 +444,31 @@ def bench_model(label: str, model: DiffusionGemma, roofs: dict[str, Any], args: 
         if args.warm_ab and native_layers():
             loads += [Workload(f"{load.name}, {NOT_AHEAD}", without_warming(load.run), load.work)
                       for load in list(loads) if "sampler" not in load.name and "compiled" not in load.name]
-        seconds = measure(loads, args.reps)
+        reads = level_reads(loads, roofs)
+        seconds = measure(loads + reads, args.reps)
     rows = []
     for load in loads:
         measured = seconds[load.name]
         prediction = predict(load.work, roofs)
+        level = prediction["memory_level"]
         median_ms, best_ms = 1e3 * statistics.median(measured), 1e3 * min(measured)
+        paired = paired_ratio(load.work, prediction, measured, seconds[READ + level],
+                              roofs["read_bandwidth"][level]["bytes"])
         rows.append({"work": load.name, **asdict(load.work), **prediction, "measured_median_ms": median_ms,
                      "measured_best_ms": best_ms, "ratio_median": median_ms / prediction["roofline_ms"],
-                     "ratio_best": best_ms / prediction["roofline_ms"]})
+                     "ratio_best": best_ms / prediction["roofline_ms"], "ratio_paired_median": paired})
         print(f"  {load.name:40s} roofline {prediction['roofline_ms']:8.3f} ms ({prediction['bound']}, "
-              f"{prediction['memory_level']})  measured {median_ms:8.2f} ms (best {best_ms:7.2f})  "
-              f"x{median_ms / prediction['roofline_ms']:.1f}", flush=True)
+              f"{level})  measured {median_ms:8.2f} ms (best {best_ms:7.2f})  "
+              f"x{median_ms / prediction['roofline_ms']:.1f} (paired x{paired:.2f})", flush=True)
+    read_speeds = {name[len(READ):]: {"bytes": roofs["read_bandwidth"][name[len(READ):]]["bytes"],
+                                      "median_gb_s": roofs["read_bandwidth"][name[len(READ):]]["bytes"]
+                                      / statistics.median(values) / 1e9}
+                   for name, values in seconds.items() if name.startswith(READ)}
     return {"label": label, "parameters": text.num_parameters(), "fp32_bytes": model_bytes(text),
             "config": {key: getattr(text, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
                                                             "num_hidden_layers", "num_experts", "top_k_experts",
                                                             "moe_intermediate_size", "sliding_window")},
-            "rows": rows}
+            "rows": rows, "reads_in_the_rounds": read_speeds}
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,8 +488,8 @@ def markdown(report: dict[str, Any]) -> str:
         + (" (not native: emulated)" if roofs["bf16_gemm"].get("native") is False else "") + ".",
         "",
         "| model | work | GFLOP | MiB moved | compute ms | memory ms (level) | roofline ms "
-        "| measured ms (median / best) | measured / roofline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| measured ms (median / best) | measured / roofline | paired with its level's read (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model in report["models"]:
         for row in model["rows"]:
@@ -460,7 +498,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{row['compute_ms']:.3f} | {row['memory_ms']:.3f} ({row['memory_level']}) | "
                 f"{row['roofline_ms']:.3f} | "
                 f"{row['measured_median_ms']:.2f} / {row['measured_best_ms']:.2f} | "
-                f"{row['ratio_median']:.1f}x / {row['ratio_best']:.1f}x |")
+                f"{row['ratio_median']:.1f}x / {row['ratio_best']:.1f}x | "
+                + (f"{row['ratio_paired_median']:.2f}x |" if "ratio_paired_median" in row else "— |"))
     return "\n".join(lines) + "\n"
 
 

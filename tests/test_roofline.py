@@ -43,3 +43,17 @@ def test_half_width_reads_are_predicted_for_a_float32_model_whose_weights_fit_ha
             param.copy_(param.half().float())
     assert roofline.half_width_reads(model) == torch.ops.printpress_layers.half_width_kernels()
     assert not roofline.half_width_reads(model.to(torch.bfloat16))  # a bf16 model reads its own weights
+
+
+def test_the_paired_ratio_puts_each_round_against_the_read_speed_of_that_round():
+    work = roofline.Work(flop=2e6, bytes=1e6, working_set=1e9)
+    prediction = {"compute_ms": 0.02, "memory_ms": 0.1, "roofline_ms": 0.1}
+    # rounds: the work at 2x its memory roof, then slowed 3x with the read slowed alike, then memory-fast enough that
+    # the compute roof (0.02 ms) is the larger
+    read_bytes = 4e6  # read in 0.4 ms at the round's speed: 10 GB/s, so the work's 1 MB takes 0.1 ms
+    measured = [0.2e-3, 0.6e-3, 0.05e-3]
+    reads = [0.4e-3, 1.2e-3, 0.04e-3]  # the last round's read: 100 GB/s, 0.01 ms for the work's bytes
+    assert roofline.paired_ratio(work, prediction, measured, reads, read_bytes) == pytest.approx(2.0)
+    assert roofline.paired_ratio(work, prediction, measured[2:], reads[2:], read_bytes) == pytest.approx(2.5)
+    with pytest.raises(ValueError):  # a read for every round
+        roofline.paired_ratio(work, prediction, measured, reads[:2], read_bytes)
