@@ -169,6 +169,33 @@ def test_tokens_with_many_experts(top_k, monkeypatch):
     assert_bit_equal(*both_sides(tiny_model("mha", top_k_experts=top_k), monkeypatch))
 
 
+@pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
+def test_an_ar_steps_layers_run_in_buffers_of_their_own_with_the_same_bits(name, monkeypatch):
+    """A one-row pass's layers (`one_row_layer`) compute between their parts in buffers instead of ATen tensors,
+    wherever every part takes the kernels and loops `layer` would (here where the products' order for one row holds
+    on this machine): the Python layers' bits, and `layer`'s (`set_one_row(False)`). default_pattern's router has 3
+    experts, not a whole group of 4 outputs: its layers run as `layer`."""
+    ops = torch.ops.printpress_layers
+    model = tiny_model(name)
+    if ops.fused_norm_width() == 0:
+        pytest.skip("the one-loop norms do not give ATen's bits on this CPU: no layer runs in buffers")
+    before = ops.one_row_layers()
+    native_out, python_out = both_sides(model, monkeypatch)
+    ran = ops.one_row_layers() - before
+    assert_bit_equal(native_out, python_out)
+    if name == "default_pattern":
+        assert ran == 0
+    elif ops.rows_kernel_verdict(model.config.hidden_size, 1, 0) == 1:
+        assert ran == 2 * model.config.num_hidden_layers  # the two one-token AR steps of `passes`
+    ops.set_one_row(False)
+    try:
+        layer_out = passes(model)
+    finally:
+        ops.set_one_row(True)
+    assert ops.one_row_layers() - before == ran
+    assert_bit_equal(native_out, layer_out)
+
+
 def test_a_plan_follows_its_model_when_weights_modules_or_dtype_change(monkeypatch):
     model = tiny_model("gqa")
     passes(model)  # the plans are made

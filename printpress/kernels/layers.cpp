@@ -35,6 +35,7 @@
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/floor_divide.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/index_copy.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -633,14 +634,21 @@ void half_pass_of(int64_t rows, bool lead, int64_t first, int64_t end, int64_t b
 }
 
 template <typename W>
-void half_rows(const Tensor& x, const W* w, int64_t k, int64_t whole, int64_t blocks, const Tensor& out, bool ahead) {
-  const int64_t m = x.size(0), x_stride = x.stride(0), y_stride = out.stride(0);
+void half_rows(const float* xs, int64_t m, int64_t x_stride, const W* w, int64_t k, int64_t whole, int64_t blocks,
+               float* y, int64_t y_stride, bool ahead) {
   const int64_t used = (whole + kHalfBlock - 1) / kHalfBlock, block_bytes = kHalfBlock * k * sizeof(W);
-  const float* xs = x.data_ptr<float>();
-  float* y = out.data_ptr<float>();
   in_pieces(w, used, block_bytes, used * block_bytes, kGroupBlocks, ahead, [&](int64_t c, int64_t count) {
     half_pass_of(m, true, c, c + count, blocks, xs, x_stride, w, k, y, y_stride, whole);
   });
+}
+
+// half_rows of the outputs [0, whole) of x (m rows, k) times the weight whose copy is `half`, into y.
+void half_rows_of(const float* xs, int64_t m, int64_t x_stride, const Tensor& half, int64_t k, int64_t whole,
+                  int64_t blocks, float* y, int64_t y_stride, bool ahead) {
+  if (half.scalar_type() == at::kHalf)
+    half_rows(xs, m, x_stride, half.data_ptr<at::Half>(), k, whole, blocks, y, y_stride, ahead);
+  else
+    half_rows(xs, m, x_stride, half.data_ptr<at::BFloat16>(), k, whole, blocks, y, y_stride, ahead);
 }
 
 // x (m, k) times weight_t (k, n) as rows_kernel computes it, from `half` (`blocked`'s layout); the last n % 4 outputs
@@ -648,10 +656,8 @@ void half_rows(const Tensor& x, const W* w, int64_t k, int64_t whole, int64_t bl
 void half_rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& half, const Tensor& out, bool ahead) {
   const int64_t k = weight_t.size(0), n = weight_t.size(1), whole = n / 4 * 4;
   const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
-  if (half.scalar_type() == at::kHalf)
-    half_rows(x, half.data_ptr<at::Half>(), k, whole, blocks, out, ahead);
-  else
-    half_rows(x, half.data_ptr<at::BFloat16>(), k, whole, blocks, out, ahead);
+  half_rows_of(x.data_ptr<float>(), x.size(0), x.stride(0), half, k, whole, blocks, out.data_ptr<float>(),
+               out.stride(0), ahead);
   if (whole < n) out.narrow(1, whole, n - whole).copy_(at::mm(x, weight_t.narrow(1, whole, n - whole)));
 }
 
@@ -770,6 +776,7 @@ void few_rows_kernel(const Tensor& x, const Tensor& half, int64_t n, const Tenso
 }
 #else
 constexpr bool kHalfRows = false;
+void half_rows_of(const float*, int64_t, int64_t, const Tensor&, int64_t, int64_t, int64_t, float*, int64_t, bool) {}
 void half_rows_kernel(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool) {}
 void few_rows_kernel(const Tensor&, const Tensor&, int64_t, const Tensor&, bool) {}
 #endif
@@ -799,19 +806,11 @@ Tensor blocked(const Tensor& half) {
 // the 99.7M benchmark model, whose weights come from DRAM, a whole 2.4 MB weight read ahead left the L2 before its
 // products read it (AR step 1.15x faster in pieces, on an AMD EPYC; the same on the shipped model's small weights).
 
-// `half`, where defined: the weight's values at half width, blocked (`half_width_copy`), read in its place.
-void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, bool ahead = false,
-                 const Tensor& half = Tensor()) {
-  if (half.defined()) {
-    half_rows_kernel(x, weight_t, half, out, ahead);
-    return;
-  }
-  const int64_t m = x.size(0), k = weight_t.size(0), n = weight_t.size(1), whole = n / 4 * 4;
-  const float* xs = x.data_ptr<float>();
-  const float* w = weight_t.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), y_stride = out.stride(0), block_bytes = kRowBlock * k * 4;
-  const int64_t blocks = (whole + kRowBlock - 1) / kRowBlock;
+// The float32 weight's part of rows_kernel: outputs [0, whole) (whole a multiple of 4) of m rows of x (each k floats,
+// `x_stride` apart) times the contiguous (n, k) weight at `w`, into y (rows `y_stride` apart).
+void float_rows(const float* xs, int64_t m, int64_t x_stride, const float* w, int64_t k, int64_t whole, float* y,
+                int64_t y_stride, bool ahead) {
+  const int64_t block_bytes = kRowBlock * k * 4, blocks = (whole + kRowBlock - 1) / kRowBlock;
   in_pieces(w, blocks, block_bytes, whole * k * 4, 1, ahead, [&](int64_t c, int64_t count) {
     for (int64_t b = c; b < c + count; ++b) {
       const int64_t first = b * kRowBlock, rows = std::min(kRowBlock, whole - first);
@@ -823,6 +822,18 @@ void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, boo
       }
     }
   });
+}
+
+// `half`, where defined: the weight's values at half width, blocked (`half_width_copy`), read in its place.
+void rows_kernel(const Tensor& x, const Tensor& weight_t, const Tensor& out, bool ahead = false,
+                 const Tensor& half = Tensor()) {
+  if (half.defined()) {
+    half_rows_kernel(x, weight_t, half, out, ahead);
+    return;
+  }
+  const int64_t k = weight_t.size(0), n = weight_t.size(1), whole = n / 4 * 4;
+  float_rows(x.data_ptr<float>(), x.size(0), x.stride(0), weight_t.data_ptr<float>(), k, whole,
+             out.data_ptr<float>(), out.stride(0), ahead);
   if (whole < n) out.narrow(1, whole, n - whole).copy_(at::mm(x, weight_t.narrow(1, whole, n - whole)));
 }
 
@@ -1185,18 +1196,18 @@ std::map<std::tuple<int64_t, int64_t, bool, int>, bool> gated_hold;  // (rows, c
 
 // Whether gated_loop gives at::gelu(gate, "tanh") * up's bits for this shape and layout: random values over ~30
 // octaves (tanh's saturation included) of both signs, and exact zeros, bit for bit; once per process.
-bool gated_holds(const Tensor& gate) {
-  const bool contiguous = gate.stride(0) == gate.size(1);
-  const std::tuple<int64_t, int64_t, bool, int> key{gate.size(0), gate.size(1), contiguous, at::get_num_threads()};
+// `contiguous`: gate's rows one after the other (else each row its own run: every other half of a wider row).
+bool gated_holds(int64_t rows, int64_t cols, bool contiguous) {
+  const std::tuple<int64_t, int64_t, bool, int> key{rows, cols, contiguous, at::get_num_threads()};
   {
     std::lock_guard<std::mutex> lock(gated_mutex);
     if (auto found = gated_hold.find(key); found != gated_hold.end()) return found->second;
   }
-  printpress_sum::CheckNumbers numbers(0x2545f4914f6cdd1dull ^ static_cast<uint64_t>(gate.size(0) * 8191 + gate.size(1)));
-  const int64_t rows = gate.size(0), cols = gate.size(1);
+  printpress_sum::CheckNumbers numbers(0x2545f4914f6cdd1dull ^ static_cast<uint64_t>(rows * 8191 + cols));
   bool holds = true;
   for (int draw = 0; draw < 6 && holds; ++draw) {
-    Tensor both = at::empty({rows, 2 * cols}, gate.options());  // gate and up side by side, as the experts' are
+    // gate and up side by side, as the experts' are
+    Tensor both = at::empty({rows, 2 * cols}, at::TensorOptions().dtype(at::kFloat));
     float* data = both.data_ptr<float>();
     for (int64_t i = 0; i < both.numel(); ++i) {
       const uint64_t pick = numbers.next();
@@ -1215,6 +1226,8 @@ bool gated_holds(const Tensor& gate) {
   gated_hold[key] = holds;
   return holds;
 }
+
+bool gated_holds(const Tensor& gate) { return gated_holds(gate.size(0), gate.size(1), gate.stride(0) == gate.size(1)); }
 #endif
 
 // Whether `gated` runs its one loop for these inputs (else the operators).
@@ -1295,17 +1308,26 @@ Tensor gather_rows(const Tensor& x, const Tensor& order, int64_t top_k) {
 // the slots one after the other from 0, then three zeros; the other columns as four interleaved sequences, like a
 // row's sum). The same bits as the operators, without the five intermediate tensors.
 // An undefined `order`: the rows are already in (token, slot) order.
+void slot_sums(const float* src, int64_t stride, const int64_t* row_of, const float* slot_weight, int64_t tokens,
+               int64_t top_k, int64_t h, float* dst);
+
 Tensor weighted_slot_sum(const Tensor& out, const Tensor& order, const Tensor& weights, int64_t top_k) {
-  const int64_t pairs = out.size(0), tokens = pairs / top_k, h = out.size(1), stride = out.stride(0);
-  const int64_t grouped = h / (4 * FusedNorms::width()) * (4 * FusedNorms::width());
+  const int64_t pairs = out.size(0), tokens = pairs / top_k, h = out.size(1);
   std::vector<int64_t> row_of(pairs);  // the sorted row of each (token, slot) pair
   const int64_t* index = order.defined() ? order.data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; i < pairs; ++i) row_of[index != nullptr ? index[i] : i] = i;
   Tensor w = weights.contiguous();
-  const float* slot_weight = w.data_ptr<float>();
-  const float* src = out.data_ptr<float>();
   Tensor result = at::empty({tokens, h}, out.options().memory_format(at::MemoryFormat::Contiguous));
-  float* dst = result.data_ptr<float>();
+  slot_sums(out.data_ptr<float>(), out.stride(0), row_of.data(), w.data_ptr<float>(), tokens, top_k, h,
+            result.data_ptr<float>());
+  return result;
+}
+
+// weighted_slot_sum's loops: `tokens` rows of h sums into dst, token t's slot j the row row_of[t * top_k + j] of src
+// (rows `stride` apart) times slot_weight[t * top_k + j].
+void slot_sums(const float* src, int64_t stride, const int64_t* row_of, const float* slot_weight, int64_t tokens,
+               int64_t top_k, int64_t h, float* dst) {
+  const int64_t grouped = h / (4 * FusedNorms::width()) * (4 * FusedNorms::width());
   std::vector<float> products(top_k * (h - grouped));
   for (int64_t t = 0; t < tokens; ++t) {
     float* sums = dst + t * h;
@@ -1326,7 +1348,6 @@ Tensor weighted_slot_sum(const Tensor& out, const Tensor& order, const Tensor& w
     }
     for (int64_t c = grouped; c < h; ++c) sums[c] = 0.0f + row_sum<1>(products.data() + (c - grouped) * top_k, top_k);
   }
-  return result;
 }
 
 // Whether weighted_slot_sum gives the operators' bits on this machine: checked once per process against ATen itself,
@@ -1567,12 +1588,55 @@ Tensor layer(const Tensor& x, at::TensorList attention_w, at::TensorList after_w
 // one: about 20 us a call on an AMD Zen 3 (one call for all six: the shipped model's AR step 1.07x). A LayerStack
 // holds every layer's weights and sizes, handed over once per plan (model.py, `DiffusionGemma._layer_stack`), and
 // `layers` runs them all in one call from what changes between passes: the same `layer` calls, so the same bits.
+bool float_vector(const Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
+}
+
+// Whether one row times weight_t (k, n) is rows_kernel's as far as the weight tells (kernel_product_into for a row of
+// unit stride): the transpose of a contiguous float32 weight on 16 bytes, k a multiple of 4, n of 4 (no at::mm tail).
+bool row_product_shapes(const Tensor& weight_t) {
+  if (!kRowsKernel || weight_t.dim() != 2 || weight_t.scalar_type() != at::kFloat || !weight_t.device().is_cpu())
+    return false;
+  const int64_t k = weight_t.size(0), n = weight_t.size(1);
+  return k >= 4 && k % 4 == 0 && n > 0 && n % 4 == 0 && weight_t.stride(0) == 1 && weight_t.stride(1) == k &&
+         reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16 == 0;
+}
+
+// Whether a layer's weights (`layer`'s attention ones, one mode's after-attention ones, and that mode's experts' views)
+// let one row's layer run in buffers (`one_row_layer`), as far as their shapes and layouts tell.
+bool one_row_shapes(const std::vector<Tensor>& a, const std::vector<Tensor>& w, const std::vector<Tensor>& gate_up,
+                    const std::vector<Tensor>& down, int64_t d, int64_t top_k, int64_t act) {
+  bool ok = act == 0 && d % 2 == 0 && top_k < 16 && float_vector(a[0]) && float_vector(a[3]) && float_vector(a[4]) &&
+            row_product_shapes(a[1]) && row_product_shapes(a[2]) && (a.size() == 5 || row_product_shapes(a[5]));
+  for (int i : {1, 2, 6, 7, 9, 10, 13, 14}) ok = ok && float_vector(w[i]);
+  ok = ok && (!w[15].defined() || (float_vector(w[15]) && w[15].numel() == 1));
+  for (int i : {0, 3, 4, 5, 8}) ok = ok && row_product_shapes(w[i]);
+  ok = ok && !gate_up.empty();
+  for (size_t x = 0; ok && x < gate_up.size(); ++x)
+    ok = row_product_shapes(gate_up[x]) && row_product_shapes(down[x]) && gate_up[x].size(1) == 2 * down[x].size(0);
+  if (!ok) return false;
+  // the sizes agree: hidden h, heads and kv heads of d, the MLP's and the experts' widths
+  const int64_t h = a[1].size(0);
+  ok = h >= 16 && a[1].size(1) % d == 0 && a[2].size(1) % d == 0 && a[2].size(0) == h && a[0].numel() == h &&
+       a[3].numel() == d && a[4].numel() == d && (a.size() == 5 || a[5].sizes() == a[2].sizes()) &&
+       w[0].size(0) == a[1].size(1) && w[0].size(1) == h && w[3].size(0) == h && w[4].sizes() == w[3].sizes() &&
+       w[5].size(0) == w[3].size(1) && w[5].size(1) == h && w[8].size(0) == h &&
+       w[8].size(1) == static_cast<int64_t>(gate_up.size()) && w[9].numel() == w[8].size(1) && top_k <= w[8].size(1) &&
+       gate_up[0].size(0) == h && down[0].size(1) == h;
+  for (int i : {1, 2, 6, 7, 10, 13, 14}) ok = ok && w[i].numel() == h;
+  return ok;
+}
+
 struct LayerStack : torch::CustomClassHolder {
   struct Entry {
     std::vector<Tensor> attention, after_decoder, after_encoder;
     int64_t head_dim, top_k, act;
     double eps, scale, root_size;
     bool gqa, sliding;
+    // per mode (decoder, encoder): each expert's gate_up and down weights (views of after_*[11] and [12]), and
+    // whether one row's layer may run in buffers (`one_row_layer`) as far as the weights' shapes and layouts tell
+    std::array<std::vector<Tensor>, 2> gate_up, down;
+    std::array<bool, 2> one_row{false, false};
   };
   std::vector<Entry> entries;
 
@@ -1584,11 +1648,230 @@ struct LayerStack : torch::CustomClassHolder {
                     after_encoder.size() == 16,
                 "LayerStack.add: 5 or 6 attention weights and 16 after attention per mode, not ", attention.size(),
                 ", ", after_decoder.size(), " and ", after_encoder.size());
-    entries.push_back({std::move(attention), std::move(after_decoder), std::move(after_encoder), head_dim, top_k, act,
-                       eps, scale, root_size, gqa, sliding});
+    Entry entry{std::move(attention), std::move(after_decoder), std::move(after_encoder), head_dim, top_k, act,
+                eps, scale, root_size, gqa, sliding};
+    for (int mode = 0; mode < 2; ++mode) {
+      const std::vector<Tensor>& w = mode == 0 ? entry.after_decoder : entry.after_encoder;
+      if (w[11].dim() == 3 && w[12].dim() == 3 && w[11].size(0) == w[12].size(0))
+        for (int64_t e = 0; e < w[11].size(0); ++e) {
+          entry.gate_up[mode].push_back(w[11].select(0, e));
+          entry.down[mode].push_back(w[12].select(0, e));
+        }
+      entry.one_row[mode] = one_row_shapes(entry.attention, w, entry.gate_up[mode], entry.down[mode], head_dim, top_k,
+                                           act);
+    }
+    entries.push_back(std::move(entry));
   }
   int64_t size() const { return static_cast<int64_t>(entries.size()); }
 };
+
+// -- one row's layer in buffers of its own ----------------------------------------------------------------------------
+//
+// An AR step's layer (batch 1, one token) is `layer`'s parts on one row, and most of its time outside the products
+// went to the ~100 ATen tensors a layer made, viewed and freed between them (allocations, views, dispatch: a quarter of
+// the shipped model's AR step on an AMD EPYC, session 47). `one_row_layer` computes the same parts with the same
+// kernels and loops (`float_rows` / `half_rows` of `rows_kernel`, the norms' `rms_rows`, `rotate_row`,
+// `gelu_tanh_times`, `slot_sums`), the values between them in this thread's buffers; the attention
+// (at::scaled_dot_product_attention over the joined cache, `join`), the router's softmax and top-k and its weights
+// (`route_weights`) stay ATen's, their inputs views of the buffers (at::from_blob) with the sizes and strides `layer`
+// hands them. It runs only where `layer` would take those same kernels and loops for every part (each product by
+// `rows_kernel` in whole groups of 4 outputs, the norms and the gated activation in one loop, the experts' slot sums),
+// which is checked before anything is written; elsewhere `layer` runs. The same bits either way
+// (tests/test_layers_native.py: every AR step of the both-sides tests runs here where it can, and
+// `set_one_row(false)`, the switch of the A/B measurements, runs `layer`).
+std::atomic<bool> one_row_on{true};
+std::atomic<int64_t> one_row_layers_run{0};  // layers one_row_layer ran (for the tests)
+
+// x (k floats) times weight_t into y (n floats): rows_kernel for one row (row_product_shapes and rows_order_holds
+// checked by the caller).
+void row_product(const float* x, const Tensor& weight_t, float* y) {
+  const int64_t k = weight_t.size(0), n = weight_t.size(1);
+  const bool ahead = warming(1);
+  const Tensor half = half_width_copy(weight_t);
+  if (half.defined())
+    half_rows_of(x, 1, k, half, k, n, (n + kHalfBlock - 1) / kHalfBlock, y, n, ahead);
+  else
+    float_rows(x, 1, k, weight_t.data_ptr<float>(), k, n, y, n, ahead);
+}
+
+// fused_norm of `rows` rows of n floats of y into out: residual + norm(y) * weight, then * scalar (each optional).
+void rows_norm(const float* y, int64_t rows, int64_t n, double eps, const float* weight, float* out,
+               const float* residual = nullptr, const float* scalar = nullptr) {
+  auto epilogue = [&](int64_t r, const float* row, float inverse) {
+    float* o = out + r * n;  // each step rounded to float, in ATen's order
+    for (int64_t i = 0; i < n; ++i) o[i] = row[i] * inverse;
+    if (weight != nullptr)
+      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * weight[i];
+    if (residual != nullptr)
+      for (int64_t i = 0; i < n; ++i) o[i] = residual[r * n + i] + o[i];
+    if (scalar != nullptr)
+      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * *scalar;
+  };
+  if (FusedNorms::width() == 16)
+    rms_rows<16>(y, rows, n, static_cast<float>(eps), epilogue);
+  else
+    rms_rows<8>(y, rows, n, static_cast<float>(eps), epilogue);
+}
+
+// norm_rotate of `heads` rows of d floats (one position: the tables' first row), `normalized` (where given) receiving
+// the values before the weight.
+void rows_norm_rotate(const float* x, int64_t heads, int64_t d, double eps, const float* weight, const float* cos,
+                      const float* signed_sin, float* out, float* normalized, float* scaled) {
+  auto epilogue = [&](int64_t r, const float* row, float inverse) {
+    float* values = normalized != nullptr ? normalized + r * d : scaled;
+    for (int64_t i = 0; i < d; ++i) values[i] = row[i] * inverse;
+    if (weight != nullptr) {
+      for (int64_t i = 0; i < d; ++i) scaled[i] = values[i] * weight[i];
+      values = scaled;
+    }
+    rotate_row(values, cos, signed_sin, d, out + r * d);
+  };
+  if (FusedNorms::width() == 16)
+    rms_rows<16>(x, heads, d, static_cast<float>(eps), epilogue);
+  else
+    rms_rows<8>(x, heads, d, static_cast<float>(eps), epilogue);
+}
+
+// The scratch of one_row_layer: floats in this thread's buffer, handed out in order (`take`) after `reset`.
+struct RowScratch {
+  std::vector<float> data;
+  size_t used = 0;
+  void reset(size_t total) {
+    if (data.size() < total) data.resize(total);
+    used = 0;
+  }
+  float* take(int64_t n) {
+    float* out = data.data() + used;
+    used += static_cast<size_t>((n + 15) / 16 * 16);  // each part on 64 bytes
+    return out;
+  }
+};
+
+// `layer` on one row `x` (h floats) into `out`, as described above; false (nothing computed or written) where it may
+// not run in buffers (then `layer` runs).
+bool one_row_layer(const float* x, float* out, const LayerStack::Entry& e, bool encoder, const Tensor& cos,
+                   const Tensor& signed_sin, const Tensor& keys, const Tensor& values,
+                   const std::optional<Tensor>& mask, bool in_place, int64_t start, int64_t wrap, int64_t keep,
+                   int64_t write_at, const std::optional<Tensor>& slots) {
+#ifdef PRINTPRESS_VEC
+  const int mode = encoder ? 1 : 0;
+  if (!one_row_on.load(std::memory_order_relaxed) || !rows_kernel_on.load(std::memory_order_relaxed) ||
+      at::GradMode::is_enabled() || FusedNorms::width() == 0 || !e.one_row[mode])
+    return false;
+  const std::vector<Tensor>& a = e.attention;
+  const std::vector<Tensor>& w = mode == 0 ? e.after_decoder : e.after_encoder;
+  const int64_t h = a[1].size(0), d = e.head_dim, heads = a[1].size(1) / d, kv_heads = a[2].size(1) / d;
+  const int64_t inner = w[3].size(1), experts = w[8].size(1), expert = e.down[mode][0].size(0);
+  const int64_t top_k = e.top_k;
+  if (!float_vector(cos) || !float_vector(signed_sin) || cos.dim() != 4 || cos.sizes() != signed_sin.sizes() ||
+      cos.size(0) != 1 || cos.size(1) != 1 || cos.size(2) != 1 || cos.size(3) != d ||
+      keys.scalar_type() != at::kFloat || values.scalar_type() != at::kFloat || !slot_sums_hold() ||
+      !rows_order_holds(h, 1, 0) || !rows_order_holds(heads * d, 1, 0) || !rows_order_holds(inner, 1, 0) ||
+      !rows_order_holds(expert, 1, 0) || !gated_holds(1, inner, true) || !gated_holds(1, expert, false))
+    return false;
+  thread_local RowScratch scratch;
+  // what the `take`s below hand out, each rounded up to 16 floats (22 of them)
+  scratch.reset(static_cast<size_t>((10 + top_k) * h + (std::max(heads, kv_heads) + heads + 2 * kv_heads + 1) * d +
+                                    3 * inner + 3 * expert + experts + 22 * 16));
+  const double eps = e.eps;
+  // attention_inputs
+  float* normed = scratch.take(h);
+  rows_norm(x, 1, h, eps, a[0].data_ptr<float>(), normed);
+  float* projected = scratch.take(std::max(heads, kv_heads) * d);
+  float* q = scratch.take(heads * d);
+  float* k = scratch.take(kv_heads * d);
+  float* v = scratch.take(kv_heads * d);
+  float* scaled = scratch.take(d);
+  const float *c = cos.data_ptr<float>(), *sn = signed_sin.data_ptr<float>();
+  row_product(normed, a[1], projected);
+  rows_norm_rotate(projected, heads, d, eps, a[3].data_ptr<float>(), c, sn, q, nullptr, scaled);
+  row_product(normed, a[2], projected);
+  rows_norm_rotate(projected, kv_heads, d, eps, a[4].data_ptr<float>(), c, sn, k, a.size() == 5 ? v : nullptr, scaled);
+  if (a.size() == 6) {
+    row_product(normed, a[5], projected);
+    rows_norm(projected, kv_heads, d, eps, nullptr, v);
+  }
+  // attend: the block's keys and values as the (1, kv_heads, 1, d) views `layer` joins, q as the (1, heads, 1, d) one
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const Tensor q_view = at::from_blob(q, {1, heads, 1, d}, {heads * d, d, heads * d, 1}, options);
+  const Tensor k_view = at::from_blob(k, {1, kv_heads, 1, d}, {kv_heads * d, d, kv_heads * d, 1}, options);
+  const Tensor v_view = at::from_blob(v, {1, kv_heads, 1, d}, {kv_heads * d, d, kv_heads * d, 1}, options);
+  const Tensor joined_k = join(keys, k_view, in_place, start, wrap, keep, write_at, slots);
+  const Tensor joined_v = join(values, v_view, in_place, start, wrap, keep, write_at, slots);
+  const Tensor attended = at::scaled_dot_product_attention(q_view, joined_k, joined_v, mask, 0.0, false, e.scale, e.gqa)
+                              .transpose(1, 2).reshape({1, -1});
+  // after_attention
+  float* x1 = scratch.take(h);
+  float* o = scratch.take(h);
+  if (attended.stride(1) == 1) {
+    row_product(attended.data_ptr<float>(), w[0], o);
+  } else {  // a row `product` would not give to rows_kernel: at::mm's, as `layer` computes it
+    const Tensor product_out = product(attended, w[0]).contiguous();
+    std::memcpy(o, product_out.data_ptr<float>(), sizeof(float) * h);
+  }
+  rows_norm(o, 1, h, eps, w[1].data_ptr<float>(), x1, x);
+  float* pre = scratch.take(h);
+  float* routed = scratch.take(h);
+  float* pre2 = scratch.take(h);
+  {  // shared_norm
+    const float *wd = w[2].data_ptr<float>(), *ws = w[7].data_ptr<float>(), *we = w[10].data_ptr<float>();
+    const float root = static_cast<float>(e.root_size);
+    auto epilogue = [&](int64_t, const float* row, float inverse) {
+      for (int64_t i = 0; i < h; ++i) {
+        const float value = row[i] * inverse;
+        pre[i] = value * wd[i];
+        routed[i] = (value * ws[i]) * root;
+        pre2[i] = value * we[i];
+      }
+    };
+    if (FusedNorms::width() == 16)
+      rms_rows<16>(x1, 1, h, static_cast<float>(eps), epilogue);
+    else
+      rms_rows<8>(x1, 1, h, static_cast<float>(eps), epilogue);
+  }
+  // the dense MLP
+  float* gate = scratch.take(inner);
+  float* up = scratch.take(inner);
+  float* activated = scratch.take(inner);
+  float* mlp = scratch.take(h);
+  float* dense = scratch.take(h);
+  row_product(pre, w[3], gate);
+  row_product(pre, w[4], up);
+  gelu_tanh_times(gate, up, inner, activated);
+  row_product(activated, w[5], mlp);
+  rows_norm(mlp, 1, h, eps, w[6].data_ptr<float>(), dense);
+  // the router and the experts
+  float* router = scratch.take(experts);
+  row_product(routed, w[8], router);
+  const Tensor probs = at::softmax(at::from_blob(router, {1, experts}, options), -1, at::kFloat);
+  auto [top, chosen] = at::topk(probs, top_k, -1);
+  const Tensor weights = route_weights(top, chosen, w[9]).contiguous();
+  const Tensor chosen_rows = chosen.contiguous();
+  const int64_t* index = chosen_rows.data_ptr<int64_t>();
+  float* gate_up = scratch.take(2 * expert);
+  float* expert_act = scratch.take(expert);
+  float* slot_rows = scratch.take(top_k * h);
+  std::vector<int64_t> order(top_k);
+  for (int64_t slot = 0; slot < top_k; ++slot) {
+    order[slot] = slot;
+    row_product(pre2, e.gate_up[mode][index[slot]], gate_up);
+    gelu_tanh_times(gate_up, gate_up + expert, expert, expert_act);
+    row_product(expert_act, e.down[mode][index[slot]], slot_rows + slot * h);
+  }
+  float* sparse = scratch.take(h);
+  slot_sums(slot_rows, h, order.data(), weights.data_ptr<float>(), 1, top_k, h, sparse);
+  float* mixed = scratch.take(h);
+  rows_norm(sparse, 1, h, eps, w[13].data_ptr<float>(), mixed, dense);
+  rows_norm(mixed, 1, h, eps, w[14].data_ptr<float>(), out, x1, w[15].defined() ? w[15].data_ptr<float>() : nullptr);
+  one_row_layers_run.fetch_add(1, std::memory_order_relaxed);
+  return true;
+#else
+  return false;
+#endif
+}
+
+void set_one_row(bool on) { one_row_on.store(on); }
+int64_t one_row_layers() { return one_row_layers_run.load(); }
 
 // Every layer of `stack` in turn over x, as `layer` with each one's weights: the RoPE tables and mask of its kind
 // (sliding or full), and its cache and join (KVJoin's fields, one per layer).
@@ -1603,15 +1886,40 @@ Tensor layers(const Tensor& x, c10::intrusive_ptr<LayerStack> stack, bool encode
                   wrap.size() == n && keep.size() == n && write_at.size() == n && slots.size() == n,
               "printpress_layers.layers: one cache and join per layer (", n, ")");
   Tensor h = x;
+  // one row (an AR step): the layers that may run in buffers (`one_row_layer`) pass the row between them in two
+  // buffers of this thread; a tensor is made of it where a layer may not, and at the end
+  const bool one_row = batch * length == 1 && fused(x) && x.dim() == 2;
+  thread_local std::vector<float> rows[2];
+  int in_buffer = -1;  // which of `rows` holds h, if one does
   for (size_t i = 0; i < n; ++i) {
     const LayerStack::Entry& e = stack->entries[i];
     const auto& cos = e.sliding ? sliding_cos : full_cos;
     const auto& sin = e.sliding ? sliding_sin : full_sin;
     TORCH_CHECK(cos.has_value() && sin.has_value(), "printpress_layers.layers: no RoPE tables for layer ", i,
                 "'s kind");
+    if (one_row) {
+      const int to = in_buffer == 0 ? 1 : 0;
+      rows[to].resize(x.size(1));
+      const float* from = in_buffer >= 0 ? rows[in_buffer].data() : h.data_ptr<float>();
+      if (one_row_layer(from, rows[to].data(), e, encoder, *cos, *sin, keys[i], values[i],
+                        e.sliding ? sliding_mask : full_mask, in_place.get(i), start[i], wrap[i], keep[i],
+                        write_at[i], slots.get(i))) {
+        in_buffer = to;
+        continue;
+      }
+      if (in_buffer >= 0) {
+        h = at::empty_like(x);
+        std::memcpy(h.data_ptr<float>(), rows[in_buffer].data(), sizeof(float) * x.size(1));
+        in_buffer = -1;
+      }
+    }
     h = layer(h, e.attention, encoder ? e.after_encoder : e.after_decoder, batch, length, e.head_dim, e.eps, *cos,
               *sin, keys[i], values[i], e.sliding ? sliding_mask : full_mask, in_place.get(i), start[i], wrap[i],
               keep[i], write_at[i], slots.get(i), e.gqa, e.scale, e.top_k, e.root_size, e.act);
+  }
+  if (in_buffer >= 0) {
+    h = at::empty_like(x);
+    std::memcpy(h.data_ptr<float>(), rows[in_buffer].data(), sizeof(float) * x.size(1));
   }
   return h;
 }
@@ -1844,6 +2152,8 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("rows_kernel_checks() -> (int, int)", &rows_kernel_checks);
   m.def("set_rows_kernel(bool on) -> ()", &set_rows_kernel);
   m.def("set_half_width(bool on) -> ()", &set_half_width);
+  m.def("set_one_row(bool on) -> ()", &set_one_row);
+  m.def("one_row_layers() -> int", &one_row_layers);
   m.def("allow_half_width(Tensor[] weights) -> int", &allow_half_width);
   m.def("half_width_kernels() -> bool", &half_width_kernels);
   m.def("few_rows_verdict(int k, int rows, int tail, bool plain=False) -> int", &few_rows_verdict);
