@@ -169,31 +169,54 @@ def test_tokens_with_many_experts(top_k, monkeypatch):
     assert_bit_equal(*both_sides(tiny_model("mha", top_k_experts=top_k), monkeypatch))
 
 
+def verification(model: DiffusionGemma) -> list[torch.Tensor]:
+    """A speculative verification's pass: a block of 6 tokens after a prompt, encoded tentatively, 4 of them kept;
+    its logits, then every key and value the cache holds."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, model.config.vocab_size, (1, 16), generator=g)
+    with torch.no_grad():
+        cache = model.new_cache(1, 40)
+        model.encode(ids[:, :10], cache, logits="none")
+        logits, keep = model.encode_tentatively(ids[:, 10:], cache)
+        keep(4)
+    return [logits] + [kv for layer in cache.layers for kv in (layer.keys, layer.values)]
+
+
 @pytest.mark.parametrize("name", ["gqa", "mha", "default_pattern"])
-def test_an_ar_steps_layers_run_in_buffers_of_their_own_with_the_same_bits(name, monkeypatch):
-    """A one-row pass's layers (`one_row_layer`) compute between their parts in buffers instead of ATen tensors,
-    wherever every part takes the kernels and loops `layer` would (here where the products' order for one row holds
-    on this machine): the Python layers' bits, and `layer`'s (`set_one_row(False)`). default_pattern's router has 3
-    experts, not a whole group of 4 outputs: its layers run as `layer`."""
+def test_a_few_rows_layers_run_in_buffers_of_their_own_with_the_same_bits(name, monkeypatch):
+    """A pass over a few rows of one batch row (an AR step, a verification, a canvas of 8) computes each layer between
+    its parts in buffers instead of ATen tensors (`rows_layer`), wherever its norms and gated activation take their
+    loops: the Python layers' bits, and `layer`'s (`set_one_row(False)`). default_pattern's router has 3 experts: its
+    AR steps' products of the router are at::mm's, still in buffers."""
     ops = torch.ops.printpress_layers
     model = tiny_model(name)
     if ops.fused_norm_width() == 0:
         pytest.skip("the one-loop norms do not give ATen's bits on this CPU: no layer runs in buffers")
+    inner, expert = model.config.intermediate_size, model.config.moe_intermediate_size
+    pair = torch.zeros(1, 2 * expert)
+    loops = (ops.fused_slot_sums() and ops.gated_fused(pair[:, :expert], pair[:, expert:], 0)
+             and all(ops.gated_fused(torch.zeros(t, inner), torch.zeros(t, inner), 0) for t in (1, 6, 8)))
     before = ops.one_row_layers()
     native_out, python_out = both_sides(model, monkeypatch)
-    ran = ops.one_row_layers() - before
     assert_bit_equal(native_out, python_out)
-    if name == "default_pattern":
-        assert ran == 0
-    elif ops.rows_kernel_verdict(model.config.hidden_size, 1, 0) == 1:
-        assert ran == 2 * model.config.num_hidden_layers  # the two one-token AR steps of `passes`
+    if loops:  # the two one-token AR steps and the two canvases of 8 of one batch row in `passes`
+        assert ops.one_row_layers() - before == 4 * model.config.num_hidden_layers
+    checked = ops.one_row_layers()
+    native_verification = verification(model)
+    if loops:
+        assert ops.one_row_layers() - checked == model.config.num_hidden_layers
+    monkeypatch.setattr(model_module, "NATIVE_LAYERS", False)
+    assert_bit_equal(native_verification, verification(model))
+    monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
+    ran = ops.one_row_layers()
     ops.set_one_row(False)
     try:
-        layer_out = passes(model)
+        layer_out, layer_verification = passes(model), verification(model)
     finally:
         ops.set_one_row(True)
-    assert ops.one_row_layers() - before == ran
+    assert ops.one_row_layers() == ran
     assert_bit_equal(native_out, layer_out)
+    assert_bit_equal(native_verification, layer_verification)
 
 
 def test_a_plan_follows_its_model_when_weights_modules_or_dtype_change(monkeypatch):

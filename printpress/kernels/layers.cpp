@@ -1603,17 +1603,18 @@ bool row_product_shapes(const Tensor& weight_t) {
 }
 
 // Whether a layer's weights (`layer`'s attention ones, one mode's after-attention ones, and that mode's experts' views)
-// let one row's layer run in buffers (`one_row_layer`), as far as their shapes and layouts tell.
-bool one_row_shapes(const std::vector<Tensor>& a, const std::vector<Tensor>& w, const std::vector<Tensor>& gate_up,
-                    const std::vector<Tensor>& down, int64_t d, int64_t top_k, int64_t act) {
-  bool ok = act == 0 && d % 2 == 0 && top_k < 16 && float_vector(a[0]) && float_vector(a[3]) && float_vector(a[4]) &&
-            row_product_shapes(a[1]) && row_product_shapes(a[2]) && (a.size() == 5 || row_product_shapes(a[5]));
+// let a few rows' layer run in buffers (`rows_layer`), as far as their dtypes, layouts and sizes tell.
+bool buffer_shapes(const std::vector<Tensor>& a, const std::vector<Tensor>& w, const std::vector<Tensor>& gate_up,
+                   const std::vector<Tensor>& down, int64_t d, int64_t top_k, int64_t act) {
+  bool ok = act == 0 && d % 2 == 0 && top_k < 16 && !gate_up.empty();
+  for (int i : {0, 3, 4}) ok = ok && float_vector(a[i]);
   for (int i : {1, 2, 6, 7, 9, 10, 13, 14}) ok = ok && float_vector(w[i]);
   ok = ok && (!w[15].defined() || (float_vector(w[15]) && w[15].numel() == 1));
-  for (int i : {0, 3, 4, 5, 8}) ok = ok && row_product_shapes(w[i]);
-  ok = ok && !gate_up.empty();
+  for (const Tensor& t : {a[1], a[2], a.size() == 6 ? a[5] : a[2], w[0], w[3], w[4], w[5], w[8]})
+    ok = ok && t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu();
   for (size_t x = 0; ok && x < gate_up.size(); ++x)
-    ok = row_product_shapes(gate_up[x]) && row_product_shapes(down[x]) && gate_up[x].size(1) == 2 * down[x].size(0);
+    ok = gate_up[x].dim() == 2 && down[x].dim() == 2 && gate_up[x].size(1) == 2 * down[x].size(0) &&
+         gate_up[x].scalar_type() == at::kFloat && down[x].scalar_type() == at::kFloat;
   if (!ok) return false;
   // the sizes agree: hidden h, heads and kv heads of d, the MLP's and the experts' widths
   const int64_t h = a[1].size(0);
@@ -1634,9 +1635,9 @@ struct LayerStack : torch::CustomClassHolder {
     double eps, scale, root_size;
     bool gqa, sliding;
     // per mode (decoder, encoder): each expert's gate_up and down weights (views of after_*[11] and [12]), and
-    // whether one row's layer may run in buffers (`one_row_layer`) as far as the weights' shapes and layouts tell
+    // whether a few rows' layer may run in buffers (`rows_layer`) as far as the weights tell
     std::array<std::vector<Tensor>, 2> gate_up, down;
-    std::array<bool, 2> one_row{false, false};
+    std::array<bool, 2> in_buffers{false, false};
   };
   std::vector<Entry> entries;
 
@@ -1657,41 +1658,63 @@ struct LayerStack : torch::CustomClassHolder {
           entry.gate_up[mode].push_back(w[11].select(0, e));
           entry.down[mode].push_back(w[12].select(0, e));
         }
-      entry.one_row[mode] = one_row_shapes(entry.attention, w, entry.gate_up[mode], entry.down[mode], head_dim, top_k,
-                                           act);
+      entry.in_buffers[mode] = buffer_shapes(entry.attention, w, entry.gate_up[mode], entry.down[mode], head_dim,
+                                             top_k, act);
     }
     entries.push_back(std::move(entry));
   }
   int64_t size() const { return static_cast<int64_t>(entries.size()); }
 };
 
-// -- one row's layer in buffers of its own ----------------------------------------------------------------------------
+// -- a few rows' layer in buffers of its own ---------------------------------------------------------------------
 //
-// An AR step's layer (batch 1, one token) is `layer`'s parts on one row, and most of its time outside the products
-// went to the ~100 ATen tensors a layer made, viewed and freed between them (allocations, views, dispatch: a quarter of
-// the shipped model's AR step on an AMD EPYC, session 47). `one_row_layer` computes the same parts with the same
-// kernels and loops (`float_rows` / `half_rows` of `rows_kernel`, the norms' `rms_rows`, `rotate_row`,
-// `gelu_tanh_times`, `slot_sums`), the values between them in this thread's buffers; the attention
-// (at::scaled_dot_product_attention over the joined cache, `join`), the router's softmax and top-k and its weights
-// (`route_weights`) stay ATen's, their inputs views of the buffers (at::from_blob) with the sizes and strides `layer`
-// hands them. It runs only where `layer` would take those same kernels and loops for every part (each product by
-// `rows_kernel` in whole groups of 4 outputs, the norms and the gated activation in one loop, the experts' slot sums),
-// which is checked before anything is written; elsewhere `layer` runs. The same bits either way
-// (tests/test_layers_native.py: every AR step of the both-sides tests runs here where it can, and
-// `set_one_row(false)`, the switch of the A/B measurements, runs `layer`).
+// An AR step's layer (batch 1, one token) or a verification's (batch 1, a few tokens) is `layer`'s parts on a few rows,
+// and most of its time outside the products went to the ~100 ATen tensors a layer made, viewed and freed between them
+// (allocations, views, dispatch: a quarter of the shipped model's AR step on an AMD EPYC, session 47). `rows_layer`
+// computes the same parts with the same code, the values between them in buffers of this thread: the norms' `rms_rows`,
+// `rotate_row`, `gelu_tanh_times` and (one row) the experts' `slot_sums` in their loops; each product as `product` would
+// (one row: `rows_kernel`'s own loops where it applies; else kernel_product_into or at::mm_out on views of the buffers,
+// at::from_blob, whose parts start on 64 bytes as ATen's allocations do); the attention (at::scaled_dot_product_attention
+// over the joined cache, `join`), the router's softmax, top-k and weights (`route_weights`) and, for more than one row,
+// the experts (`experts`) on views of the buffers with the sizes and strides `layer` hands them. It runs where the norms
+// and the gated activation would take their loops in `layer` (checked before anything is written; `buffer_shapes` for
+// the weights); elsewhere `layer` runs. The same bits either way (tests/test_layers_native.py: the AR steps and
+// verification-sized passes of the both-sides tests run here where they can; `set_one_row(false)`, the switch of the A/B
+// measurements, runs `layer`).
+constexpr int64_t kBufferRows = 8;  // the most rows rows_layer takes (a verification of 8 tokens)
 std::atomic<bool> one_row_on{true};
-std::atomic<int64_t> one_row_layers_run{0};  // layers one_row_layer ran (for the tests)
+std::atomic<int64_t> one_row_layers_run{0};  // layers rows_layer ran (for the tests)
 
-// x (k floats) times weight_t into y (n floats): rows_kernel for one row (row_product_shapes and rows_order_holds
-// checked by the caller).
-void row_product(const float* x, const Tensor& weight_t, float* y) {
+// x (m rows of k floats, unit stride, on 64 bytes) times weight_t (k, n) into y (m rows of n floats), as `product` (or
+// `product_into`) computes it.
+void buffer_product(const float* x, int64_t m, const Tensor& weight_t, float* y) {
   const int64_t k = weight_t.size(0), n = weight_t.size(1);
-  const bool ahead = warming(1);
-  const Tensor half = half_width_copy(weight_t);
-  if (half.defined())
-    half_rows_of(x, 1, k, half, k, n, (n + kHalfBlock - 1) / kHalfBlock, y, n, ahead);
-  else
-    float_rows(x, 1, k, weight_t.data_ptr<float>(), k, n, y, n, ahead);
+  if (m == 1 && rows_kernel_on.load(std::memory_order_relaxed) && row_product_shapes(weight_t) &&
+      rows_order_holds(k, 1, 0)) {  // rows_kernel_applies for a row of unit stride, without a tensor of it
+    const bool ahead = warming(1);
+    const Tensor half = half_width_copy(weight_t);
+    if (half.defined())
+      half_rows_of(x, 1, k, half, k, n, (n + kHalfBlock - 1) / kHalfBlock, y, n, ahead);
+    else
+      float_rows(x, 1, k, weight_t.data_ptr<float>(), k, n, y, n, ahead);
+    return;
+  }
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const Tensor rows = at::from_blob(const_cast<float*>(x), {m, k}, options);
+  Tensor out = at::from_blob(y, {m, n}, options);
+  if (kernel_product_into(out, rows, weight_t)) return;
+  warm(weight_t, m);
+  at::mm_out(out, rows, weight_t);
+}
+
+// buffer_product of a tensor x (m, k) (the attention's output, as `layer` reshapes it).
+void buffer_product(const Tensor& x, const Tensor& weight_t, float* y) {
+  if (x.stride(1) == 1 && x.stride(0) == x.size(1) && reinterpret_cast<std::uintptr_t>(x.data_ptr()) % 64 == 0) {
+    buffer_product(x.data_ptr<float>(), x.size(0), weight_t, y);
+    return;
+  }
+  const Tensor out = product(x, weight_t).contiguous();
+  std::memcpy(y, out.data_ptr<float>(), sizeof(float) * out.numel());
 }
 
 // fused_norm of `rows` rows of n floats of y into out: residual + norm(y) * weight, then * scalar (each optional).
@@ -1713,10 +1736,10 @@ void rows_norm(const float* y, int64_t rows, int64_t n, double eps, const float*
     rms_rows<8>(y, rows, n, static_cast<float>(eps), epilogue);
 }
 
-// norm_rotate of `heads` rows of d floats (one position: the tables' first row), `normalized` (where given) receiving
-// the values before the weight.
-void rows_norm_rotate(const float* x, int64_t heads, int64_t d, double eps, const float* weight, const float* cos,
-                      const float* signed_sin, float* out, float* normalized, float* scaled) {
+// norm_rotate of t positions' `heads` rows of d floats each (position p's tables at row p of cos and signed_sin),
+// `normalized` (where given) receiving the values before the weight; `scaled`: room for d floats.
+void rows_norm_rotate(const float* x, int64_t t, int64_t heads, int64_t d, double eps, const float* weight,
+                      const float* cos, const float* signed_sin, float* out, float* normalized, float* scaled) {
   auto epilogue = [&](int64_t r, const float* row, float inverse) {
     float* values = normalized != nullptr ? normalized + r * d : scaled;
     for (int64_t i = 0; i < d; ++i) values[i] = row[i] * inverse;
@@ -1724,145 +1747,148 @@ void rows_norm_rotate(const float* x, int64_t heads, int64_t d, double eps, cons
       for (int64_t i = 0; i < d; ++i) scaled[i] = values[i] * weight[i];
       values = scaled;
     }
-    rotate_row(values, cos, signed_sin, d, out + r * d);
+    const int64_t table = (r / heads) * d;
+    rotate_row(values, cos + table, signed_sin + table, d, out + r * d);
   };
   if (FusedNorms::width() == 16)
-    rms_rows<16>(x, heads, d, static_cast<float>(eps), epilogue);
+    rms_rows<16>(x, t * heads, d, static_cast<float>(eps), epilogue);
   else
-    rms_rows<8>(x, heads, d, static_cast<float>(eps), epilogue);
+    rms_rows<8>(x, t * heads, d, static_cast<float>(eps), epilogue);
 }
 
-// The scratch of one_row_layer: floats in this thread's buffer, handed out in order (`take`) after `reset`.
+// The floats of this thread's buffers (one tensor, so on ATen's 64 bytes), handed out in order (`take`), each part on
+// 64 bytes, after `reset` for at least `total` (counting each part rounded up to 16 floats).
 struct RowScratch {
-  std::vector<float> data;
-  size_t used = 0;
-  void reset(size_t total) {
-    if (data.size() < total) data.resize(total);
+  Tensor data;
+  int64_t used = 0;
+  void reset(int64_t total) {
+    if (!data.defined() || data.numel() < total) data = at::empty({total}, at::TensorOptions().dtype(at::kFloat));
     used = 0;
   }
   float* take(int64_t n) {
-    float* out = data.data() + used;
-    used += static_cast<size_t>((n + 15) / 16 * 16);  // each part on 64 bytes
+    float* out = data.data_ptr<float>() + used;
+    used += (n + 15) / 16 * 16;
+    TORCH_CHECK(used <= data.numel(), "printpress_layers: rows_layer's scratch is too small");
     return out;
   }
 };
 
-// `layer` on one row `x` (h floats) into `out`, as described above; false (nothing computed or written) where it may
-// not run in buffers (then `layer` runs).
-bool one_row_layer(const float* x, float* out, const LayerStack::Entry& e, bool encoder, const Tensor& cos,
-                   const Tensor& signed_sin, const Tensor& keys, const Tensor& values,
-                   const std::optional<Tensor>& mask, bool in_place, int64_t start, int64_t wrap, int64_t keep,
-                   int64_t write_at, const std::optional<Tensor>& slots) {
+// `layer` on t rows `x` (batch 1; t * h floats) into `out`, as described above; false (nothing computed or written)
+// where it may not run in buffers (then `layer` runs).
+bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& e, bool encoder, const Tensor& cos,
+                const Tensor& signed_sin, const Tensor& keys, const Tensor& values, const std::optional<Tensor>& mask,
+                bool in_place, int64_t start, int64_t wrap, int64_t keep, int64_t write_at,
+                const std::optional<Tensor>& slots) {
 #ifdef PRINTPRESS_VEC
   const int mode = encoder ? 1 : 0;
-  if (!one_row_on.load(std::memory_order_relaxed) || !rows_kernel_on.load(std::memory_order_relaxed) ||
-      at::GradMode::is_enabled() || FusedNorms::width() == 0 || !e.one_row[mode])
+  if (!one_row_on.load(std::memory_order_relaxed) || at::GradMode::is_enabled() || FusedNorms::width() == 0 ||
+      !e.in_buffers[mode] || t < 1 || t > kBufferRows)
     return false;
   const std::vector<Tensor>& a = e.attention;
   const std::vector<Tensor>& w = mode == 0 ? e.after_decoder : e.after_encoder;
   const int64_t h = a[1].size(0), d = e.head_dim, heads = a[1].size(1) / d, kv_heads = a[2].size(1) / d;
-  const int64_t inner = w[3].size(1), experts = w[8].size(1), expert = e.down[mode][0].size(0);
-  const int64_t top_k = e.top_k;
+  const int64_t inner = w[3].size(1), experts_n = w[8].size(1), expert = e.down[mode][0].size(0), top_k = e.top_k;
   if (!float_vector(cos) || !float_vector(signed_sin) || cos.dim() != 4 || cos.sizes() != signed_sin.sizes() ||
-      cos.size(0) != 1 || cos.size(1) != 1 || cos.size(2) != 1 || cos.size(3) != d ||
-      keys.scalar_type() != at::kFloat || values.scalar_type() != at::kFloat || !slot_sums_hold() ||
-      !rows_order_holds(h, 1, 0) || !rows_order_holds(heads * d, 1, 0) || !rows_order_holds(inner, 1, 0) ||
-      !rows_order_holds(expert, 1, 0) || !gated_holds(1, inner, true) || !gated_holds(1, expert, false))
+      cos.size(0) != 1 || cos.size(1) != t || cos.size(2) != 1 || cos.size(3) != d ||
+      keys.scalar_type() != at::kFloat || values.scalar_type() != at::kFloat || !gated_holds(t, inner, true) ||
+      (t == 1 && (!slot_sums_hold() || !gated_holds(1, expert, false))))
     return false;
   thread_local RowScratch scratch;
   // what the `take`s below hand out, each rounded up to 16 floats (22 of them)
-  scratch.reset(static_cast<size_t>((10 + top_k) * h + (std::max(heads, kv_heads) + heads + 2 * kv_heads + 1) * d +
-                                    3 * inner + 3 * expert + experts + 22 * 16));
+  scratch.reset(t * ((10 + top_k) * h + (std::max(heads, kv_heads) + heads + 2 * kv_heads) * d + 3 * inner +
+                     3 * expert + experts_n) + d + 22 * 16);
   const double eps = e.eps;
+  const auto options = at::TensorOptions().dtype(at::kFloat);
   // attention_inputs
-  float* normed = scratch.take(h);
-  rows_norm(x, 1, h, eps, a[0].data_ptr<float>(), normed);
-  float* projected = scratch.take(std::max(heads, kv_heads) * d);
-  float* q = scratch.take(heads * d);
-  float* k = scratch.take(kv_heads * d);
-  float* v = scratch.take(kv_heads * d);
+  float* normed = scratch.take(t * h);
+  rows_norm(x, t, h, eps, a[0].data_ptr<float>(), normed);
+  float* projected = scratch.take(t * std::max(heads, kv_heads) * d);
+  float* q = scratch.take(t * heads * d);
+  float* k = scratch.take(t * kv_heads * d);
+  float* v = scratch.take(t * kv_heads * d);
   float* scaled = scratch.take(d);
   const float *c = cos.data_ptr<float>(), *sn = signed_sin.data_ptr<float>();
-  row_product(normed, a[1], projected);
-  rows_norm_rotate(projected, heads, d, eps, a[3].data_ptr<float>(), c, sn, q, nullptr, scaled);
-  row_product(normed, a[2], projected);
-  rows_norm_rotate(projected, kv_heads, d, eps, a[4].data_ptr<float>(), c, sn, k, a.size() == 5 ? v : nullptr, scaled);
+  buffer_product(normed, t, a[1], projected);
+  rows_norm_rotate(projected, t, heads, d, eps, a[3].data_ptr<float>(), c, sn, q, nullptr, scaled);
+  buffer_product(normed, t, a[2], projected);
+  rows_norm_rotate(projected, t, kv_heads, d, eps, a[4].data_ptr<float>(), c, sn, k, a.size() == 5 ? v : nullptr,
+                   scaled);
   if (a.size() == 6) {
-    row_product(normed, a[5], projected);
-    rows_norm(projected, kv_heads, d, eps, nullptr, v);
+    buffer_product(normed, t, a[5], projected);
+    rows_norm(projected, t * kv_heads, d, eps, nullptr, v);
   }
-  // attend: the block's keys and values as the (1, kv_heads, 1, d) views `layer` joins, q as the (1, heads, 1, d) one
-  const auto options = at::TensorOptions().dtype(at::kFloat);
-  const Tensor q_view = at::from_blob(q, {1, heads, 1, d}, {heads * d, d, heads * d, 1}, options);
-  const Tensor k_view = at::from_blob(k, {1, kv_heads, 1, d}, {kv_heads * d, d, kv_heads * d, 1}, options);
-  const Tensor v_view = at::from_blob(v, {1, kv_heads, 1, d}, {kv_heads * d, d, kv_heads * d, 1}, options);
+  // attend: q (1, heads, t, d) and the block's keys and values (1, kv_heads, t, d) as `layer` transposes them
+  const Tensor q_view = at::from_blob(q, {1, heads, t, d}, {t * heads * d, d, heads * d, 1}, options);
+  const Tensor k_view = at::from_blob(k, {1, kv_heads, t, d}, {t * kv_heads * d, d, kv_heads * d, 1}, options);
+  const Tensor v_view = at::from_blob(v, {1, kv_heads, t, d}, {t * kv_heads * d, d, kv_heads * d, 1}, options);
   const Tensor joined_k = join(keys, k_view, in_place, start, wrap, keep, write_at, slots);
   const Tensor joined_v = join(values, v_view, in_place, start, wrap, keep, write_at, slots);
   const Tensor attended = at::scaled_dot_product_attention(q_view, joined_k, joined_v, mask, 0.0, false, e.scale, e.gqa)
-                              .transpose(1, 2).reshape({1, -1});
+                              .transpose(1, 2).reshape({t, -1});
   // after_attention
-  float* x1 = scratch.take(h);
-  float* o = scratch.take(h);
-  if (attended.stride(1) == 1) {
-    row_product(attended.data_ptr<float>(), w[0], o);
-  } else {  // a row `product` would not give to rows_kernel: at::mm's, as `layer` computes it
-    const Tensor product_out = product(attended, w[0]).contiguous();
-    std::memcpy(o, product_out.data_ptr<float>(), sizeof(float) * h);
-  }
-  rows_norm(o, 1, h, eps, w[1].data_ptr<float>(), x1, x);
-  float* pre = scratch.take(h);
-  float* routed = scratch.take(h);
-  float* pre2 = scratch.take(h);
+  float* o = scratch.take(t * h);
+  float* x1 = scratch.take(t * h);
+  buffer_product(attended, w[0], o);
+  rows_norm(o, t, h, eps, w[1].data_ptr<float>(), x1, x);
+  float* pre = scratch.take(t * h);
+  float* routed = scratch.take(t * h);
+  float* pre2 = scratch.take(t * h);
   {  // shared_norm
     const float *wd = w[2].data_ptr<float>(), *ws = w[7].data_ptr<float>(), *we = w[10].data_ptr<float>();
     const float root = static_cast<float>(e.root_size);
-    auto epilogue = [&](int64_t, const float* row, float inverse) {
+    auto epilogue = [&](int64_t r, const float* row, float inverse) {
       for (int64_t i = 0; i < h; ++i) {
         const float value = row[i] * inverse;
-        pre[i] = value * wd[i];
-        routed[i] = (value * ws[i]) * root;
-        pre2[i] = value * we[i];
+        pre[r * h + i] = value * wd[i];
+        routed[r * h + i] = (value * ws[i]) * root;
+        pre2[r * h + i] = value * we[i];
       }
     };
     if (FusedNorms::width() == 16)
-      rms_rows<16>(x1, 1, h, static_cast<float>(eps), epilogue);
+      rms_rows<16>(x1, t, h, static_cast<float>(eps), epilogue);
     else
-      rms_rows<8>(x1, 1, h, static_cast<float>(eps), epilogue);
+      rms_rows<8>(x1, t, h, static_cast<float>(eps), epilogue);
   }
-  // the dense MLP
-  float* gate = scratch.take(inner);
-  float* up = scratch.take(inner);
-  float* activated = scratch.take(inner);
-  float* mlp = scratch.take(h);
-  float* dense = scratch.take(h);
-  row_product(pre, w[3], gate);
-  row_product(pre, w[4], up);
-  gelu_tanh_times(gate, up, inner, activated);
-  row_product(activated, w[5], mlp);
-  rows_norm(mlp, 1, h, eps, w[6].data_ptr<float>(), dense);
+  // the dense MLP: the gated activation over the rows as one run, as gated_loop takes two contiguous tensors
+  float* gate = scratch.take(t * inner);
+  float* up = scratch.take(t * inner);
+  float* activated = scratch.take(t * inner);
+  float* mlp = scratch.take(t * h);
+  float* dense = scratch.take(t * h);
+  buffer_product(pre, t, w[3], gate);
+  buffer_product(pre, t, w[4], up);
+  gelu_tanh_times(gate, up, t * inner, activated);
+  buffer_product(activated, t, w[5], mlp);
+  rows_norm(mlp, t, h, eps, w[6].data_ptr<float>(), dense);
   // the router and the experts
-  float* router = scratch.take(experts);
-  row_product(routed, w[8], router);
-  const Tensor probs = at::softmax(at::from_blob(router, {1, experts}, options), -1, at::kFloat);
+  float* router = scratch.take(t * experts_n);
+  buffer_product(routed, t, w[8], router);
+  const Tensor probs = at::softmax(at::from_blob(router, {t, experts_n}, options), -1, at::kFloat);
   auto [top, chosen] = at::topk(probs, top_k, -1);
-  const Tensor weights = route_weights(top, chosen, w[9]).contiguous();
-  const Tensor chosen_rows = chosen.contiguous();
-  const int64_t* index = chosen_rows.data_ptr<int64_t>();
+  const Tensor weights = route_weights(top, chosen, w[9]);
+  float* sparse = scratch.take(t * h);
   float* gate_up = scratch.take(2 * expert);
   float* expert_act = scratch.take(expert);
   float* slot_rows = scratch.take(top_k * h);
-  std::vector<int64_t> order(top_k);
-  for (int64_t slot = 0; slot < top_k; ++slot) {
-    order[slot] = slot;
-    row_product(pre2, e.gate_up[mode][index[slot]], gate_up);
-    gelu_tanh_times(gate_up, gate_up + expert, expert, expert_act);
-    row_product(expert_act, e.down[mode][index[slot]], slot_rows + slot * h);
+  if (t == 1) {  // `experts`' one-row path: each chosen expert's row into its slot's row, then the weighted sum
+    const Tensor chosen_row = chosen.contiguous(), slot_weights = weights.contiguous();
+    const int64_t* index = chosen_row.data_ptr<int64_t>();
+    std::vector<int64_t> order(top_k);
+    for (int64_t slot = 0; slot < top_k; ++slot) {
+      order[slot] = slot;
+      buffer_product(pre2, 1, e.gate_up[mode][index[slot]], gate_up);
+      gelu_tanh_times(gate_up, gate_up + expert, expert, expert_act);
+      buffer_product(expert_act, 1, e.down[mode][index[slot]], slot_rows + slot * h);
+    }
+    slot_sums(slot_rows, h, order.data(), slot_weights.data_ptr<float>(), 1, top_k, h, sparse);
+  } else {
+    const Tensor routed_out = experts(at::from_blob(pre2, {t, h}, options), weights, chosen, w[11], w[12], e.act)
+                                  .contiguous();
+    std::memcpy(sparse, routed_out.data_ptr<float>(), sizeof(float) * t * h);
   }
-  float* sparse = scratch.take(h);
-  slot_sums(slot_rows, h, order.data(), weights.data_ptr<float>(), 1, top_k, h, sparse);
-  float* mixed = scratch.take(h);
-  rows_norm(sparse, 1, h, eps, w[13].data_ptr<float>(), mixed, dense);
-  rows_norm(mixed, 1, h, eps, w[14].data_ptr<float>(), out, x1, w[15].defined() ? w[15].data_ptr<float>() : nullptr);
+  float* mixed = scratch.take(t * h);
+  rows_norm(sparse, t, h, eps, w[13].data_ptr<float>(), mixed, dense);
+  rows_norm(mixed, t, h, eps, w[14].data_ptr<float>(), out, x1, w[15].defined() ? w[15].data_ptr<float>() : nullptr);
   one_row_layers_run.fetch_add(1, std::memory_order_relaxed);
   return true;
 #else
@@ -1872,6 +1898,13 @@ bool one_row_layer(const float* x, float* out, const LayerStack::Entry& e, bool 
 
 void set_one_row(bool on) { one_row_on.store(on); }
 int64_t one_row_layers() { return one_row_layers_run.load(); }
+
+// A new tensor like x holding the first x.numel() floats of `buffer`.
+Tensor from_buffer(const Tensor& buffer, const Tensor& x) {
+  Tensor out = at::empty_like(x);
+  std::memcpy(out.data_ptr<float>(), buffer.data_ptr<float>(), sizeof(float) * x.numel());
+  return out;
+}
 
 // Every layer of `stack` in turn over x, as `layer` with each one's weights: the RoPE tables and mask of its kind
 // (sliding or full), and its cache and join (KVJoin's fields, one per layer).
@@ -1886,10 +1919,11 @@ Tensor layers(const Tensor& x, c10::intrusive_ptr<LayerStack> stack, bool encode
                   wrap.size() == n && keep.size() == n && write_at.size() == n && slots.size() == n,
               "printpress_layers.layers: one cache and join per layer (", n, ")");
   Tensor h = x;
-  // one row (an AR step): the layers that may run in buffers (`one_row_layer`) pass the row between them in two
-  // buffers of this thread; a tensor is made of it where a layer may not, and at the end
-  const bool one_row = batch * length == 1 && fused(x) && x.dim() == 2;
-  thread_local std::vector<float> rows[2];
+  // a few rows of one batch row (an AR step, a verification): the layers that may run in buffers (`rows_layer`) pass
+  // the rows between them in two buffers of this thread (tensors: on ATen's 64 bytes); a tensor is made of them
+  // where a layer may not, and at the end
+  const bool few_rows = batch == 1 && length <= kBufferRows && x.dim() == 2 && x.size(0) == length && fused(x);
+  thread_local Tensor rows[2];
   int in_buffer = -1;  // which of `rows` holds h, if one does
   for (size_t i = 0; i < n; ++i) {
     const LayerStack::Entry& e = stack->entries[i];
@@ -1897,19 +1931,18 @@ Tensor layers(const Tensor& x, c10::intrusive_ptr<LayerStack> stack, bool encode
     const auto& sin = e.sliding ? sliding_sin : full_sin;
     TORCH_CHECK(cos.has_value() && sin.has_value(), "printpress_layers.layers: no RoPE tables for layer ", i,
                 "'s kind");
-    if (one_row) {
+    if (few_rows) {
       const int to = in_buffer == 0 ? 1 : 0;
-      rows[to].resize(x.size(1));
-      const float* from = in_buffer >= 0 ? rows[in_buffer].data() : h.data_ptr<float>();
-      if (one_row_layer(from, rows[to].data(), e, encoder, *cos, *sin, keys[i], values[i],
-                        e.sliding ? sliding_mask : full_mask, in_place.get(i), start[i], wrap[i], keep[i],
-                        write_at[i], slots.get(i))) {
+      if (!rows[to].defined() || rows[to].numel() < x.numel()) rows[to] = at::empty({x.numel()}, x.options());
+      const float* from = in_buffer >= 0 ? rows[in_buffer].data_ptr<float>() : h.data_ptr<float>();
+      if (rows_layer(from, length, rows[to].data_ptr<float>(), e, encoder, *cos, *sin, keys[i], values[i],
+                     e.sliding ? sliding_mask : full_mask, in_place.get(i), start[i], wrap[i], keep[i], write_at[i],
+                     slots.get(i))) {
         in_buffer = to;
         continue;
       }
       if (in_buffer >= 0) {
-        h = at::empty_like(x);
-        std::memcpy(h.data_ptr<float>(), rows[in_buffer].data(), sizeof(float) * x.size(1));
+        h = from_buffer(rows[in_buffer], x);
         in_buffer = -1;
       }
     }
@@ -1917,10 +1950,7 @@ Tensor layers(const Tensor& x, c10::intrusive_ptr<LayerStack> stack, bool encode
               *sin, keys[i], values[i], e.sliding ? sliding_mask : full_mask, in_place.get(i), start[i], wrap[i],
               keep[i], write_at[i], slots.get(i), e.gqa, e.scale, e.top_k, e.root_size, e.act);
   }
-  if (in_buffer >= 0) {
-    h = at::empty_like(x);
-    std::memcpy(h.data_ptr<float>(), rows[in_buffer].data(), sizeof(float) * x.size(1));
-  }
+  if (in_buffer >= 0) h = from_buffer(rows[in_buffer], x);
   return h;
 }
 
