@@ -589,6 +589,9 @@ def test_a_half_valued_model_reads_its_weights_at_half_width_with_the_same_bits(
             layer.self_attn.q_proj.weight.copy_(layer.self_attn.q_proj.weight.flip(0))
             layer.mlp.down_proj.weight.mul_(2.0)
     assert_bit_equal(*both_sides(model, monkeypatch))
+    made = ops.half_width_copies_made()
+    passes(model)  # one-row and many-row passes alternate: each reads the copies made before, none made again
+    assert ops.half_width_copies_made() == made
     ops.set_half_width(False)
     try:
         native_out = passes(model)

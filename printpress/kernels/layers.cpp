@@ -921,6 +921,7 @@ std::map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> hal
 // by the weight's first element and its view's sizes and strides (a weight read in both layouts has two copies)
 std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int64_t>, HalfWidth> half_widths;
 std::atomic<bool> half_width_on{true};
+std::atomic<int64_t> half_widths_made{0};  // copies made (or found not to fit) so far, a weight's again when it changed
 
 // The weight (n, k) at the narrower width that holds every one of its values exactly, blocked, or undefined.
 Tensor narrower_copy(const Tensor& weight) {
@@ -961,6 +962,7 @@ Tensor half_width_copy(const Tensor& weight_t) {
   for (auto it = half_widths.begin(); it != half_widths.end();) {  // entries of weights that are gone
     it = it->second.storage.expired() ? half_widths.erase(it) : std::next(it);
   }
+  half_widths_made.fetch_add(1, std::memory_order_relaxed);
   HalfWidth entry{weight_t.storage().getWeakStorageImpl(), version, narrower_copy(weight_t.t())};
   Tensor copy = entry.copy;
   half_widths.insert_or_assign(key, std::move(entry));
@@ -1604,17 +1606,16 @@ bool row_product_shapes(const Tensor& weight_t) {
 
 // Whether a layer's weights (`layer`'s attention ones, one mode's after-attention ones, and that mode's experts' views)
 // let a few rows' layer run in buffers (`rows_layer`), as far as their dtypes, layouts and sizes tell.
-bool buffer_shapes(const std::vector<Tensor>& a, const std::vector<Tensor>& w, const std::vector<Tensor>& gate_up,
-                   const std::vector<Tensor>& down, int64_t d, int64_t top_k, int64_t act) {
-  bool ok = act == 0 && d % 2 == 0 && top_k < 16 && !gate_up.empty();
+bool buffer_shapes(const std::vector<Tensor>& a, const std::vector<Tensor>& w, int64_t d, int64_t top_k, int64_t act) {
+  const Tensor &gate_up = w[11], &down = w[12];  // (experts, h, 2 * width), (experts, width, h)
+  bool ok = act == 0 && d % 2 == 0 && top_k < 16 && gate_up.dim() == 3 && down.dim() == 3 &&
+            gate_up.size(0) == down.size(0) && gate_up.size(0) > 0 && gate_up.size(2) == 2 * down.size(1) &&
+            gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat;
   for (int i : {0, 3, 4}) ok = ok && float_vector(a[i]);
   for (int i : {1, 2, 6, 7, 9, 10, 13, 14}) ok = ok && float_vector(w[i]);
   ok = ok && (!w[15].defined() || (float_vector(w[15]) && w[15].numel() == 1));
   for (const Tensor& t : {a[1], a[2], a.size() == 6 ? a[5] : a[2], w[0], w[3], w[4], w[5], w[8]})
     ok = ok && t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu();
-  for (size_t x = 0; ok && x < gate_up.size(); ++x)
-    ok = gate_up[x].dim() == 2 && down[x].dim() == 2 && gate_up[x].size(1) == 2 * down[x].size(0) &&
-         gate_up[x].scalar_type() == at::kFloat && down[x].scalar_type() == at::kFloat;
   if (!ok) return false;
   // the sizes agree: hidden h, heads and kv heads of d, the MLP's and the experts' widths
   const int64_t h = a[1].size(0);
@@ -1622,8 +1623,8 @@ bool buffer_shapes(const std::vector<Tensor>& a, const std::vector<Tensor>& w, c
        a[3].numel() == d && a[4].numel() == d && (a.size() == 5 || a[5].sizes() == a[2].sizes()) &&
        w[0].size(0) == a[1].size(1) && w[0].size(1) == h && w[3].size(0) == h && w[4].sizes() == w[3].sizes() &&
        w[5].size(0) == w[3].size(1) && w[5].size(1) == h && w[8].size(0) == h &&
-       w[8].size(1) == static_cast<int64_t>(gate_up.size()) && w[9].numel() == w[8].size(1) && top_k <= w[8].size(1) &&
-       gate_up[0].size(0) == h && down[0].size(1) == h;
+       w[8].size(1) == gate_up.size(0) && w[9].numel() == w[8].size(1) && top_k <= w[8].size(1) &&
+       gate_up.size(1) == h && down.size(2) == h;
   for (int i : {1, 2, 6, 7, 10, 13, 14}) ok = ok && w[i].numel() == h;
   return ok;
 }
@@ -1634,9 +1635,8 @@ struct LayerStack : torch::CustomClassHolder {
     int64_t head_dim, top_k, act;
     double eps, scale, root_size;
     bool gqa, sliding;
-    // per mode (decoder, encoder): each expert's gate_up and down weights (views of after_*[11] and [12]), and
-    // whether a few rows' layer may run in buffers (`rows_layer`) as far as the weights tell
-    std::array<std::vector<Tensor>, 2> gate_up, down;
+    // per mode (decoder, encoder): whether a few rows' layer may run in buffers (`rows_layer`) as far as the weights
+    // tell
     std::array<bool, 2> in_buffers{false, false};
   };
   std::vector<Entry> entries;
@@ -1651,16 +1651,9 @@ struct LayerStack : torch::CustomClassHolder {
                 ", ", after_decoder.size(), " and ", after_encoder.size());
     Entry entry{std::move(attention), std::move(after_decoder), std::move(after_encoder), head_dim, top_k, act,
                 eps, scale, root_size, gqa, sliding};
-    for (int mode = 0; mode < 2; ++mode) {
-      const std::vector<Tensor>& w = mode == 0 ? entry.after_decoder : entry.after_encoder;
-      if (w[11].dim() == 3 && w[12].dim() == 3 && w[11].size(0) == w[12].size(0))
-        for (int64_t e = 0; e < w[11].size(0); ++e) {
-          entry.gate_up[mode].push_back(w[11].select(0, e));
-          entry.down[mode].push_back(w[12].select(0, e));
-        }
-      entry.in_buffers[mode] = buffer_shapes(entry.attention, w, entry.gate_up[mode], entry.down[mode], head_dim,
-                                             top_k, act);
-    }
+    for (int mode = 0; mode < 2; ++mode)
+      entry.in_buffers[mode] =
+          buffer_shapes(entry.attention, mode == 0 ? entry.after_decoder : entry.after_encoder, head_dim, top_k, act);
     entries.push_back(std::move(entry));
   }
   int64_t size() const { return static_cast<int64_t>(entries.size()); }
@@ -1787,7 +1780,7 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   const std::vector<Tensor>& a = e.attention;
   const std::vector<Tensor>& w = mode == 0 ? e.after_decoder : e.after_encoder;
   const int64_t h = a[1].size(0), d = e.head_dim, heads = a[1].size(1) / d, kv_heads = a[2].size(1) / d;
-  const int64_t inner = w[3].size(1), experts_n = w[8].size(1), expert = e.down[mode][0].size(0), top_k = e.top_k;
+  const int64_t inner = w[3].size(1), experts_n = w[8].size(1), expert = w[12].size(1), top_k = e.top_k;
   if (!float_vector(cos) || !float_vector(signed_sin) || cos.dim() != 4 || cos.sizes() != signed_sin.sizes() ||
       cos.size(0) != 1 || cos.size(1) != t || cos.size(2) != 1 || cos.size(3) != d ||
       keys.scalar_type() != at::kFloat || values.scalar_type() != at::kFloat || !gated_holds(t, inner, true) ||
@@ -1871,14 +1864,16 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   float* expert_act = scratch.take(expert);
   float* slot_rows = scratch.take(top_k * h);
   if (t == 1) {  // `experts`' one-row path: each chosen expert's row into its slot's row, then the weighted sum
+    // (each expert's weights selected here, as `experts` selects them: a half-width copy is kept per view's version,
+    // and views made once ahead carry a version of their own, so both would make and remake their copies)
     const Tensor chosen_row = chosen.contiguous(), slot_weights = weights.contiguous();
     const int64_t* index = chosen_row.data_ptr<int64_t>();
     std::vector<int64_t> order(top_k);
     for (int64_t slot = 0; slot < top_k; ++slot) {
       order[slot] = slot;
-      buffer_product(pre2, 1, e.gate_up[mode][index[slot]], gate_up);
+      buffer_product(pre2, 1, w[11].select(0, index[slot]), gate_up);
       gelu_tanh_times(gate_up, gate_up + expert, expert, expert_act);
-      buffer_product(expert_act, 1, e.down[mode][index[slot]], slot_rows + slot * h);
+      buffer_product(expert_act, 1, w[12].select(0, index[slot]), slot_rows + slot * h);
     }
     slot_sums(slot_rows, h, order.data(), slot_weights.data_ptr<float>(), 1, top_k, h, sparse);
   } else {
@@ -2100,6 +2095,9 @@ std::tuple<int64_t, int64_t, int64_t> half_width_copies() {
   return {counts[0], counts[1], counts[2]};
 }
 
+// For the tests: how many copies were made so far (each weight's once, and again after it changed in place).
+int64_t half_width_copies_made() { return half_widths_made.load(); }
+
 // What the check found for inner size k, `rows` input rows and `tail` = outputs % 4 at the current thread count:
 // 1 held, 0 did not, -1 not checked (yet).
 int64_t rows_kernel_verdict(int64_t k, int64_t rows, int64_t tail) {
@@ -2188,6 +2186,7 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("half_width_kernels() -> bool", &half_width_kernels);
   m.def("few_rows_verdict(int k, int rows, int tail, bool plain=False) -> int", &few_rows_verdict);
   m.def("half_width_copies() -> (int, int, int)", &half_width_copies);
+  m.def("half_width_copies_made() -> int", &half_width_copies_made);
   m.def("rows_kernel_verdict(int k, int rows, int tail) -> int", &rows_kernel_verdict);
   m.def("fused_norm_width() -> int", &fused_norm_width);
   m.def("fused_slot_sums() -> bool", &fused_slot_sums);
