@@ -124,16 +124,6 @@ void rms_rows(const float* x, int64_t rows, int64_t n, float eps, Epilogue epilo
   for (int64_t r = 0; r < rows; ++r) epilogue(r, x + r * n, inverse_rms<W>(x + r * n, n, eps, squares.data()));
 }
 
-template <typename Epilogue>
-void rms_rows(const Tensor& x, double eps, int width, Epilogue epilogue) {
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  if (width == 16) {
-    rms_rows<16>(x.data_ptr<float>(), rows, n, static_cast<float>(eps), epilogue);
-  } else {
-    rms_rows<8>(x.data_ptr<float>(), rows, n, static_cast<float>(eps), epilogue);
-  }
-}
-
 // model.rms_normalize in ATen's operators: h * pow(mean(h^2) + eps, -0.5), h = x.float().
 Tensor aten_rms_normalize(const Tensor& x, double eps) {
   Tensor h = as_float(x);
@@ -191,27 +181,40 @@ bool fused(const Tensor& x, std::initializer_list<Tensor> others = {}) {
   return true;
 }
 
-// residual + (rms_normalize(y) * weight), then * scalar: each part optional (undefined), as ATen's operators round
-// them, one after the other, for each element.
+// The norms of `rows` rows of n floats at x by FusedNorms' width, each row's `epilogue(r, row, inverse)` writing what
+// the caller makes of it.
+template <typename Epilogue>
+void rms_rows(const float* x, int64_t rows, int64_t n, double eps, Epilogue epilogue) {
+  if (FusedNorms::width() == 16)
+    rms_rows<16>(x, rows, n, static_cast<float>(eps), epilogue);
+  else
+    rms_rows<8>(x, rows, n, static_cast<float>(eps), epilogue);
+}
+
+// residual + (rms_normalize(y) * weight), then * scalar, for `rows` rows of n floats of y into out: each part optional
+// (null), as ATen's operators round them, one after the other, for each element.
+void rows_norm(const float* y, int64_t rows, int64_t n, double eps, const float* weight, float* out,
+               const float* residual = nullptr, const float* scalar = nullptr) {
+  rms_rows(y, rows, n, eps, [&](int64_t r, const float* row, float inverse) {
+    float* o = out + r * n;  // each step rounded to float, in ATen's order
+    for (int64_t i = 0; i < n; ++i) o[i] = row[i] * inverse;
+    if (weight != nullptr)
+      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * weight[i];
+    if (residual != nullptr)
+      for (int64_t i = 0; i < n; ++i) o[i] = residual[r * n + i] + o[i];
+    if (scalar != nullptr)
+      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * *scalar;
+  });
+}
+
+// rows_norm of the tensors (undefined: left out; `scalar` a one-element float32 tensor) into a new one.
 Tensor fused_norm(const Tensor& y, const Tensor& weight, double eps, const Tensor& residual = Tensor(),
                   const Tensor& scalar = Tensor()) {
   Tensor out = at::empty_like(y);
   const int64_t n = y.size(-1);
-  const float* w = weight.defined() ? weight.data_ptr<float>() : nullptr;
-  const float* add = residual.defined() ? residual.data_ptr<float>() : nullptr;
-  const float factor = scalar.defined() ? *scalar.data_ptr<float>() : 1.0f;  // fused(): a float32 CPU tensor
-  const bool scaled = scalar.defined();
-  float* dst = out.data_ptr<float>();
-  rms_rows(y, eps, FusedNorms::width(), [&](int64_t r, const float* row, float inverse) {
-    float* o = dst + r * n;  // each step rounded to float, in ATen's order
-    for (int64_t i = 0; i < n; ++i) o[i] = row[i] * inverse;
-    if (w != nullptr)
-      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * w[i];
-    if (add != nullptr)
-      for (int64_t i = 0; i < n; ++i) o[i] = add[r * n + i] + o[i];
-    if (scaled)
-      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * factor;
-  });
+  rows_norm(y.data_ptr<float>(), y.numel() / n, n, eps, weight.defined() ? weight.data_ptr<float>() : nullptr,
+            out.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
+            scalar.defined() ? scalar.data_ptr<float>() : nullptr);  // fused(): float32 CPU tensors
   return out;
 }
 
@@ -283,6 +286,25 @@ Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
   return out;
 }
 
+// norm_rotate's loop: `positions` positions (b * length + t) of `heads` rows of d floats at x, each row's RMS norm,
+// times the weight (where given), rotated by its position's tables (row t of cos and signed_sin where `shared`, one
+// table for every batch row; else row b * length + t) into out; `normalized` (where given) receives the values before
+// the weight; `scaled`: room for d floats.
+void rows_norm_rotate(const float* x, int64_t positions, int64_t length, int64_t heads, int64_t d, double eps,
+                      const float* weight, const float* cos, const float* signed_sin, bool shared, float* out,
+                      float* normalized, float* scaled) {
+  rms_rows(x, positions * heads, d, eps, [&](int64_t r, const float* row, float inverse) {
+    float* values = normalized != nullptr ? normalized + r * d : scaled;
+    for (int64_t i = 0; i < d; ++i) values[i] = row[i] * inverse;
+    if (weight != nullptr) {
+      for (int64_t i = 0; i < d; ++i) scaled[i] = values[i] * weight[i];
+      values = scaled;
+    }
+    const int64_t position = r / heads, table = (shared ? position % length : position) * d;
+    rotate_row(values, cos + table, signed_sin + table, d, out + r * d);
+  });
+}
+
 // rotate(norm(x, weight)) of the heads' rows of x (B, T, heads, D): the RMS norm of each row, times the weight (where
 // defined), rotated, in one loop into one tensor; `normalized`, where given, receives rms_normalize(x) (the values
 // before the weight: a K=V layer's values). What norm, scale and rotate give, bit for bit.
@@ -296,21 +318,11 @@ Tensor norm_rotate(const Tensor& x, const Tensor& weight, double eps, const Tens
   Tensor out = at::empty_like(x);
   if (normalized != nullptr) *normalized = at::empty_like(x);
   const int64_t d = x.size(3);
-  const float *c = cos.data_ptr<float>(), *sn = signed_sin.data_ptr<float>();
-  const float* w = weight.defined() ? weight.data_ptr<float>() : nullptr;
-  float* dst = out.data_ptr<float>();
-  float* plain = normalized != nullptr ? normalized->data_ptr<float>() : nullptr;
   std::vector<float> scaled(d);
-  rms_rows(x, eps, FusedNorms::width(), [&](int64_t r, const float* row, float inverse) {
-    float* values = plain != nullptr ? plain + r * d : scaled.data();
-    for (int64_t i = 0; i < d; ++i) values[i] = row[i] * inverse;
-    if (w != nullptr) {
-      for (int64_t i = 0; i < d; ++i) scaled[i] = values[i] * w[i];
-      values = scaled.data();
-    }
-    const int64_t table = table_row(x, cos, r);
-    rotate_row(values, c + table, sn + table, d, dst + r * d);
-  });
+  rows_norm_rotate(x.data_ptr<float>(), x.size(0) * x.size(1), x.size(1), x.size(2), d, eps,
+                   weight.defined() ? weight.data_ptr<float>() : nullptr, cos.data_ptr<float>(),
+                   signed_sin.data_ptr<float>(), cos.size(0) == 1, out.data_ptr<float>(),
+                   normalized != nullptr ? normalized->data_ptr<float>() : nullptr, scaled.data());
   return out;
 }
 
@@ -1425,6 +1437,22 @@ Tensor experts(const Tensor& x, const Tensor& weights, const Tensor& chosen, con
   return summed.scalar_type() == x.scalar_type() ? summed : summed.to(x.scalar_type());
 }
 
+// shared_norm's loop over `rows` rows of n floats at x: each value of a row's norm times the dense weight (into
+// dense), times the router's scale and then root_size (into routed), times the experts' weight (into experts).
+void rows_shared_norm(const float* x, int64_t rows, int64_t n, double eps, const float* dense_weight,
+                      const float* router_scale, double root_size, const float* experts_weight, float* dense,
+                      float* routed, float* experts) {
+  const float root = static_cast<float>(root_size);
+  rms_rows(x, rows, n, eps, [&](int64_t r, const float* row, float inverse) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = row[i] * inverse;
+      dense[r * n + i] = v * dense_weight[i];
+      routed[r * n + i] = (v * router_scale[i]) * root;
+      experts[r * n + i] = v * experts_weight[i];
+    }
+  });
+}
+
 // The three inputs after_attention takes from one norm of x: the dense MLP's (its pre_feedforward_layernorm weight),
 // the router's (its weightless norm, * its scale, * root_size) and the experts' (pre_feedforward_layernorm_2).
 std::tuple<Tensor, Tensor, Tensor> shared_norm(const Tensor& x, const Tensor& dense_weight,
@@ -1438,18 +1466,9 @@ std::tuple<Tensor, Tensor, Tensor> shared_norm(const Tensor& x, const Tensor& de
   }
   Tensor dense = at::empty_like(x), routed = at::empty_like(x), experts = at::empty_like(x);
   const int64_t n = x.size(-1);
-  const float *wd = dense_weight.data_ptr<float>(), *ws = router_scale.data_ptr<float>();
-  const float* we = experts_weight.data_ptr<float>();
-  const float root = static_cast<float>(root_size);
-  float *od = dense.data_ptr<float>(), *orr = routed.data_ptr<float>(), *oe = experts.data_ptr<float>();
-  rms_rows(x, eps, FusedNorms::width(), [&](int64_t r, const float* row, float inverse) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = row[i] * inverse;
-      od[r * n + i] = v * wd[i];
-      orr[r * n + i] = (v * ws[i]) * root;
-      oe[r * n + i] = v * we[i];
-    }
-  });
+  rows_shared_norm(x.data_ptr<float>(), x.numel() / n, n, eps, dense_weight.data_ptr<float>(),
+                   router_scale.data_ptr<float>(), root_size, experts_weight.data_ptr<float>(), dense.data_ptr<float>(),
+                   routed.data_ptr<float>(), experts.data_ptr<float>());
   return {dense, routed, experts};
 }
 
@@ -1710,45 +1729,6 @@ void buffer_product(const Tensor& x, const Tensor& weight_t, float* y) {
   std::memcpy(y, out.data_ptr<float>(), sizeof(float) * out.numel());
 }
 
-// fused_norm of `rows` rows of n floats of y into out: residual + norm(y) * weight, then * scalar (each optional).
-void rows_norm(const float* y, int64_t rows, int64_t n, double eps, const float* weight, float* out,
-               const float* residual = nullptr, const float* scalar = nullptr) {
-  auto epilogue = [&](int64_t r, const float* row, float inverse) {
-    float* o = out + r * n;  // each step rounded to float, in ATen's order
-    for (int64_t i = 0; i < n; ++i) o[i] = row[i] * inverse;
-    if (weight != nullptr)
-      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * weight[i];
-    if (residual != nullptr)
-      for (int64_t i = 0; i < n; ++i) o[i] = residual[r * n + i] + o[i];
-    if (scalar != nullptr)
-      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * *scalar;
-  };
-  if (FusedNorms::width() == 16)
-    rms_rows<16>(y, rows, n, static_cast<float>(eps), epilogue);
-  else
-    rms_rows<8>(y, rows, n, static_cast<float>(eps), epilogue);
-}
-
-// norm_rotate of t positions' `heads` rows of d floats each (position p's tables at row p of cos and signed_sin),
-// `normalized` (where given) receiving the values before the weight; `scaled`: room for d floats.
-void rows_norm_rotate(const float* x, int64_t t, int64_t heads, int64_t d, double eps, const float* weight,
-                      const float* cos, const float* signed_sin, float* out, float* normalized, float* scaled) {
-  auto epilogue = [&](int64_t r, const float* row, float inverse) {
-    float* values = normalized != nullptr ? normalized + r * d : scaled;
-    for (int64_t i = 0; i < d; ++i) values[i] = row[i] * inverse;
-    if (weight != nullptr) {
-      for (int64_t i = 0; i < d; ++i) scaled[i] = values[i] * weight[i];
-      values = scaled;
-    }
-    const int64_t table = (r / heads) * d;
-    rotate_row(values, cos + table, signed_sin + table, d, out + r * d);
-  };
-  if (FusedNorms::width() == 16)
-    rms_rows<16>(x, t * heads, d, static_cast<float>(eps), epilogue);
-  else
-    rms_rows<8>(x, t * heads, d, static_cast<float>(eps), epilogue);
-}
-
 // The floats of this thread's buffers (one tensor, so on ATen's 64 bytes), handed out in order (`take`), each part on
 // 64 bytes, after `reset` for at least `total` (counting each part rounded up to 16 floats).
 struct RowScratch {
@@ -1802,10 +1782,10 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   float* scaled = scratch.take(d);
   const float *c = cos.data_ptr<float>(), *sn = signed_sin.data_ptr<float>();
   buffer_product(normed, t, a[1], projected);
-  rows_norm_rotate(projected, t, heads, d, eps, a[3].data_ptr<float>(), c, sn, q, nullptr, scaled);
+  rows_norm_rotate(projected, t, t, heads, d, eps, a[3].data_ptr<float>(), c, sn, true, q, nullptr, scaled);
   buffer_product(normed, t, a[2], projected);
-  rows_norm_rotate(projected, t, kv_heads, d, eps, a[4].data_ptr<float>(), c, sn, k, a.size() == 5 ? v : nullptr,
-                   scaled);
+  rows_norm_rotate(projected, t, t, kv_heads, d, eps, a[4].data_ptr<float>(), c, sn, true, k,
+                   a.size() == 5 ? v : nullptr, scaled);
   if (a.size() == 6) {
     buffer_product(normed, t, a[5], projected);
     rows_norm(projected, t * kv_heads, d, eps, nullptr, v);
@@ -1826,22 +1806,8 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   float* pre = scratch.take(t * h);
   float* routed = scratch.take(t * h);
   float* pre2 = scratch.take(t * h);
-  {  // shared_norm
-    const float *wd = w[2].data_ptr<float>(), *ws = w[7].data_ptr<float>(), *we = w[10].data_ptr<float>();
-    const float root = static_cast<float>(e.root_size);
-    auto epilogue = [&](int64_t r, const float* row, float inverse) {
-      for (int64_t i = 0; i < h; ++i) {
-        const float value = row[i] * inverse;
-        pre[r * h + i] = value * wd[i];
-        routed[r * h + i] = (value * ws[i]) * root;
-        pre2[r * h + i] = value * we[i];
-      }
-    };
-    if (FusedNorms::width() == 16)
-      rms_rows<16>(x1, t, h, static_cast<float>(eps), epilogue);
-    else
-      rms_rows<8>(x1, t, h, static_cast<float>(eps), epilogue);
-  }
+  rows_shared_norm(x1, t, h, eps, w[2].data_ptr<float>(), w[7].data_ptr<float>(), e.root_size, w[10].data_ptr<float>(),
+                   pre, routed, pre2);
   // the dense MLP: the gated activation over the rows as one run, as gated_loop takes two contiguous tensors
   float* gate = scratch.take(t * inner);
   float* up = scratch.take(t * inner);
