@@ -186,7 +186,7 @@ def verification(model: DiffusionGemma) -> list[torch.Tensor]:
 def test_a_few_rows_layers_run_in_buffers_of_their_own_with_the_same_bits(name, monkeypatch):
     """A pass over a few rows of one batch row (an AR step, a verification, a canvas of 8) computes each layer between
     its parts in buffers instead of ATen tensors (`rows_layer`), wherever its norms and gated activation take their
-    loops: the Python layers' bits, and `layer`'s (`set_one_row(False)`). default_pattern's router has 3 experts: its
+    loops: the Python layers' bits, and `layer`'s (`set_layers_in_buffers(False)`). default_pattern's router has 3 experts: its
     AR steps' products of the router are at::mm's, still in buffers."""
     ops = torch.ops.printpress_layers
     model = tiny_model(name)
@@ -196,25 +196,25 @@ def test_a_few_rows_layers_run_in_buffers_of_their_own_with_the_same_bits(name, 
     pair = torch.zeros(1, 2 * expert)
     loops = (ops.fused_slot_sums() and ops.gated_fused(pair[:, :expert], pair[:, expert:], 0)
              and all(ops.gated_fused(torch.zeros(t, inner), torch.zeros(t, inner), 0) for t in (1, 6, 8)))
-    before = ops.one_row_layers()
+    before = ops.layers_in_buffers()
     native_out, python_out = both_sides(model, monkeypatch)
     assert_bit_equal(native_out, python_out)
     if loops:  # the two one-token AR steps and the two canvases of 8 of one batch row in `passes`
-        assert ops.one_row_layers() - before == 4 * model.config.num_hidden_layers
-    checked = ops.one_row_layers()
+        assert ops.layers_in_buffers() - before == 4 * model.config.num_hidden_layers
+    checked = ops.layers_in_buffers()
     native_verification = verification(model)
     if loops:
-        assert ops.one_row_layers() - checked == model.config.num_hidden_layers
+        assert ops.layers_in_buffers() - checked == model.config.num_hidden_layers
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", False)
     assert_bit_equal(native_verification, verification(model))
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
-    ran = ops.one_row_layers()
-    ops.set_one_row(False)
+    ran = ops.layers_in_buffers()
+    ops.set_layers_in_buffers(False)
     try:
         layer_out, layer_verification = passes(model), verification(model)
     finally:
-        ops.set_one_row(True)
-    assert ops.one_row_layers() == ran
+        ops.set_layers_in_buffers(True)
+    assert ops.layers_in_buffers() == ran
     assert_bit_equal(native_out, layer_out)
     assert_bit_equal(native_verification, layer_verification)
 

@@ -1603,12 +1603,7 @@ Tensor layer(const Tensor& x, at::TensorList attention_w, at::TensorList after_w
   return after_attention(x, attended, after_w, top_k, root_size, eps, code);
 }
 
-// -- a model's layers in one call --------------------------------------------------------------------------------
-//
-// `layer` from Python takes each layer's ~22 weights and ~17 numbers on every call, which the binding converts one by
-// one: about 20 us a call on an AMD Zen 3 (one call for all six: the shipped model's AR step 1.07x). A LayerStack
-// holds every layer's weights and sizes, handed over once per plan (model.py, `DiffusionGemma._layer_stack`), and
-// `layers` runs them all in one call from what changes between passes: the same `layer` calls, so the same bits.
+// Whether t is a float32 CPU tensor, contiguous.
 bool float_vector(const Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
 }
@@ -1623,8 +1618,8 @@ bool row_product_shapes(const Tensor& weight_t) {
          reinterpret_cast<std::uintptr_t>(weight_t.data_ptr()) % 16 == 0;
 }
 
-// Whether a layer's weights (`layer`'s attention ones, one mode's after-attention ones, and that mode's experts' views)
-// let a few rows' layer run in buffers (`rows_layer`), as far as their dtypes, layouts and sizes tell.
+// Whether a layer's weights (`layer`'s attention ones and one mode's after-attention ones) let a few rows' layer run
+// in buffers (`rows_layer`), as far as their dtypes, layouts and sizes tell.
 bool buffer_shapes(const std::vector<Tensor>& a, const std::vector<Tensor>& w, int64_t d, int64_t top_k, int64_t act) {
   const Tensor &gate_up = w[11], &down = w[12];  // (experts, h, 2 * width), (experts, width, h)
   bool ok = act == 0 && d % 2 == 0 && top_k < 16 && gate_up.dim() == 3 && down.dim() == 3 &&
@@ -1648,6 +1643,12 @@ bool buffer_shapes(const std::vector<Tensor>& a, const std::vector<Tensor>& w, i
   return ok;
 }
 
+// -- a model's layers in one call --------------------------------------------------------------------------------
+//
+// `layer` from Python takes each layer's ~22 weights and ~17 numbers on every call, which the binding converts one by
+// one: about 20 us a call on an AMD Zen 3 (one call for all six: the shipped model's AR step 1.07x). A LayerStack
+// holds every layer's weights and sizes, handed over once per plan (model.py, `DiffusionGemma._layer_stack`), and
+// `layers` runs them all in one call from what changes between passes: the same `layer` calls, so the same bits.
 struct LayerStack : torch::CustomClassHolder {
   struct Entry {
     std::vector<Tensor> attention, after_decoder, after_encoder;
@@ -1691,11 +1692,11 @@ struct LayerStack : torch::CustomClassHolder {
 // the experts (`experts`) on views of the buffers with the sizes and strides `layer` hands them. It runs where the norms
 // and the gated activation would take their loops in `layer` (checked before anything is written; `buffer_shapes` for
 // the weights); elsewhere `layer` runs. The same bits either way (tests/test_layers_native.py: the AR steps and
-// verification-sized passes of the both-sides tests run here where they can; `set_one_row(false)`, the switch of the A/B
+// verification-sized passes of the both-sides tests run here where they can; `set_layers_in_buffers(false)`, the switch of the A/B
 // measurements, runs `layer`).
 constexpr int64_t kBufferRows = 8;  // the most rows rows_layer takes (a verification of 8 tokens)
-std::atomic<bool> one_row_on{true};
-std::atomic<int64_t> one_row_layers_run{0};  // layers rows_layer ran (for the tests)
+std::atomic<bool> buffers_on{true};
+std::atomic<int64_t> buffer_layers_run{0};  // layers rows_layer ran (for the tests)
 
 // x (m rows of k floats, unit stride, on 64 bytes) times weight_t (k, n) into y (m rows of n floats), as `product` (or
 // `product_into`) computes it.
@@ -1754,7 +1755,7 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
                 const std::optional<Tensor>& slots) {
 #ifdef PRINTPRESS_VEC
   const int mode = encoder ? 1 : 0;
-  if (!one_row_on.load(std::memory_order_relaxed) || at::GradMode::is_enabled() || FusedNorms::width() == 0 ||
+  if (!buffers_on.load(std::memory_order_relaxed) || at::GradMode::is_enabled() || FusedNorms::width() == 0 ||
       !e.in_buffers[mode] || t < 1 || t > kBufferRows)
     return false;
   const std::vector<Tensor>& a = e.attention;
@@ -1850,15 +1851,15 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   float* mixed = scratch.take(t * h);
   rows_norm(sparse, t, h, eps, w[13].data_ptr<float>(), mixed, dense);
   rows_norm(mixed, t, h, eps, w[14].data_ptr<float>(), out, x1, w[15].defined() ? w[15].data_ptr<float>() : nullptr);
-  one_row_layers_run.fetch_add(1, std::memory_order_relaxed);
+  buffer_layers_run.fetch_add(1, std::memory_order_relaxed);
   return true;
 #else
   return false;
 #endif
 }
 
-void set_one_row(bool on) { one_row_on.store(on); }
-int64_t one_row_layers() { return one_row_layers_run.load(); }
+void set_layers_in_buffers(bool on) { buffers_on.store(on); }
+int64_t layers_in_buffers() { return buffer_layers_run.load(); }
 
 // A new tensor like x holding the first x.numel() floats of `buffer`.
 Tensor from_buffer(const Tensor& buffer, const Tensor& x) {
@@ -2146,8 +2147,8 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("rows_kernel_checks() -> (int, int)", &rows_kernel_checks);
   m.def("set_rows_kernel(bool on) -> ()", &set_rows_kernel);
   m.def("set_half_width(bool on) -> ()", &set_half_width);
-  m.def("set_one_row(bool on) -> ()", &set_one_row);
-  m.def("one_row_layers() -> int", &one_row_layers);
+  m.def("set_layers_in_buffers(bool on) -> ()", &set_layers_in_buffers);
+  m.def("layers_in_buffers() -> int", &layers_in_buffers);
   m.def("allow_half_width(Tensor[] weights) -> int", &allow_half_width);
   m.def("half_width_kernels() -> bool", &half_width_kernels);
   m.def("few_rows_verdict(int k, int rows, int tail, bool plain=False) -> int", &few_rows_verdict);
