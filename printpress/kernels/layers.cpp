@@ -195,6 +195,7 @@ void rms_rows(const float* x, int64_t rows, int64_t n, double eps, Epilogue epil
 // (null), as ATen's operators round them, one after the other, for each element.
 void rows_norm(const float* y, int64_t rows, int64_t n, double eps, const float* weight, float* out,
                const float* residual = nullptr, const float* scalar = nullptr) {
+  const float factor = scalar != nullptr ? *scalar : 1.0f;  // read once: the loops below then vectorize
   rms_rows(y, rows, n, eps, [&](int64_t r, const float* row, float inverse) {
     float* o = out + r * n;  // each step rounded to float, in ATen's order
     for (int64_t i = 0; i < n; ++i) o[i] = row[i] * inverse;
@@ -203,7 +204,7 @@ void rows_norm(const float* y, int64_t rows, int64_t n, double eps, const float*
     if (residual != nullptr)
       for (int64_t i = 0; i < n; ++i) o[i] = residual[r * n + i] + o[i];
     if (scalar != nullptr)
-      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * *scalar;
+      for (int64_t i = 0; i < n; ++i) o[i] = o[i] * factor;
   });
 }
 
