@@ -460,10 +460,11 @@ def bench_model(label: str, model: DiffusionGemma, roofs: dict[str, Any], args: 
         print(f"  {load.name:40s} roofline {prediction['roofline_ms']:8.3f} ms ({prediction['bound']}, "
               f"{level})  measured {median_ms:8.2f} ms (best {best_ms:7.2f})  "
               f"x{median_ms / prediction['roofline_ms']:.1f} (paired x{paired:.2f})", flush=True)
-    read_speeds = {name[len(READ):]: {"bytes": roofs["read_bandwidth"][name[len(READ):]]["bytes"],
-                                      "median_gb_s": roofs["read_bandwidth"][name[len(READ):]]["bytes"]
-                                      / statistics.median(values) / 1e9}
-                   for name, values in seconds.items() if name.startswith(READ)}
+    read_speeds = {}
+    for read in reads:
+        level = read.name[len(READ):]
+        size = roofs["read_bandwidth"][level]["bytes"]
+        read_speeds[level] = {"bytes": size, "median_gb_s": size / statistics.median(seconds[read.name]) / 1e9}
     return {"label": label, "parameters": text.num_parameters(), "fp32_bytes": model_bytes(text),
             "config": {key: getattr(text, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
                                                             "num_hidden_layers", "num_experts", "top_k_experts",
