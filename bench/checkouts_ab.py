@@ -23,6 +23,14 @@ the shipped model's table drafts get accepted). The workers use only `printpress
         --out docs/results/checkouts_ab.json
 
 Each side runs in its checkout's folder with that checkout first on PYTHONPATH and this script's Python.
+
+With `--switch NAME` instead of `--before`, both sides are one process of this checkout, alternating one of the C++
+layers' runtime switches (`torch.ops.printpress_layers.set_NAME`): "before" with it off, "after" with it on. One
+process takes the machine's differences between processes out of the ratio (on the AMD EPYC of sessions 44-48 the same
+code ran up to 1.7x apart in two processes), so a change of a few percent that has a switch is best measured so:
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/checkouts_ab.py --switch experts_in_buffers --rounds 30 --steps 16 \
+        --canvases 8 --passes 4 --verify 8 --out docs/results/experts_in_buffers_ab.json
 """
 
 from __future__ import annotations
@@ -41,11 +49,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 64
+SWITCHES = ("layers_in_buffers", "experts_in_buffers", "rows_kernel", "half_width")  # printpress_layers.set_NAME(bool)
 
 
-def worker(model_path: str, steps: int, canvases: list[int], passes: int, verify: int = 0) -> None:
+def worker(model_path: str, steps: int, canvases: list[int], passes: int, verify: int = 0,
+           switch: str | None = None) -> None:
     """Loads the model from this process's checkout, prints a ready line with the logits' digest, then times one round
-    per line read from stdin and prints, per work, its mean and least milliseconds a call as JSON."""
+    per line read from stdin and prints, per work, its mean and least milliseconds a call as JSON. With `switch`, the
+    ready line has the digest with it off and on, and a line "off" or "on" sets it for its round."""
     import torch
 
     import printpress
@@ -93,13 +104,24 @@ def worker(model_path: str, steps: int, canvases: list[int], passes: int, verify
 
         return timed(verification, passes)
 
-    digest = hashlib.sha256()
-    runs = [ar_steps()] + [decoder_passes(c) for c in canvases] + ([verifications()] if verify else [])
-    for _, logits in runs:  # also the warm-up
-        digest.update(logits.contiguous().numpy().tobytes())
-    print(json.dumps({"ready": True, "digest": digest.hexdigest()[:16], "threads": torch.get_num_threads(),
-                      "torch": torch.__version__}), flush=True)
-    for _ in sys.stdin:
+    def digest() -> str:
+        hashed = hashlib.sha256()
+        runs = [ar_steps()] + [decoder_passes(c) for c in canvases] + ([verifications()] if verify else [])
+        for _, logits in runs:  # also the warm-up
+            hashed.update(logits.contiguous().numpy().tobytes())
+        return hashed.hexdigest()[:16]
+
+    ready = {"ready": True, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    set_switch = getattr(torch.ops.printpress_layers, f"set_{switch}") if switch else None
+    if set_switch is not None:
+        set_switch(False)
+        ready["digest_off"] = digest()
+        set_switch(True)
+    ready["digest"] = digest()
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        if set_switch is not None:
+            set_switch(line.strip() == "on")
         times = {"AR step": ar_steps()[0]}
         times.update({f"decoder pass, canvas {c}": decoder_passes(c)[0] for c in canvases})
         if verify:
@@ -111,7 +133,7 @@ def start_worker(checkout: Path, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(Path(args.model).resolve()),
                "--steps", str(args.steps), "--passes", str(args.passes), "--canvases", *map(str, args.canvases),
-               "--verify", str(args.verify)]
+               "--verify", str(args.verify)] + (["--switch", args.switch] if args.switch else [])
     return subprocess.Popen(command, cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -139,23 +161,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--passes", type=int, default=3, help="decoder passes per canvas (and verifications) per round")
     parser.add_argument("--verify", type=int, default=0, metavar="N",
                         help="also time verifications of N-token blocks (speculative decoding's pass; 0: none)")
+    parser.add_argument("--switch", choices=SWITCHES,
+                        help="instead of two checkouts, one process of --after with this switch of the C++ layers off "
+                             "(before) and on (after)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.model, args.steps, args.canvases, args.passes, args.verify)
+        worker(args.model, args.steps, args.canvases, args.passes, args.verify, args.switch)
         return
-    if args.before is None:
-        parser.error("--before: the checkout to compare against is required")
+    if (args.before is None) == (args.switch is None):
+        parser.error("give --before (the checkout to compare against) or --switch (one of the layers' switches), "
+                     "not both")
     if args.verify < 0 or args.verify == 1:
         parser.error(f"--verify: a block of at least 2 tokens (the committed one and a draft), or 0; got {args.verify}")
-    for checkout in (args.before, args.after):
+    for checkout in filter(None, (args.before, args.after)):
         if not (checkout / "printpress" / "__init__.py").is_file():
             parser.error(f"{checkout} is not a printpress checkout (no printpress/__init__.py)")
     # Here, not at the top: the workers import their own checkout's printpress.
     from printpress.eval.report import cpu_name
 
-    sides = {"before": args.before.resolve(), "after": args.after.resolve()}
+    sides = {"before": (args.before or args.after).resolve(), "after": args.after.resolve()}
     model = args.model
     with tempfile.TemporaryDirectory(prefix="checkouts_ab_") as scratch:
         if not Path(args.model).exists():
@@ -165,8 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(model).exists():
         report["stored_as"] = args.stored_as
     report["machine"] = {"cpu": cpu_name(), "load_average": os.getloadavg()}
-    print(f"{args.rounds} alternating rounds; logits {'identical' if report['same_bits'] else 'DIFFERENT'} "
-          "between the checkouts")
+    between = f"with {args.switch} off and on" if args.switch else "between the checkouts"
+    print(f"{args.rounds} alternating rounds; logits {'identical' if report['same_bits'] else 'DIFFERENT'} {between}")
     print("| work | before, median / best (ms) | after, median / best (ms) | before / after, median of the rounds | "
           "the same of each round's quietest calls |")
     print("|---|---|---|---|---|")
@@ -203,23 +229,35 @@ def size_checkpoint(size: str, folder: Path, stored_as: str = "float32") -> Path
 
 
 def compare(args: argparse.Namespace, sides: dict[str, Path]) -> dict:
-    """Both sides' workers on `args.model`, timed in alternating rounds: the report without the machine."""
-    workers = {name: start_worker(path, args) for name, path in sides.items()}
+    """Both sides' workers on `args.model` (with `args.switch`, one worker for both), timed in alternating rounds: the
+    report without the machine."""
+    if args.switch:
+        process = start_worker(sides["after"], args)
+        workers, lines = {"before": process, "after": process}, {"before": "off\n", "after": "on\n"}
+    else:
+        workers = {name: start_worker(path, args) for name, path in sides.items()}
+        lines = {"before": "go\n", "after": "go\n"}
     try:
-        ready = {name: read_line(name, process) for name, process in workers.items()}
+        if args.switch:
+            both = read_line("switch", workers["after"])
+            ready = {"before": {**both, "digest": both["digest_off"]}, "after": both}
+        else:
+            ready = {name: read_line(name, process) for name, process in workers.items()}
         seconds: dict[str, list[dict]] = {name: [] for name in workers}
         for index in range(args.rounds):
             for name in (list(workers) if index % 2 == 0 else list(workers)[::-1]):
-                workers[name].stdin.write("go\n")
+                workers[name].stdin.write(lines[name])
                 workers[name].stdin.flush()
                 seconds[name].append(read_line(name, workers[name]))
     finally:
-        for process in workers.values():
+        for process in set(workers.values()):
             process.stdin.close()
             process.wait()
     report = {"checkouts": {name: str(path) for name, path in sides.items()}, "model": args.model,
               "rounds": args.rounds, "steps": args.steps, "passes": args.passes, "ready": ready,
               "same_bits": ready["before"]["digest"] == ready["after"]["digest"], "work": {}}
+    if args.switch:
+        report["switch"] = args.switch
     for work in seconds["before"][0]:
         (before, before_least), (after, after_least) = (
             zip(*(r[work] for r in seconds[side])) for side in ("before", "after"))

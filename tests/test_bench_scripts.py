@@ -110,6 +110,28 @@ def test_checkouts_ab_takes_a_benchmark_size_as_the_model(tmp_path):
     assert refused.returncode != 0 and "--model 'huge' is neither a model folder nor a benchmark size" in refused.stderr
 
 
+def test_checkouts_ab_alternates_a_switch_of_the_layers_in_one_process(tmp_path):
+    """`--switch experts_in_buffers`: one worker of this checkout, the switch off (before) and on (after) in alternate
+    rounds, the same logits both ways, a verification of 8 tokens among the works;
+    --before and --switch together are refused by name."""
+    script = str(ROOT / "bench" / "checkouts_ab.py")
+    out = tmp_path / "switch.json"
+    common = [sys.executable, script, "--model", "tiny", "--rounds", "2", "--steps", "2", "--canvases", "8",
+              "--passes", "1", "--verify", "8"]
+    done = subprocess.run([*common, "--switch", "experts_in_buffers", "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["switch"] == "experts_in_buffers" and report["same_bits"]
+    assert "logits identical with experts_in_buffers off and on" in done.stdout
+    assert report["checkouts"]["before"] == report["checkouts"]["after"] == str(ROOT)
+    assert set(report["work"]) == {"AR step", "decoder pass, canvas 8", "verification of 8 tokens (4 kept)"}
+    assert all(len(work["before_ms"]) == len(work["after_ms"]) == 2 for work in report["work"].values())
+    refused = subprocess.run([*common, "--switch", "rows_kernel", "--before", str(ROOT)], capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert refused.returncode == 2 and "give --before" in refused.stderr and "not both" in refused.stderr
+
+
 def test_sampled_drafts_compares_the_two_draft_rules_against_ar_sampling(tmp_path):
     """bench/sampled_drafts.py: each rule (the interpolated q, the longest context's) at each cap has its ratio to AR
     sampling in each round, their median and its tokens per verification; a temperature of 0 is refused."""

@@ -187,14 +187,17 @@ def test_a_few_rows_layers_run_in_buffers_of_their_own_with_the_same_bits(name, 
     """A pass over a few rows of one batch row (an AR step, a verification, a canvas of 8) computes each layer between
     its parts in buffers instead of ATen tensors (`rows_layer`), wherever its norms and gated activation take their
     loops: the Python layers' bits, and `layer`'s (`set_layers_in_buffers(False)`). default_pattern's router has 3 experts: its
-    AR steps' products of the router are at::mm's, still in buffers."""
+    AR steps' products of the router are at::mm's, still in buffers. The experts of more than one row run in buffers
+    too, their pairs in a stable order of their own where they are few (gqa's 12 and 16), else in at::sort's
+    (default_pattern's 18 and 24)."""
     ops = torch.ops.printpress_layers
     model = tiny_model(name)
     if ops.fused_norm_width() == 0:
         pytest.skip("the one-loop norms do not give ATen's bits on this CPU: no layer runs in buffers")
     inner, expert = model.config.intermediate_size, model.config.moe_intermediate_size
-    pair = torch.zeros(1, 2 * expert)
-    loops = (ops.fused_slot_sums() and ops.gated_fused(pair[:, :expert], pair[:, expert:], 0)
+    pairs = [torch.zeros(t * model.config.top_k_experts, 2 * expert) for t in (1, 6, 8)]  # the experts' gate and up
+    loops = (ops.fused_slot_sums() and ops.gated_fused(pairs[0][:1, :expert], pairs[0][:1, expert:], 0)
+             and all(ops.gated_fused(pair[:, :expert], pair[:, expert:], 0) for pair in pairs[1:])
              and all(ops.gated_fused(torch.zeros(t, inner), torch.zeros(t, inner), 0) for t in (1, 6, 8)))
     before = ops.layers_in_buffers()
     native_out, python_out = both_sides(model, monkeypatch)
@@ -208,6 +211,12 @@ def test_a_few_rows_layers_run_in_buffers_of_their_own_with_the_same_bits(name, 
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", False)
     assert_bit_equal(native_verification, verification(model))
     monkeypatch.setattr(model_module, "NATIVE_LAYERS", True)
+    ops.set_experts_in_buffers(False)  # more rows' experts by `experts`, the rest of the layer in buffers
+    try:
+        assert_bit_equal(native_out, passes(model))
+        assert_bit_equal(native_verification, verification(model))
+    finally:
+        ops.set_experts_in_buffers(True)
     ran = ops.layers_in_buffers()
     ops.set_layers_in_buffers(False)
     try:

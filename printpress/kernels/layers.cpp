@@ -72,6 +72,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -1686,17 +1687,19 @@ struct LayerStack : torch::CustomClassHolder {
 // and most of its time outside the products went to the ~100 ATen tensors a layer made, viewed and freed between them
 // (allocations, views, dispatch: a quarter of the shipped model's AR step on an AMD EPYC, session 47). `rows_layer`
 // computes the same parts with the same code, the values between them in buffers of this thread: the norms' `rms_rows`,
-// `rotate_row`, `gelu_tanh_times` and (one row) the experts' `slot_sums` in their loops; each product as `product` would
-// (one row: `rows_kernel`'s own loops where it applies; else kernel_product_into or at::mm_out on views of the buffers,
-// at::from_blob, whose parts start on 64 bytes as ATen's allocations do); the attention (at::scaled_dot_product_attention
-// over the joined cache, `join`), the router's softmax, top-k and weights (`route_weights`) and, for more than one row,
-// the experts (`experts`) on views of the buffers with the sizes and strides `layer` hands them. It runs where the norms
-// and the gated activation would take their loops in `layer` (checked before anything is written; `buffer_shapes` for
-// the weights); elsewhere `layer` runs. The same bits either way (tests/test_layers_native.py: the AR steps and
-// verification-sized passes of the both-sides tests run here where they can; `set_layers_in_buffers(false)`, the switch of the A/B
-// measurements, runs `layer`).
+// `rotate_row`, `gelu_tanh_times` and the experts' `slot_sums` in their loops, more rows' experts grouped as `experts`
+// groups them (`buffer_experts`, session 48); each product as `product` would (one row: `rows_kernel`'s own loops where
+// it applies; else kernel_product_into or at::mm_out on views of the buffers, at::from_blob, whose parts start on 64
+// bytes as ATen's allocations do); ATen only for the attention (at::scaled_dot_product_attention over the joined cache,
+// `join`) and the router's softmax, top-k and weights (`route_weights`), on views of the buffers with the sizes and
+// strides `layer` hands them. It runs where the norms and the gated activation would take their loops in `layer`
+// (checked before anything is written; `buffer_shapes` for the weights); elsewhere `layer` runs. The same bits either
+// way (tests/test_layers_native.py: the AR steps and verification-sized passes of the both-sides tests run here where
+// they can). The switches of the A/B measurements: `set_layers_in_buffers(false)` runs `layer`,
+// `set_experts_in_buffers(false)` more rows' experts by `experts` (bench/switch_ab.py).
 constexpr int64_t kBufferRows = 8;  // the most rows rows_layer takes (a verification of 8 tokens)
 std::atomic<bool> buffers_on{true};
+std::atomic<bool> experts_in_buffers_on{true};  // off: more rows' experts by `experts`, on views of the buffers (A/Bs)
 std::atomic<int64_t> buffer_layers_run{0};  // layers rows_layer ran (for the tests)
 
 // x (m rows of k floats, unit stride, on 64 bytes) times weight_t (k, n) into y (m rows of n floats), as `product` (or
@@ -1748,6 +1751,88 @@ struct RowScratch {
   }
 };
 
+// The stable order of n expert choices (each pair's index, by expert, ties in index order) where at::sort gives it: its
+// CPU sort of up to 16 keys is an insertion sort, so stable; more may come in another order of equal keys, and there
+// at::sort itself gives the order. Whether at::sort of up to 16 keys is stable is checked once per process on random
+// choices (every length, a few numbers of experts).
+constexpr int64_t kStableSortKeys = 16;
+bool small_sorts_stable() {
+  static const bool stable = [] {
+    printpress_sum::CheckNumbers numbers(0x9e3779b97f4a7c15ull);
+    for (int64_t n = 2; n <= kStableSortKeys; ++n) {
+      for (int64_t experts : {2, 3, 4, 8, 64}) {
+        for (int draw = 0; draw < 8; ++draw) {
+          Tensor keys = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+          int64_t* key = keys.data_ptr<int64_t>();
+          for (int64_t i = 0; i < n; ++i) key[i] = static_cast<int64_t>(numbers.next() % experts);
+          const Tensor order = std::get<1>(at::sort(keys)).contiguous();
+          std::vector<int64_t> expected(n);
+          std::iota(expected.begin(), expected.end(), 0);
+          std::stable_sort(expected.begin(), expected.end(), [&](int64_t a, int64_t b) { return key[a] < key[b]; });
+          if (std::memcmp(order.data_ptr<int64_t>(), expected.data(), sizeof(int64_t) * n) != 0) return false;
+        }
+      }
+    }
+    return true;
+  }();
+  return stable;
+}
+
+// Whether rows_layer may compute t rows' experts in buffers (`buffer_experts`, one row's in its own loop) with
+// `experts`' bits: the gated activation's loop holds for the rows `experts` hands it at once (one row's slot; all
+// t * top_k pairs' rows, every other half of a wider row) and the grouped products' rows lie contiguous (`grouped_mm`
+// pads a row to 16 bytes).
+bool experts_in_buffers_hold(int64_t t, int64_t top_k, int64_t expert, int64_t h) {
+  if (t == 1) return gated_holds(1, expert, false);
+  return expert % 2 == 0 && h % 4 == 0 && gated_holds(t * top_k, expert, false);
+}
+
+// `experts`' path for t > 1 rows (x: t rows of h floats) into `out` (t rows of h), with its tensors' layout in
+// buffers: the pairs (token, slot) sorted by expert, their rows gathered, each expert's rows through its gated MLP
+// (`product_into` on each group's rows, as `grouped_mm` runs them), and the slot-ordered weighted sum (`slot_sums`).
+void buffer_experts(const float* x, int64_t t, int64_t h, const Tensor& chosen, const Tensor& weights,
+                    const Tensor& gate_up_proj, const Tensor& down_proj, int64_t expert, RowScratch& scratch,
+                    float* out) {
+  const int64_t top_k = chosen.size(-1), pairs = t * top_k, experts_n = gate_up_proj.size(0);
+  const Tensor choices = chosen.contiguous(), slot_weights = weights.contiguous();
+  const int64_t* choice = choices.data_ptr<int64_t>();
+  std::array<int64_t, kBufferRows * 16> order_of{};  // the sorted pairs' indices; t <= kBufferRows, top_k < 16
+  if (pairs <= kStableSortKeys && small_sorts_stable()) {
+    int64_t next = 0;
+    for (int64_t e = 0; e < experts_n; ++e)
+      for (int64_t i = 0; i < pairs; ++i)
+        if (choice[i] == e) order_of[next++] = i;
+  } else {
+    const Tensor order = std::get<1>(at::sort(choices.reshape(-1))).contiguous();
+    std::memcpy(order_of.data(), order.data_ptr<int64_t>(), sizeof(int64_t) * pairs);
+  }
+  std::vector<int64_t> counts(experts_n, 0);
+  for (int64_t i = 0; i < pairs; ++i) ++counts[choice[i]];
+  float* gathered = scratch.take(pairs * h);
+  float* gate_up = scratch.take(pairs * 2 * expert);
+  float* activated = scratch.take(pairs * expert);
+  float* rows_out = scratch.take(pairs * h);
+  for (int64_t i = 0; i < pairs; ++i)
+    std::memcpy(gathered + i * h, x + (order_of[i] / top_k) * h, sizeof(float) * h);
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts_n; ++e) {
+    if (counts[e] == 0) continue;
+    buffer_product(gathered + start * h, counts[e], gate_up_proj.select(0, e), gate_up + start * 2 * expert);
+    start += counts[e];
+  }
+  for (int64_t r = 0; r < pairs; ++r)  // the gated activation of all pairs' rows, each row its own run
+    gelu_tanh_times(gate_up + r * 2 * expert, gate_up + r * 2 * expert + expert, expert, activated + r * expert);
+  start = 0;
+  for (int64_t e = 0; e < experts_n; ++e) {
+    if (counts[e] == 0) continue;
+    buffer_product(activated + start * expert, counts[e], down_proj.select(0, e), rows_out + start * h);
+    start += counts[e];
+  }
+  std::array<int64_t, kBufferRows * 16> row_of{};  // the sorted row of each (token, slot) pair
+  for (int64_t i = 0; i < pairs; ++i) row_of[order_of[i]] = i;
+  slot_sums(rows_out, h, row_of.data(), slot_weights.data_ptr<float>(), t, top_k, h, out);
+}
+
 // `layer` on t rows `x` (batch 1; t * h floats) into `out`, as described above; false (nothing computed or written)
 // where it may not run in buffers (then `layer` runs).
 bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& e, bool encoder, const Tensor& cos,
@@ -1766,12 +1851,12 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   if (!float_vector(cos) || !float_vector(signed_sin) || cos.dim() != 4 || cos.sizes() != signed_sin.sizes() ||
       cos.size(0) != 1 || cos.size(1) != t || cos.size(2) != 1 || cos.size(3) != d ||
       keys.scalar_type() != at::kFloat || values.scalar_type() != at::kFloat || !gated_holds(t, inner, true) ||
-      (t == 1 && (!slot_sums_hold() || !gated_holds(1, expert, false))))
+      !slot_sums_hold() || !experts_in_buffers_hold(t, top_k, expert, h))
     return false;
   thread_local RowScratch scratch;
-  // what the `take`s below hand out, each rounded up to 16 floats (22 of them)
+  // what the `take`s below and buffer_experts' hand out, each rounded up to 16 floats (26 of them)
   scratch.reset(t * ((10 + top_k) * h + (std::max(heads, kv_heads) + heads + 2 * kv_heads) * d + 3 * inner +
-                     3 * expert + experts_n) + d + 22 * 16);
+                     3 * expert + experts_n + top_k * (2 * h + 3 * expert)) + d + 26 * 16);
   const double eps = e.eps;
   const auto options = at::TensorOptions().dtype(at::kFloat);
   // attention_inputs
@@ -1844,7 +1929,9 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
       buffer_product(expert_act, 1, w[12].select(0, index[slot]), slot_rows + slot * h);
     }
     slot_sums(slot_rows, h, order.data(), slot_weights.data_ptr<float>(), 1, top_k, h, sparse);
-  } else {
+  } else if (experts_in_buffers_on.load(std::memory_order_relaxed)) {  // `experts`' path, laid out as its tensors are
+    buffer_experts(pre2, t, h, chosen, weights, w[11], w[12], expert, scratch, sparse);
+  } else {  // `set_experts_in_buffers(false)`: the A/B's other side
     const Tensor routed_out = experts(at::from_blob(pre2, {t, h}, options), weights, chosen, w[11], w[12], e.act)
                                   .contiguous();
     std::memcpy(sparse, routed_out.data_ptr<float>(), sizeof(float) * t * h);
@@ -1860,6 +1947,7 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
 }
 
 void set_layers_in_buffers(bool on) { buffers_on.store(on); }
+void set_experts_in_buffers(bool on) { experts_in_buffers_on.store(on); }
 int64_t layers_in_buffers() { return buffer_layers_run.load(); }
 
 // A new tensor like x holding the first x.numel() floats of `buffer`.
@@ -2149,6 +2237,7 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("set_rows_kernel(bool on) -> ()", &set_rows_kernel);
   m.def("set_half_width(bool on) -> ()", &set_half_width);
   m.def("set_layers_in_buffers(bool on) -> ()", &set_layers_in_buffers);
+  m.def("set_experts_in_buffers(bool on) -> ()", &set_experts_in_buffers);
   m.def("layers_in_buffers() -> int", &layers_in_buffers);
   m.def("allow_half_width(Tensor[] weights) -> int", &allow_half_width);
   m.def("half_width_kernels() -> bool", &half_width_kernels);
