@@ -228,6 +228,28 @@ def test_a_few_rows_layers_run_in_buffers_of_their_own_with_the_same_bits(name, 
     assert_bit_equal(native_verification, layer_verification)
 
 
+def test_the_router_in_loops_leaves_equal_experts_to_atens_top_k(monkeypatch):
+    """In buffers the router's softmax and top-k run in loops (ATen's softmax from its vector headers, the form checked
+    against at::softmax once per process), where the top experts are unique; where two of them score the same (here
+    two experts with the same router weights, in every layer), at::topk orders them, as the Python layers' topk does.
+    (torch 2.13's topk puts the lower index first, as the loops' selection would; the loops leave ties to it anyway,
+    so that the bits do not hang on that.)"""
+    ops = torch.ops.printpress_layers
+    model = tiny_model("gqa")
+    if ops.fused_norm_width() == 0 or ops.router_form() == 0:
+        pytest.skip("the router's loops do not give ATen's bits on this CPU")
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.router.proj.weight[1] = layer.router.proj.weight[0]
+    before = ops.layers_in_buffers()
+    native_out, python_out = both_sides(model, monkeypatch)
+    assert_bit_equal(native_out, python_out)
+    assert ops.layers_in_buffers() > before
+    native_verification = verification(model)
+    monkeypatch.setattr(model_module, "NATIVE_LAYERS", False)
+    assert_bit_equal(native_verification, verification(model))
+
+
 def test_a_plan_follows_its_model_when_weights_modules_or_dtype_change(monkeypatch):
     model = tiny_model("gqa")
     passes(model)  # the plans are made

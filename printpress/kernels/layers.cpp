@@ -77,6 +77,7 @@
 #include <tuple>
 #include <vector>
 
+#include "aten_softmax.h"
 #include "aten_sum.h"
 #include "below_autograd.h"
 
@@ -1477,20 +1478,23 @@ std::tuple<Tensor, Tensor, Tensor> shared_norm(const Tensor& x, const Tensor& de
 // Router.route after its top-k: the chosen probabilities over their sum, times each chosen expert's scale. For
 // float32, one loop with ATen's roundings (the sum of a row's k values as ATen's sum adds them, then a division and
 // a product per value).
+// route_weights' loop: `rows` rows of k chosen probabilities `p` and experts `index` into their weights `dst`.
+void route_rows(const float* p, const int64_t* index, int64_t rows, int64_t k, const float* scale, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float total = printpress_sum::aten_sum(p + r * k, k, FusedNorms::width());
+    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = (p[r * k + j] / total) * scale[index[r * k + j]];
+  }
+}
+
 Tensor route_weights(const Tensor& top, const Tensor& chosen, const Tensor& per_expert_scale) {
   if (!fused(top, {per_expert_scale}) || !chosen.is_contiguous()) {
     Tensor weights = top / top.sum(-1, /*keepdim=*/true);
     return weights * at::index(per_expert_scale, {chosen});
   }
   Tensor weights = at::empty_like(top);
-  const int64_t k = top.size(-1), rows = top.numel() / k;
-  const float *p = top.data_ptr<float>(), *scale = per_expert_scale.data_ptr<float>();
-  const int64_t* index = chosen.data_ptr<int64_t>();
-  float* dst = weights.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float total = printpress_sum::aten_sum(p + r * k, k, FusedNorms::width());
-    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = (p[r * k + j] / total) * scale[index[r * k + j]];
-  }
+  const int64_t k = top.size(-1);
+  route_rows(top.data_ptr<float>(), chosen.data_ptr<int64_t>(), top.numel() / k, k,
+             per_expert_scale.data_ptr<float>(), weights.data_ptr<float>());
   return weights;
 }
 
@@ -1751,6 +1755,91 @@ struct RowScratch {
   }
 };
 
+// The router's softmax over the experts and top-k in loops (`route`), where they give at::softmax's and at::topk's
+// numbers: the softmax as ATen computes it (aten_softmax.h; which exp, checked once per process against at::softmax on
+// random rows of 1 to 128 experts: `router_form`), and the k largest in descending order by a selection, where they are
+// unique: no NaN in the row and no two of its k + 1 largest equal (else at::topk may order equal ones its own way, and
+// it runs).
+int router_form() {
+#ifdef PRINTPRESS_VEC
+  static const int form = [] {
+    using printpress_softmax_row::Exp;
+    using printpress_softmax_row::softmax_row;
+    for (int code : {2, 1}) {  // exp_u20 (torch's builds of late), Sleef's exp
+      bool ok = true;
+      printpress_sum::CheckNumbers numbers(0x2545f4914f6cdd1dull);
+      for (int64_t n : {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 32, 64, 128}) {
+        const int64_t rows = 8;
+        Tensor x = at::empty({rows, n}, at::TensorOptions().dtype(at::kFloat));
+        float* data = x.data_ptr<float>();
+        for (int64_t i = 0; i < rows * n; ++i) data[i] = static_cast<float>((numbers.unit() - 0.5) * 4.0 * (1 + i % 5));
+        const Tensor expected = at::softmax(x, -1, at::kFloat);
+        std::vector<float> got(rows * n);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (code == 2)
+            softmax_row<Exp::u20>(data + r * n, got.data() + r * n, n);
+          else
+            softmax_row<Exp::sleef>(data + r * n, got.data() + r * n, n);
+        }
+        ok = std::memcmp(expected.data_ptr<float>(), got.data(), sizeof(float) * rows * n) == 0;
+        if (!ok) break;
+      }
+      if (ok) return code;
+    }
+    return 0;
+  }();
+  return form;
+#else
+  return 0;
+#endif
+}
+
+// The router of t rows: `logits` (t rows of E) into the top_k experts `chosen` and their weights `slot_weight` (t rows
+// of top_k), as `after_attention` has at::softmax, at::topk and route_weights make them; `probs` and `top`: room for
+// t * E and t * top_k floats.
+void route(const float* logits, int64_t t, int64_t E, int64_t top_k, const float* scale, float* probs, float* top,
+           int64_t* chosen, float* slot_weight) {
+  bool loops = false;
+#ifdef PRINTPRESS_VEC
+  if (const int form = router_form(); form != 0 && E <= 128) {
+    loops = true;
+    std::array<int64_t, 128> order{};
+    for (int64_t r = 0; r < t && loops; ++r) {
+      const float* row = logits + r * E;
+      float* p = probs + r * E;
+      if (form == 2)
+        printpress_softmax_row::softmax_row<printpress_softmax_row::Exp::u20>(row, p, E);
+      else
+        printpress_softmax_row::softmax_row<printpress_softmax_row::Exp::sleef>(row, p, E);
+      for (int64_t i = 0; i < E; ++i) {
+        loops = loops && !std::isnan(p[i]);
+        order[i] = i;
+      }
+      // the k + 1 largest, in descending order, by selection
+      const int64_t ranked = std::min(top_k + 1, E);
+      for (int64_t j = 0; j < ranked && loops; ++j) {
+        for (int64_t i = j + 1; i < E; ++i)
+          if (p[order[i]] > p[order[j]]) std::swap(order[i], order[j]);
+        if (j > 0 && !(p[order[j - 1]] > p[order[j]])) loops = false;  // two equal: at::topk's order decides
+      }
+      for (int64_t j = 0; j < top_k; ++j) {
+        chosen[r * top_k + j] = order[j];
+        top[r * top_k + j] = p[order[j]];
+      }
+    }
+  }
+#endif
+  if (!loops) {
+    const auto options = at::TensorOptions().dtype(at::kFloat);
+    const Tensor p = at::softmax(at::from_blob(const_cast<float*>(logits), {t, E}, options), -1, at::kFloat);
+    auto [values, indices] = at::topk(p, top_k, -1);
+    const Tensor v = values.contiguous(), i = indices.contiguous();
+    std::memcpy(top, v.data_ptr<float>(), sizeof(float) * t * top_k);
+    std::memcpy(chosen, i.data_ptr<int64_t>(), sizeof(int64_t) * t * top_k);
+  }
+  route_rows(top, chosen, t, top_k, scale, slot_weight);
+}
+
 // The stable order of n expert choices (each pair's index, by expert, ties in index order) where at::sort gives it: its
 // CPU sort of up to 16 keys is an insertion sort, so stable; more may come in another order of equal keys, and there
 // at::sort itself gives the order. Whether at::sort of up to 16 keys is stable is checked once per process on random
@@ -1790,12 +1879,10 @@ bool experts_in_buffers_hold(int64_t t, int64_t top_k, int64_t expert, int64_t h
 // `experts`' path for t > 1 rows (x: t rows of h floats) into `out` (t rows of h), with its tensors' layout in
 // buffers: the pairs (token, slot) sorted by expert, their rows gathered, each expert's rows through its gated MLP
 // (`product_into` on each group's rows, as `grouped_mm` runs them), and the slot-ordered weighted sum (`slot_sums`).
-void buffer_experts(const float* x, int64_t t, int64_t h, const Tensor& chosen, const Tensor& weights,
-                    const Tensor& gate_up_proj, const Tensor& down_proj, int64_t expert, RowScratch& scratch,
-                    float* out) {
-  const int64_t top_k = chosen.size(-1), pairs = t * top_k, experts_n = gate_up_proj.size(0);
-  const Tensor choices = chosen.contiguous(), slot_weights = weights.contiguous();
-  const int64_t* choice = choices.data_ptr<int64_t>();
+void buffer_experts(const float* x, int64_t t, int64_t h, const int64_t* choice, const float* slot_weight,
+                    int64_t top_k, const Tensor& gate_up_proj, const Tensor& down_proj, int64_t expert,
+                    RowScratch& scratch, float* out) {
+  const int64_t pairs = t * top_k, experts_n = gate_up_proj.size(0);
   std::array<int64_t, kBufferRows * 16> order_of{};  // the sorted pairs' indices; t <= kBufferRows, top_k < 16
   if (pairs <= kStableSortKeys && small_sorts_stable()) {
     int64_t next = 0;
@@ -1803,7 +1890,8 @@ void buffer_experts(const float* x, int64_t t, int64_t h, const Tensor& chosen, 
       for (int64_t i = 0; i < pairs; ++i)
         if (choice[i] == e) order_of[next++] = i;
   } else {
-    const Tensor order = std::get<1>(at::sort(choices.reshape(-1))).contiguous();
+    const Tensor choices = at::from_blob(const_cast<int64_t*>(choice), {pairs}, at::TensorOptions().dtype(at::kLong));
+    const Tensor order = std::get<1>(at::sort(choices)).contiguous();
     std::memcpy(order_of.data(), order.data_ptr<int64_t>(), sizeof(int64_t) * pairs);
   }
   std::vector<int64_t> counts(experts_n, 0);
@@ -1830,7 +1918,7 @@ void buffer_experts(const float* x, int64_t t, int64_t h, const Tensor& chosen, 
   }
   std::array<int64_t, kBufferRows * 16> row_of{};  // the sorted row of each (token, slot) pair
   for (int64_t i = 0; i < pairs; ++i) row_of[order_of[i]] = i;
-  slot_sums(rows_out, h, row_of.data(), slot_weights.data_ptr<float>(), t, top_k, h, out);
+  slot_sums(rows_out, h, row_of.data(), slot_weight, t, top_k, h, out);
 }
 
 // `layer` on t rows `x` (batch 1; t * h floats) into `out`, as described above; false (nothing computed or written)
@@ -1854,9 +1942,9 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
       !slot_sums_hold() || !experts_in_buffers_hold(t, top_k, expert, h))
     return false;
   thread_local RowScratch scratch;
-  // what the `take`s below and buffer_experts' hand out, each rounded up to 16 floats (26 of them)
+  // what the `take`s below and buffer_experts' hand out, each rounded up to 16 floats (29 of them)
   scratch.reset(t * ((10 + top_k) * h + (std::max(heads, kv_heads) + heads + 2 * kv_heads) * d + 3 * inner +
-                     3 * expert + experts_n + top_k * (2 * h + 3 * expert)) + d + 26 * 16);
+                     3 * expert + 2 * experts_n + top_k * (2 + 2 * h + 3 * expert)) + d + 29 * 16);
   const double eps = e.eps;
   const auto options = at::TensorOptions().dtype(at::kFloat);
   // attention_inputs
@@ -1909,9 +1997,10 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   // the router and the experts
   float* router = scratch.take(t * experts_n);
   buffer_product(routed, t, w[8], router);
-  const Tensor probs = at::softmax(at::from_blob(router, {t, experts_n}, options), -1, at::kFloat);
-  auto [top, chosen] = at::topk(probs, top_k, -1);
-  const Tensor weights = route_weights(top, chosen, w[9]);
+  std::array<int64_t, kBufferRows * 16> chosen{};  // t <= kBufferRows, top_k < 16
+  float* slot_weight = scratch.take(t * top_k);
+  route(router, t, experts_n, top_k, w[9].data_ptr<float>(), scratch.take(t * experts_n), scratch.take(t * top_k),
+        chosen.data(), slot_weight);
   float* sparse = scratch.take(t * h);
   float* gate_up = scratch.take(2 * expert);
   float* expert_act = scratch.take(expert);
@@ -1919,8 +2008,7 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   if (t == 1) {  // `experts`' one-row path: each chosen expert's row into its slot's row, then the weighted sum
     // (each expert's weights selected here, as `experts` selects them: a half-width copy is kept per view's version,
     // and views made once ahead carry a version of their own, so both would make and remake their copies)
-    const Tensor chosen_row = chosen.contiguous(), slot_weights = weights.contiguous();
-    const int64_t* index = chosen_row.data_ptr<int64_t>();
+    const int64_t* index = chosen.data();
     std::vector<int64_t> order(top_k);
     for (int64_t slot = 0; slot < top_k; ++slot) {
       order[slot] = slot;
@@ -1928,12 +2016,14 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
       gelu_tanh_times(gate_up, gate_up + expert, expert, expert_act);
       buffer_product(expert_act, 1, w[12].select(0, index[slot]), slot_rows + slot * h);
     }
-    slot_sums(slot_rows, h, order.data(), slot_weights.data_ptr<float>(), 1, top_k, h, sparse);
+    slot_sums(slot_rows, h, order.data(), slot_weight, 1, top_k, h, sparse);
   } else if (experts_in_buffers_on.load(std::memory_order_relaxed)) {  // `experts`' path, laid out as its tensors are
-    buffer_experts(pre2, t, h, chosen, weights, w[11], w[12], expert, scratch, sparse);
+    buffer_experts(pre2, t, h, chosen.data(), slot_weight, top_k, w[11], w[12], expert, scratch, sparse);
   } else {  // `set_experts_in_buffers(false)`: the A/B's other side
-    const Tensor routed_out = experts(at::from_blob(pre2, {t, h}, options), weights, chosen, w[11], w[12], e.act)
-                                  .contiguous();
+    const Tensor routed_out =
+        experts(at::from_blob(pre2, {t, h}, options), at::from_blob(slot_weight, {t, top_k}, options),
+                at::from_blob(chosen.data(), {t, top_k}, at::TensorOptions().dtype(at::kLong)), w[11], w[12], e.act)
+            .contiguous();
     std::memcpy(sparse, routed_out.data_ptr<float>(), sizeof(float) * t * h);
   }
   float* mixed = scratch.take(t * h);
@@ -2238,6 +2328,7 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("set_half_width(bool on) -> ()", &set_half_width);
   m.def("set_layers_in_buffers(bool on) -> ()", &set_layers_in_buffers);
   m.def("set_experts_in_buffers(bool on) -> ()", &set_experts_in_buffers);
+  m.def("router_form() -> int", [] { return static_cast<int64_t>(router_form()); });
   m.def("layers_in_buffers() -> int", &layers_in_buffers);
   m.def("allow_half_width(Tensor[] weights) -> int", &allow_half_width);
   m.def("half_width_kernels() -> bool", &half_width_kernels);

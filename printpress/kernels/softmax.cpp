@@ -37,42 +37,17 @@
 #include <tuple>
 #include <vector>
 
+#include "aten_softmax.h"
 #include "aten_sum.h"
 #include "below_autograd.h"
-
-#ifdef PRINTPRESS_VEC
-#include <ATen/cpu/vec/functional.h>
-#endif
 
 namespace {
 
 using at::Tensor;
 
 #ifdef PRINTPRESS_VEC
-using Vec = at::vec::Vectorized<float>;
-
-// The two exps ATen's softmax has used: Sleef's (`exp`) and ATen's own faster one (`exp_u20`).
-enum class Exp { sleef, u20 };
-
-template <Exp E>
-inline Vec vec_exp(const Vec& x) {
-  if constexpr (E == Exp::u20) {
-    return x.exp_u20();
-  } else {
-    return x.exp();
-  }
-}
-
-// ATen's _vec_softmax_lastdim for one row of n floats.
-template <Exp E>
-void softmax_row(const float* in, float* out, int64_t n) {
-  const float max_input =
-      at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, in, n);
-  at::vec::map([max_input](Vec x) { return vec_exp<E>(x - Vec(max_input)); }, out, in, n);
-  float sum = at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, out, n);
-  sum = 1 / sum;
-  at::vec::map([sum](Vec x) { return x * Vec(sum); }, out, out, n);
-}
+using printpress_softmax_row::Exp;
+using printpress_softmax_row::softmax_row;
 
 template <Exp E>
 void probs_and_entropy(const float* x, int64_t rows, int64_t n, int64_t free, const float* lse, int width,
