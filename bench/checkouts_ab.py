@@ -30,7 +30,7 @@ process takes the machine's differences between processes out of the ratio (on t
 code ran up to 1.7x apart in two processes), so a change of a few percent that has a switch is best measured so:
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/checkouts_ab.py --switch experts_in_buffers --rounds 30 --steps 16 \
-        --canvases 8 --passes 4 --verify 8 --out docs/results/experts_in_buffers_ab.json
+        --canvases 8 --passes 4 --verify 8 --out docs/results/experts_in_buffers_ab_session48.json
 """
 
 from __future__ import annotations

@@ -1691,16 +1691,17 @@ struct LayerStack : torch::CustomClassHolder {
 // and most of its time outside the products went to the ~100 ATen tensors a layer made, viewed and freed between them
 // (allocations, views, dispatch: a quarter of the shipped model's AR step on an AMD EPYC, session 47). `rows_layer`
 // computes the same parts with the same code, the values between them in buffers of this thread: the norms' `rms_rows`,
-// `rotate_row`, `gelu_tanh_times` and the experts' `slot_sums` in their loops, more rows' experts grouped as `experts`
-// groups them (`buffer_experts`, session 48); each product as `product` would (one row: `rows_kernel`'s own loops where
-// it applies; else kernel_product_into or at::mm_out on views of the buffers, at::from_blob, whose parts start on 64
-// bytes as ATen's allocations do); ATen only for the attention (at::scaled_dot_product_attention over the joined cache,
-// `join`) and the router's softmax, top-k and weights (`route_weights`), on views of the buffers with the sizes and
-// strides `layer` hands them. It runs where the norms and the gated activation would take their loops in `layer`
-// (checked before anything is written; `buffer_shapes` for the weights); elsewhere `layer` runs. The same bits either
-// way (tests/test_layers_native.py: the AR steps and verification-sized passes of the both-sides tests run here where
-// they can). The switches of the A/B measurements: `set_layers_in_buffers(false)` runs `layer`,
-// `set_experts_in_buffers(false)` more rows' experts by `experts` (bench/switch_ab.py).
+// `rotate_row`, `gelu_tanh_times`, the router's softmax and top-k (`route`) and the experts' `slot_sums` in their
+// loops, more rows' experts grouped as `experts` groups them (`buffer_experts`; these two since session 48); each
+// product as `product` would (one row: `rows_kernel`'s own loops where it applies; else kernel_product_into or
+// at::mm_out on views of the buffers, at::from_blob, whose parts start on 64 bytes as ATen's allocations do); ATen only
+// for the attention (at::scaled_dot_product_attention over the joined cache, `join`) and, where the loops would not
+// give their numbers, the router's at::softmax and at::topk, on views of the buffers with the sizes and strides `layer`
+// hands them. It runs where the norms and the gated activation would take their loops in `layer` (checked before
+// anything is written; `buffer_shapes` for the weights); elsewhere `layer` runs. The same bits either way
+// (tests/test_layers_native.py: the AR steps and verification-sized passes of the both-sides tests run here where they
+// can). The switches of the A/B measurements (bench/checkouts_ab.py --switch): `set_layers_in_buffers(false)` runs
+// `layer`, `set_experts_in_buffers(false)` more rows' experts by `experts`.
 constexpr int64_t kBufferRows = 8;  // the most rows rows_layer takes (a verification of 8 tokens)
 std::atomic<bool> buffers_on{true};
 std::atomic<bool> experts_in_buffers_on{true};  // off: more rows' experts by `experts`, on views of the buffers (A/Bs)
