@@ -36,5 +36,13 @@ inline void softmax_row(const float* in, float* out, int64_t n) {
   at::vec::map([sum](Vec x) { return x * Vec(sum); }, out, out, n);
 }
 
+// softmax_row with the exp a form code names: 2 ATen's exp_u20, anything else Sleef's.
+inline void softmax_row(int exp_code, const float* in, float* out, int64_t n) {
+  if (exp_code == 2)
+    softmax_row<Exp::u20>(in, out, n);
+  else
+    softmax_row<Exp::sleef>(in, out, n);
+}
+
 }  // namespace printpress_softmax_row
 #endif

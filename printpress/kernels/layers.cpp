@@ -1475,9 +1475,6 @@ std::tuple<Tensor, Tensor, Tensor> shared_norm(const Tensor& x, const Tensor& de
   return {dense, routed, experts};
 }
 
-// Router.route after its top-k: the chosen probabilities over their sum, times each chosen expert's scale. For
-// float32, one loop with ATen's roundings (the sum of a row's k values as ATen's sum adds them, then a division and
-// a product per value).
 // route_weights' loop: `rows` rows of k chosen probabilities `p` and experts `index` into their weights `dst`.
 void route_rows(const float* p, const int64_t* index, int64_t rows, int64_t k, const float* scale, float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -1486,6 +1483,9 @@ void route_rows(const float* p, const int64_t* index, int64_t rows, int64_t k, c
   }
 }
 
+// Router.route after its top-k: the chosen probabilities over their sum, times each chosen expert's scale. For
+// float32, one loop with ATen's roundings (the sum of a row's k values as ATen's sum adds them, then a division and
+// a product per value).
 Tensor route_weights(const Tensor& top, const Tensor& chosen, const Tensor& per_expert_scale) {
   if (!fused(top, {per_expert_scale}) || !chosen.is_contiguous()) {
     Tensor weights = top / top.sum(-1, /*keepdim=*/true);
@@ -1764,8 +1764,6 @@ struct RowScratch {
 int router_form() {
 #ifdef PRINTPRESS_VEC
   static const int form = [] {
-    using printpress_softmax_row::Exp;
-    using printpress_softmax_row::softmax_row;
     for (int code : {2, 1}) {  // exp_u20 (torch's builds of late), Sleef's exp
       bool ok = true;
       printpress_sum::CheckNumbers numbers(0x2545f4914f6cdd1dull);
@@ -1776,12 +1774,8 @@ int router_form() {
         for (int64_t i = 0; i < rows * n; ++i) data[i] = static_cast<float>((numbers.unit() - 0.5) * 4.0 * (1 + i % 5));
         const Tensor expected = at::softmax(x, -1, at::kFloat);
         std::vector<float> got(rows * n);
-        for (int64_t r = 0; r < rows; ++r) {
-          if (code == 2)
-            softmax_row<Exp::u20>(data + r * n, got.data() + r * n, n);
-          else
-            softmax_row<Exp::sleef>(data + r * n, got.data() + r * n, n);
-        }
+        for (int64_t r = 0; r < rows; ++r)
+          printpress_softmax_row::softmax_row(code, data + r * n, got.data() + r * n, n);
         ok = std::memcmp(expected.data_ptr<float>(), got.data(), sizeof(float) * rows * n) == 0;
         if (!ok) break;
       }
@@ -1804,14 +1798,11 @@ void route(const float* logits, int64_t t, int64_t E, int64_t top_k, const float
 #ifdef PRINTPRESS_VEC
   if (const int form = router_form(); form != 0 && E <= 128) {
     loops = true;
-    std::array<int64_t, 128> order{};
+    std::array<int64_t, 128> order;  // every entry written below
     for (int64_t r = 0; r < t && loops; ++r) {
       const float* row = logits + r * E;
       float* p = probs + r * E;
-      if (form == 2)
-        printpress_softmax_row::softmax_row<printpress_softmax_row::Exp::u20>(row, p, E);
-      else
-        printpress_softmax_row::softmax_row<printpress_softmax_row::Exp::sleef>(row, p, E);
+      printpress_softmax_row::softmax_row(form, row, p, E);
       for (int64_t i = 0; i < E; ++i) {
         loops = loops && !std::isnan(p[i]);
         order[i] = i;
@@ -1884,7 +1875,7 @@ void buffer_experts(const float* x, int64_t t, int64_t h, const int64_t* choice,
                     int64_t top_k, const Tensor& gate_up_proj, const Tensor& down_proj, int64_t expert,
                     RowScratch& scratch, float* out) {
   const int64_t pairs = t * top_k, experts_n = gate_up_proj.size(0);
-  std::array<int64_t, kBufferRows * 16> order_of{};  // the sorted pairs' indices; t <= kBufferRows, top_k < 16
+  std::array<int64_t, kBufferRows * 16> order_of;  // the sorted pairs' indices; t <= kBufferRows, top_k < 16
   if (pairs <= kStableSortKeys && small_sorts_stable()) {
     int64_t next = 0;
     for (int64_t e = 0; e < experts_n; ++e)
@@ -1917,7 +1908,7 @@ void buffer_experts(const float* x, int64_t t, int64_t h, const int64_t* choice,
     buffer_product(activated + start * expert, counts[e], down_proj.select(0, e), rows_out + start * h);
     start += counts[e];
   }
-  std::array<int64_t, kBufferRows * 16> row_of{};  // the sorted row of each (token, slot) pair
+  std::array<int64_t, kBufferRows * 16> row_of;  // the sorted row of each (token, slot) pair
   for (int64_t i = 0; i < pairs; ++i) row_of[order_of[i]] = i;
   slot_sums(rows_out, h, row_of.data(), slot_weight, t, top_k, h, out);
 }
@@ -1998,7 +1989,7 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   // the router and the experts
   float* router = scratch.take(t * experts_n);
   buffer_product(routed, t, w[8], router);
-  std::array<int64_t, kBufferRows * 16> chosen{};  // t <= kBufferRows, top_k < 16
+  std::array<int64_t, kBufferRows * 16> chosen;  // t <= kBufferRows, top_k < 16; written by `route`
   float* slot_weight = scratch.take(t * top_k);
   route(router, t, experts_n, top_k, w[9].data_ptr<float>(), scratch.take(t * experts_n), scratch.take(t * top_k),
         chosen.data(), slot_weight);
