@@ -49,7 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 64
-SWITCHES = ("layers_in_buffers", "experts_in_buffers", "rows_kernel", "half_width")  # printpress_layers.set_NAME(bool)
+SWITCHES = ("layers_in_buffers", "experts_in_buffers", "attention_in_loops", "rows_kernel", "half_width")  # set_NAME(bool)
 
 
 def worker(model_path: str, steps: int, canvases: list[int], passes: int, verify: int = 0,

@@ -98,6 +98,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     report = {"threads": 1, "prefix": PREFIX, "passes": args.passes, "stored_as": args.stored_as, "results": []}
+    layers_ops = torch.ops.printpress_layers
     for name in args.models:
         model = shipped_model() if name == "shipped" else benchmark_model(name, getattr(torch, args.stored_as))
         for work in args.work:
@@ -105,7 +106,9 @@ def main() -> None:
             ops = count_ops(run, args.passes)
             wall = median_ms(run, args.passes)  # without the profiler
             aten = {op: v for op, v in ops.items() if op.startswith("aten::")}
-            entry = {"model": name, "work": work, "wall_ms": wall, "ops": ops,
+            # whether the C++ layers' attention runs in their own loops (then no ATen attention is counted)
+            loops = hasattr(layers_ops, "attention_form") and layers_ops.attention_form() != 0
+            entry = {"model": name, "work": work, "wall_ms": wall, "ops": ops, "attention_in_loops": loops,
                      "aten_calls": sum(v["calls"] for v in aten.values()),
                      "aten_self_ms": sum(v["self_us"] for v in aten.values()) / 1e3}
             report["results"].append(entry)

@@ -7,6 +7,7 @@ architecture, fp32 and bf16, each activation, padded batches, canvases with self
 
 from __future__ import annotations
 
+import itertools
 import platform
 
 import pytest
@@ -217,6 +218,12 @@ def test_a_few_rows_layers_run_in_buffers_of_their_own_with_the_same_bits(name, 
         assert_bit_equal(native_verification, verification(model))
     finally:
         ops.set_experts_in_buffers(True)
+    ops.set_attention_in_loops(False)  # ATen's attention, the rest of the layer in buffers
+    try:
+        assert_bit_equal(native_out, passes(model))
+        assert_bit_equal(native_verification, verification(model))
+    finally:
+        ops.set_attention_in_loops(True)
     ran = ops.layers_in_buffers()
     ops.set_layers_in_buffers(False)
     try:
@@ -226,6 +233,42 @@ def test_a_few_rows_layers_run_in_buffers_of_their_own_with_the_same_bits(name, 
     assert ops.layers_in_buffers() == ran
     assert_bit_equal(native_out, layer_out)
     assert_bit_equal(native_verification, layer_verification)
+
+
+def test_the_attention_loops_give_the_flash_kernels_bits():
+    """`attention_loops` (printpress/kernels/aten_attention.h: ATen's CPU flash kernel for float32 without its tensors,
+    its products MKL's sgemm calls) against F.scaled_dot_product_attention, bit for bit: 1 to 11 query rows over 1 to
+    40 keys (rows of whole vectors of keys, and rows with tails, where the kernel's exps take another form), no mask,
+    bool and additive masks, with rows that see no key, grouped-query heads, two batch rows, head sizes 8, 16 and 64,
+    and a cache's first slots as the keys. The form checked at load (`attention_form`) is the one that passes; another
+    form fails here (the tail's exp in float: 15 of the 720 cases without additive masks in one check)."""
+    ops = torch.ops.printpress_layers
+    if ops.fused_norm_width() == 0:
+        pytest.skip("no ATen vector code on this CPU: ATen's attention runs")
+    if ops.attention_form() == 0:
+        pytest.skip("no form of the attention's loops gives ATen's bits with this torch: ATen's attention runs")
+    g = torch.Generator().manual_seed(5)
+    checked = 0
+    for d, heads, kv_heads, t, s, b, masked in itertools.product([8, 16, 64], [2, 3], [1, 2], [1, 3, 8, 11],
+                                                                 [1, 4, 5, 11, 40], [1, 2], [None, "bool", "float"]):
+        if heads % kv_heads:
+            continue
+        q = torch.randn(b, t, heads, d, generator=g).transpose(1, 2)  # as a pass's buffer of rows is viewed
+        k, v = (torch.randn(b, kv_heads, s + 3, d, generator=g)[:, :, :s] for _ in range(2))
+        mask = torch.rand(b, 1, t, s, generator=g) < 0.7 if masked else None
+        if masked:
+            mask[-1, 0, 0] = False  # a row that sees no key: zeros
+        if masked == "float":  # additive: any values where a key is seen (the model's are 0), -inf elsewhere
+            mask = torch.randn(b, 1, t, s, generator=g).masked_fill(~mask, float("-inf"))
+        expected = F.scaled_dot_product_attention(q, k, v, mask, scale=d**-0.5, enable_gqa=heads != kv_heads)
+        with torch.no_grad():  # the loops run without gradients only (the model calls them so)
+            got = ops.attention_loops(q, k, v, mask, d**-0.5, heads != kv_heads)
+        assert torch.equal(got, expected.transpose(1, 2)), (d, heads, kv_heads, t, s, b, masked)
+        checked += 1
+    assert checked == 1080
+    q, k = torch.randn(1, 3, 1, 64), torch.randn(1, 1, 513, 64)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="at most 512 keys"):  # ATen splits longer rows: its call
+        ops.attention_loops(q, k, k, None, 0.125, True)
 
 
 def test_the_router_in_loops_leaves_equal_experts_to_atens_top_k(monkeypatch):

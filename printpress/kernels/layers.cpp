@@ -77,6 +77,7 @@
 #include <tuple>
 #include <vector>
 
+#include "aten_attention.h"
 #include "aten_softmax.h"
 #include "aten_sum.h"
 #include "below_autograd.h"
@@ -1570,12 +1571,183 @@ Tensor join(const Tensor& cached, const Tensor& block, bool in_place, int64_t st
   return joined;
 }
 
+// -- the attention in loops -----------------------------------------------------------------------------------------
+//
+// at::scaled_dot_product_attention's CPU flash kernel for float32, re-done without the tensors, a bool mask's conversion
+// and the dispatch around it (aten_attention.h), where it gives the same numbers: keys of one block (at most 512), a
+// bool or float32 (additive) mask or none, shared by the heads, and the form of the kernel's exponentials that matched
+// ATen in this process (`attention_form`). Elsewhere ATen's call runs. `set_attention_in_loops(false)`: always ATen's
+// (A/B measurements).
+std::atomic<bool> attention_loops_on{true};
+
+// Whether `attention_loops` takes at::scaled_dot_product_attention(q, k, v, mask, 0, false, scale, gqa) for q (B,
+// heads, T, D), k and v (B, kv_heads, S, D) (any form; `attention_form` says which one would run).
+bool attention_loops_apply(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
+                           bool gqa) {
+  const auto fits = [](const Tensor& t) {
+    return t.dim() == 4 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(3) == 1;
+  };
+  if (at::GradMode::is_enabled() || !fits(q) || !fits(k) || !fits(v)) return false;
+  const int64_t B = q.size(0), heads = q.size(1), T = q.size(2), D = q.size(3), kv_heads = k.size(1), S = k.size(2);
+  if (k.size(0) != B || v.size(0) != B || v.size(1) != kv_heads || v.size(2) != S || k.size(3) != D ||
+      v.size(3) != D || T < 1 || D < 1 || S < 1 || S > printpress_attention::kKeyBlock || kv_heads < 1 ||
+      heads % kv_heads != 0 || (heads != kv_heads && !gqa))
+    return false;
+  if (!mask) return true;
+  const Tensor& m = *mask;
+  return m.dim() == 4 && (m.scalar_type() == at::kBool || m.scalar_type() == at::kFloat) && m.device().is_cpu() &&
+         (m.size(0) == 1 || m.size(0) == B) &&
+         m.size(1) == 1 && (m.size(2) == 1 || m.size(2) == T) && (m.size(3) == 1 || m.size(3) == S);
+}
+
+// attention_loops_apply's attention in the loops of form `form` (1 + exp_u20 + 2 * a tail in double + 4 * a fused
+// mask; aten_attention.h's Form), into out: (B, T, heads, D), contiguous (what `attend` reshapes ATen's output to).
+void attention_loops(int form, const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
+                     double scale, float* out) {
+#ifdef PRINTPRESS_VEC
+  using printpress_attention::Operand;
+  const auto operand = [](const Tensor& t) {
+    return Operand{t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+  };
+  printpress_attention::Mask seen;
+  if (mask) {
+    const Tensor& m = *mask;
+    const bool boolean = m.scalar_type() == at::kBool;
+    seen = {boolean ? m.data_ptr<bool>() : nullptr, boolean ? nullptr : m.data_ptr<float>(),
+            m.size(0) > 1 ? m.stride(0) : 0, m.size(2) > 1 ? m.stride(2) : 0, m.size(3) > 1 ? m.stride(3) : 0};
+  }
+  const printpress_attention::Form kind{((form - 1) & 1) != 0, ((form - 1) & 2) != 0, ((form - 1) & 4) != 0};
+  printpress_attention::attend(kind, operand(q), operand(k), operand(v), seen, q.size(0), q.size(2), q.size(1),
+                               k.size(1), k.size(2), q.size(3), static_cast<float>(scale), out);
+#else
+  TORCH_CHECK(false, "printpress_layers: the attention's loops need ATen's vector code (AVX2 or AVX-512)");
+#endif
+}
+
+// The form of ATen's flash kernel (aten_attention.h) that gives at::scaled_dot_product_attention's numbers on this
+// machine with this many threads, checked once per process and thread count (`attention_form`) on random queries, keys
+// and values of the shapes the passes have
+// (one to 64 query rows, 1 to 512 keys, no mask, bool and additive masks, rows that see no key, grouped-query heads, a
+// cache's strided keys): 1 + (ATen's exp_u20, else Sleef's) + 2 * (the tail in double, else in float) + 4 * (the mask
+// added in a fused multiply-add); 0 if none does.
+int attention_form_now() {
+#ifdef PRINTPRESS_VEC
+  if (!printpress_attention::blas_found()) return 0;
+  struct Probe {
+    int64_t B, heads, kv_heads, T, S, D;
+    int mask;  // 0 none, 1 causal over the block's last T keys (row 0 of the second batch row sees none), 2 per key,
+               // 3 additive: random values, -inf on 1's pattern
+  };
+  // the three of 64 rows: ~40000 elements past the rows' last whole vectors, where the two tails' exps rarely differ;
+  // the last two: additive masks of any values, whose sum with the scores a fused multiply-add rounds once
+  const Probe probes[] = {{1, 3, 1, 1, 1, 64, 0},   {1, 3, 1, 1, 121, 64, 0}, {1, 3, 1, 1, 7, 64, 0},
+                          {1, 3, 1, 8, 120, 64, 1}, {2, 4, 2, 5, 13, 32, 1},  {1, 3, 1, 32, 100, 64, 1},
+                          {1, 2, 2, 40, 512, 64, 0}, {1, 3, 1, 1, 129, 64, 2}, {2, 3, 1, 8, 67, 64, 2},
+                          {4, 8, 2, 64, 7, 16, 0},  {4, 8, 8, 64, 13, 8, 2},  {2, 8, 4, 64, 31, 16, 1},
+                          {2, 3, 1, 8, 70, 64, 3},  {1, 3, 1, 1, 5, 64, 3}};
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  for (int form : {8, 4, 6, 2, 7, 3, 5, 1}) {
+    printpress_sum::CheckNumbers numbers(0x9e3779b97f4a7c15ull);
+    const auto fill = [&numbers](const Tensor& t, double spread) {
+      float* data = t.data_ptr<float>();
+      for (int64_t i = 0; i < t.numel(); ++i) data[i] = static_cast<float>((numbers.unit() - 0.5) * spread);
+    };
+    bool ok = true;
+    for (const Probe& p : probes) {
+      // the queries as rows_layer views its buffer, the keys and values as a cache's first S slots of S + 3
+      const Tensor q = at::empty({p.B, p.T, p.heads, p.D}, options).transpose(1, 2);
+      const Tensor k = at::empty({p.B, p.kv_heads, p.S + 3, p.D}, options), v = at::empty_like(k);
+      fill(q, 6.0);
+      fill(k, 6.0);
+      fill(v, 2.0);
+      std::optional<Tensor> mask;
+      if (p.mask != 0) {
+        const int64_t rows = p.mask == 2 ? 1 : p.T;
+        mask = at::empty({p.B, 1, rows, p.S}, p.mask == 3 ? options : at::TensorOptions().dtype(at::kBool));
+        for (int64_t b = 0; b < p.B; ++b)
+          for (int64_t t = 0; t < rows; ++t)
+            for (int64_t j = 0; j < p.S; ++j) {
+              const int64_t at = (b * rows + t) * p.S + j;
+              const bool causal = !(b == 1 && t == 0) && j <= p.S - p.T + t;
+              if (p.mask == 3)
+                mask->data_ptr<float>()[at] = causal ? static_cast<float>((numbers.unit() - 0.5) * 3.0)
+                                                     : -std::numeric_limits<float>::infinity();
+              else
+                mask->data_ptr<bool>()[at] = p.mask == 1 ? causal : numbers.unit() < 0.7 || j == 0;
+            }
+      }
+      const Tensor keys = k.narrow(2, 0, p.S), values = v.narrow(2, 0, p.S);
+      // a scale that is no power of two for the additive masks: its products are rounded, as a fused add is not
+      const double scale = 1.0 / std::sqrt(static_cast<double>(p.D)) * (p.mask == 2 ? 2.0 : p.mask == 3 ? 1.1 : 1.0);
+      const Tensor expected =
+          at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale, p.heads != p.kv_heads)
+              .transpose(1, 2)
+              .contiguous();
+      std::vector<float> got(expected.numel());
+      attention_loops(form, q, keys, values, mask, scale, got.data());
+      if (std::memcmp(expected.data_ptr<float>(), got.data(), sizeof(float) * got.size()) != 0) {
+        ok = false;
+        break;
+      }
+    }
+    if (ok) return form;
+  }
+  return 0;
+#else
+  return 0;
+#endif
+}
+
+std::mutex attention_mutex;
+std::map<int, int> attention_forms;  // per thread count: with two, ATen's kernel adds up some shapes another way
+
+int attention_form() {
+  const int threads = at::get_num_threads();
+  {
+    std::lock_guard<std::mutex> lock(attention_mutex);
+    if (auto found = attention_forms.find(threads); found != attention_forms.end()) return found->second;
+  }
+  const int form = attention_form_now();
+  std::lock_guard<std::mutex> lock(attention_mutex);
+  attention_forms[threads] = form;
+  return form;
+}
+
+// at::scaled_dot_product_attention(q, k, v, mask, 0, false, scale, gqa) into out (B, T, heads, D), contiguous, by
+// `attention_loops` where they apply and give ATen's numbers here; false (nothing written) where ATen's call must run.
+bool attention_in_loops(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
+                        double scale, bool gqa, float* out) {
+  if (!attention_loops_on.load(std::memory_order_relaxed) || !attention_loops_apply(q, k, v, mask, gqa)) return false;
+  const int form = attention_form();
+  if (form == 0) return false;
+  attention_loops(form, q, k, v, mask, scale, out);
+  return true;
+}
+
+// `attention_loops` of form `form` (-1: `attention_form`'s) as an operator, for the tests: (B, T, heads, D).
+Tensor attention_loops_op(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
+                          double scale, bool gqa, int64_t form) {
+  TORCH_CHECK(attention_loops_apply(q, k, v, mask, gqa), "printpress_layers.attention_loops: not an attention the "
+              "loops take (float32 (B, heads, T, D) queries, at most ", printpress_attention::kKeyBlock, " keys, a "
+              "bool or float32 mask shared by the heads)");
+  const int which = form < 0 ? attention_form() : static_cast<int>(form);
+  TORCH_CHECK(which >= 1 && which <= 8, "printpress_layers.attention_loops: no form ", which);
+  Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
+  attention_loops(which, q, k, v, mask, scale, out.data_ptr<float>());
+  return out;
+}
+
 Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& keys, const Tensor& values,
               const std::optional<Tensor>& mask, bool in_place, int64_t start, int64_t wrap, int64_t keep,
               int64_t write_at, const std::optional<Tensor>& slots, bool gqa, double scale) {
   Tensor joined_k = join(keys, k, in_place, start, wrap, keep, write_at, slots);
   Tensor joined_v = join(values, v, in_place, start, wrap, keep, write_at, slots);
-  Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), joined_k, joined_v, mask, 0.0, false, scale, gqa);
+  const Tensor query = q.transpose(1, 2);
+  if (attention_loops_apply(query, joined_k, joined_v, mask, gqa)) {
+    Tensor out = at::empty({q.size(0) * q.size(1), q.size(2) * q.size(3)}, q.options());
+    if (attention_in_loops(query, joined_k, joined_v, mask, scale, gqa, out.data_ptr<float>())) return out;
+  }
+  Tensor out = at::scaled_dot_product_attention(query, joined_k, joined_v, mask, 0.0, false, scale, gqa);
   return out.transpose(1, 2).reshape({q.size(0) * q.size(1), -1});
 }
 
@@ -1934,9 +2106,9 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
       !slot_sums_hold() || !experts_in_buffers_hold(t, top_k, expert, h))
     return false;
   thread_local RowScratch scratch;
-  // what the `take`s below and buffer_experts' hand out, each rounded up to 16 floats (29 of them)
-  scratch.reset(t * ((10 + top_k) * h + (std::max(heads, kv_heads) + heads + 2 * kv_heads) * d + 3 * inner +
-                     3 * expert + 2 * experts_n + top_k * (2 + 2 * h + 3 * expert)) + d + 29 * 16);
+  // what the `take`s below and buffer_experts' hand out, each rounded up to 16 floats (30 of them)
+  scratch.reset(t * ((10 + top_k) * h + (std::max(heads, kv_heads) + 2 * heads + 2 * kv_heads) * d + 3 * inner +
+                     3 * expert + 2 * experts_n + top_k * (2 + 2 * h + 3 * expert)) + d + 30 * 16);
   const double eps = e.eps;
   const auto options = at::TensorOptions().dtype(at::kFloat);
   // attention_inputs
@@ -1963,12 +2135,18 @@ bool rows_layer(const float* x, int64_t t, float* out, const LayerStack::Entry& 
   const Tensor v_view = at::from_blob(v, {1, kv_heads, t, d}, {t * kv_heads * d, d, kv_heads * d, 1}, options);
   const Tensor joined_k = join(keys, k_view, in_place, start, wrap, keep, write_at, slots);
   const Tensor joined_v = join(values, v_view, in_place, start, wrap, keep, write_at, slots);
-  const Tensor attended = at::scaled_dot_product_attention(q_view, joined_k, joined_v, mask, 0.0, false, e.scale, e.gqa)
-                              .transpose(1, 2).reshape({t, -1});
+  float* attended_rows = scratch.take(t * heads * d);
+  Tensor attended;  // ATen's, where the loops do not run
+  if (!attention_in_loops(q_view, joined_k, joined_v, mask, e.scale, e.gqa, attended_rows))
+    attended = at::scaled_dot_product_attention(q_view, joined_k, joined_v, mask, 0.0, false, e.scale, e.gqa)
+                   .transpose(1, 2).reshape({t, -1});
   // after_attention
   float* o = scratch.take(t * h);
   float* x1 = scratch.take(t * h);
-  buffer_product(attended, w[0], o);
+  if (attended.defined())
+    buffer_product(attended, w[0], o);
+  else
+    buffer_product(attended_rows, t, w[0], o);
   rows_norm(o, t, h, eps, w[1].data_ptr<float>(), x1, x);
   float* pre = scratch.take(t * h);
   float* routed = scratch.take(t * h);
@@ -2320,6 +2498,10 @@ TORCH_LIBRARY(printpress_layers, m) {
   m.def("set_half_width(bool on) -> ()", &set_half_width);
   m.def("set_layers_in_buffers(bool on) -> ()", &set_layers_in_buffers);
   m.def("set_experts_in_buffers(bool on) -> ()", &set_experts_in_buffers);
+  m.def("set_attention_in_loops(bool on) -> ()", [](bool on) { attention_loops_on.store(on); });
+  m.def("attention_form() -> int", [] { return static_cast<int64_t>(attention_form()); });
+  m.def("attention_loops(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool gqa, int form=-1) -> Tensor",
+        &attention_loops_op);
   m.def("router_form() -> int", [] { return static_cast<int64_t>(router_form()); });
   m.def("layers_in_buffers() -> int", &layers_in_buffers);
   m.def("allow_half_width(Tensor[] weights) -> int", &allow_half_width);
