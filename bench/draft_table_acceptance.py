@@ -17,16 +17,27 @@ The engine's q (`DraftTable.interpolated`: every known context's counts, interpo
 discounting, with a share for the text's own continuation) is counted the same way. Tokens per verification of m drafts are then about 1 + a + ... + a^m for a
 mean acceptance a (acceptances taken as independent: a rough figure).
 
+Trees (`--trees`): a verification could check a tree of drafts instead of one chain (SpecInfer, EAGLE-2), each
+row attending to its own branch: m draft tokens grown best-first from each node's candidates (the chain's token,
+the other tokens the table's shorter contexts name, its sampled counts' likeliest), each candidate's chance of being
+AR's token, given its branch was, estimated by its rank and kind on the first half of the prompts; the second half
+replays greedy rounds that keep the tree's longest branch AR wrote, against the chain of m drafts on the same
+prompts. For the same number of rows per verification, the tokens a tree would commit.
+
     python bench/draft_table_acceptance.py --greedy --out docs/results/draft_table_acceptance.json
     python bench/draft_table_acceptance.py --sampled runs/distill/l13-t09.bin \
         --out docs/results/draft_table_sampled.json
+    python bench/draft_table_acceptance.py --trees --heldout 96 --drafts 3 5 7 9 11 \
+        --out docs/results/draft_table_trees.json
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +66,100 @@ def replay(prompt: list[int], continuation: list[int], draft, m: int) -> tuple[i
         lookup.extend(text[i + 1 : i + 1 + step])
         i, tokens, rounds = i + step, tokens + step, rounds + 1
     return tokens, rounds
+
+
+def replay_tree(prompt: list[int], continuation: list[int], tree, m: int) -> tuple[int, int]:
+    """`replay` for draft trees: `tree(text, m)` gives a round's tree as the token paths of its m nodes (each
+    node's path from the root: a branch and all its prefixes); the round commits the longest path that
+    `continuation` follows, plus the AR token. A chain of m drafts is the tree of its m prefixes."""
+    text = prompt + continuation
+    i = len(prompt)
+    tokens = rounds = 0
+    while i + 1 < len(text):
+        kept = max((len(path) for path in tree(text[: i + 1], m) if text[i + 1 : i + 1 + len(path)] == path),
+                   default=0)
+        step = min(kept + 1, len(text) - 1 - i)
+        i, tokens, rounds = i + step, tokens + step, rounds + 1
+    return tokens, rounds
+
+
+def chain_paths(table: DraftTable, text: list[int], m: int) -> list[list[int]]:
+    """The engine's chain of up to m table drafts after `text` as a tree: its prefixes."""
+    drafts = table.draft(text, m, ContextLookup(text))
+    return [drafts[: j + 1] for j in range(len(drafts))]
+
+
+def candidates(table: DraftTable, text: list[int], lookup: ContextLookup, most: int = 4) -> list[tuple[int, tuple]]:
+    """A node's next tokens, best first, each with its kind: the chain's token (with its context's length and
+    source), then the other tokens the table's shorter contexts name, then the likeliest of the sampled counts (in
+    fifths of their probability)."""
+    out: list[tuple[int, tuple]] = []
+    seen = set()
+    for token, n, source in table.chain(text, 1, lookup):
+        out.append((token, ("chain", n, source)))
+        seen.add(token)
+    tail = text[-table.longest:]
+    for n in range(min(len(table.maps), len(tail)), 0, -1):
+        token = table.maps[n - 1].get(tuple(tail[-n:]))
+        if token is not None and token not in seen:
+            out.append((token, ("shorter", n)))
+            seen.add(token)
+    counts = table.distribution(text)
+    if counts is not None:
+        for j in np.argsort(-counts[1], kind="stable")[:most]:
+            if int(counts[0][j]) not in seen:
+                out.append((int(counts[0][j]), ("counted", min(int(counts[1][j] * 5), 4))))
+                seen.add(int(counts[0][j]))
+    return out[:most]
+
+
+def trees(pipe, prompts: list[list[int]], args) -> dict:
+    """Tokens per verification of best-first draft trees against chains of as many drafts (the module's doc)."""
+    table = pipe.model.draft_table
+    continuations = [pipe.generate(p, mode="ar", temperature=0, max_new_tokens=args.tokens).token_ids for p in prompts]
+    half = len(prompts) // 2
+    counted = defaultdict(lambda: [1, 2])  # (rank, kind) -> [kept + 1, seen + 2]: Laplace's rule
+    for prompt, continuation in zip(prompts[:half], continuations[:half]):
+        text = prompt + continuation
+        lookup = ContextLookup(text[: len(prompt)])
+        for i in range(len(prompt), len(text) - 1):
+            lookup.extend(text[i : i + 1])
+            for rank, (token, kind) in enumerate(candidates(table, text[: i + 1], lookup)):
+                counted[rank, kind][0] += token == text[i + 1]
+                counted[rank, kind][1] += 1
+    chance = {key: kept / seen for key, (kept, seen) in counted.items()}
+
+    def tree(text: list[int], m: int) -> list[list[int]]:
+        paths: list[list[int]] = []
+        frontier: list[tuple[float, int, list[int]]] = []  # (-chance of the path, order, path)
+        order = 0
+
+        def grow(path: list[int], p: float) -> None:
+            nonlocal order
+            for rank, (token, kind) in enumerate(candidates(table, text + path, ContextLookup(text + path))):
+                heapq.heappush(frontier, (-p * chance.get((rank, kind), 0.0), order, path + [token]))
+                order += 1
+
+        grow([], 1.0)
+        while frontier and len(paths) < m:
+            p, _, path = heapq.heappop(frontier)
+            paths.append(path)
+            grow(path, -p)
+        return paths
+
+    def chain(text: list[int], m: int) -> list[list[int]]:
+        return chain_paths(table, text, m)
+
+    out = {}
+    for m in args.drafts:
+        for name, shape in (("chain", chain), ("tree", tree)):
+            tokens, rounds = map(sum, zip(*(replay_tree(p, c, shape, m)
+                                            for p, c in zip(prompts[half:], continuations[half:]))))
+            out[f"{name}, {m} drafts"] = tokens / rounds
+            print(f"{name:5s} {m:2d} drafts: {tokens / rounds:.3f} tokens per verification", flush=True)
+    out["chances"] = {f"{rank} {' '.join(map(str, kind))}": [kept, seen] for (rank, kind), (kept, seen)
+                      in sorted(counted.items(), key=lambda item: (item[0][0], str(item[0][1])))}
+    return out
 
 
 def greedy(pipe, prompts: list[list[int]], args) -> dict:
@@ -131,6 +236,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--drafts", type=int, nargs="+", default=[3, 7, 11])
     parser.add_argument("--greedy", action="store_true", help="replay greedy rounds")
+    parser.add_argument("--trees", action="store_true", help="replay greedy rounds of draft trees against chains")
     parser.add_argument("--rows", default=None, help="with --greedy: the greedy rows (a distill .bin) to remake "
                                                      "tables from with other context lengths (1-8), and from a half "
                                                      "and a quarter of the rows")
@@ -152,6 +258,8 @@ def main() -> None:
         results["greedy_tokens_per_verification"] = greedy(pipe, prompts, args)
     if args.sampled:
         results["sampled"] = sampled(pipe, prompts, args)
+    if args.trees:
+        results["trees"] = trees(pipe, prompts, args)
     command = "python bench/draft_table_acceptance.py " + " ".join(sys.argv[1:])
     out = {"command": command, "model": args.model, "results": results}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

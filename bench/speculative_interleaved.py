@@ -13,6 +13,14 @@ output must equal AR's (the script stops otherwise).
 
 (`git show a768753:models/shakespeare-joint/draft_table.safetensors > /tmp/old-table.safetensors`: the table shipped
 before session 38.) Without `--table`, the model's own table.
+
+With `--switch NAME` (one of the C++ layers' runtime switches, as bench/checkouts_ab.py --switch takes them), every
+round runs twice, with the switch off and on (the order alternating from round to round), and the report has each
+state's rounds and medians and the median of the rounds' ratio of the two states' ratios to AR: what a change to the
+layers does to speculation against AR, without the differences between processes of a two-checkout comparison.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/speculative_interleaved.py --rounds 6 --switch attention_in_loops \
+        --out docs/results/speculative-session49-attention-switch.json
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from printpress.draft_table import DraftTable
 from printpress.eval.bench import heldout_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkouts_ab import SWITCHES
 from speculative import run_ar, run_speculative
 
 
@@ -63,9 +72,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", action="append", default=[], metavar="NAME=PATH",
                         help="a draft table to draft from (repeatable; default: the model's own, as 'model')")
+    parser.add_argument("--switch", choices=SWITCHES, default=None,
+                        help="run every round with this switch of the C++ layers off and on")
     add_arguments(parser, caps=7, rounds=8)
     args = parser.parse_args(argv)
     pipe = start(parser, args)
+    set_switch = None
+    if args.switch:
+        set_switch = getattr(torch.ops.printpress_layers, f"set_{args.switch}", None)
+        if set_switch is None:
+            parser.error(f"--switch {args.switch}: the C++ layers are not loaded on this machine")
     tables = {}
     for item in args.table:
         name, sep, path = item.partition("=")
@@ -82,8 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         run_ar(pipe, prompt, 8)
         run_speculative(pipe, prompt, 8, 1, args.caps[0], 32, source="table")
 
-    rounds = []
-    for index in range(args.rounds):
+    def one_round(index: int) -> dict:
         seconds, tokens = {"ar": 0.0}, {"ar": 0}
         for p, prompt in enumerate(prompts):
             written = {}
@@ -99,19 +114,45 @@ def main(argv: list[str] | None = None) -> None:
                 tokens[side] = tokens.get(side, 0) + len(ids)
             different = [side for side in settings if written[side] != written["ar"]]
             if different:
-                raise SystemExit(f"speculative_interleaved: {different} wrote other tokens than greedy AR on prompt {p}")
+                raise SystemExit(f"speculative_interleaved: {different} wrote other tokens than greedy AR on prompt "
+                                 f"{p}")
         ar_rate = tokens["ar"] / seconds["ar"]
-        rounds.append({"ar_tokens_per_s": ar_rate,
-                       **{f"{name}, cap {cap}": tokens[(name, cap)] / seconds[(name, cap)] / ar_rate
-                          for name, cap in settings}})
-        print(index, {key: round(value, 3) for key, value in rounds[-1].items()}, flush=True)
-    medians = {f"{name}, cap {cap}": statistics.median(r[f"{name}, cap {cap}"] for r in rounds)
-               for name, cap in settings}
-    print("median of the rounds' ratios to greedy AR:", {key: round(value, 3) for key, value in medians.items()})
+        rates = {f"{name}, cap {cap}": tokens[(name, cap)] / seconds[(name, cap)] for name, cap in settings}
+        return {"ar_tokens_per_s": ar_rate, **{key: rate / ar_rate for key, rate in rates.items()}}
+
+    def medians_of(rounds: list[dict]) -> dict:
+        return {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "ar_tokens_per_s"}
+
+    report = {"model": args.model, "tables": {name: item for name, item in zip(tables, args.table or
+                                                                                ["the model's own"])},
+              "caps": args.caps, "prompts": args.prompts, "tokens": args.tokens, "threads": args.threads}
+    if set_switch is None:
+        rounds = []
+        for index in range(args.rounds):
+            rounds.append(one_round(index))
+            print(index, {key: round(value, 3) for key, value in rounds[-1].items()}, flush=True)
+        report.update(median_ratio=medians_of(rounds), rounds=rounds)
+        print("median of the rounds' ratios to greedy AR:", {k: round(v, 3) for k, v in report["median_ratio"].items()})
+    else:
+        states: dict[str, list[dict]] = {"off": [], "on": []}
+        for index in range(args.rounds):
+            for state in ["off", "on"][:: -1 if index % 2 else 1]:
+                set_switch(state == "on")
+                states[state].append(one_round(index))
+                print(index, args.switch, state, {key: round(value, 3) for key, value in states[state][-1].items()},
+                      flush=True)
+        set_switch(True)
+        change = {key: statistics.median(on[key] / off[key] for off, on in zip(states["off"], states["on"]))
+                  for key in states["on"][0]}
+        report.update(switch=args.switch, rounds=states, median_ratio={state: medians_of(rounds)
+                                                                       for state, rounds in states.items()},
+                      median_ar_tokens_per_s={state: statistics.median(r["ar_tokens_per_s"] for r in rounds)
+                                              for state, rounds in states.items()},
+                      on_over_off=change)
+        print("median of the rounds' ratios to greedy AR:", report["median_ratio"])
+        print(f"{args.switch} on / off, medians of the rounds:", {key: round(v, 3) for key, v in change.items()})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "tables": {name: item for name, item in zip(
-        tables, args.table or ["the model's own"])}, "caps": args.caps, "prompts": args.prompts,
-        "tokens": args.tokens, "threads": args.threads, "median_ratio": medians, "rounds": rounds}, indent=1))
+    args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
 
 

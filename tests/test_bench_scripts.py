@@ -189,6 +189,26 @@ def test_speculative_interleaved_compares_tables_and_caps_round_by_round(tmp_pat
     assert refused.returncode == 2 and "--table: NAME=PATH, got 'nameless'" in refused.stderr
 
 
+def test_speculative_interleaved_runs_each_round_with_a_switch_off_and_on(tmp_path):
+    """bench/speculative_interleaved.py --switch: each round twice, the layers' switch off and on, each state's ratios
+    to greedy AR and the median of on / off; the switch is left on; an unknown switch is refused by argparse."""
+    script = str(ROOT / "bench" / "speculative_interleaved.py")
+    out = tmp_path / "switch.json"
+    done = subprocess.run([sys.executable, script, "--rounds", "2", "--prompts", "2", "--tokens", "8", "--switch",
+                           "attention_in_loops", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["switch"] == "attention_in_loops" and set(report["rounds"]) == {"off", "on"}
+    assert all(len(rounds) == 2 and all(set(r) == {"ar_tokens_per_s", "model, cap 7"} for r in rounds)
+               for rounds in report["rounds"].values())
+    assert set(report["on_over_off"]) == {"ar_tokens_per_s", "model, cap 7"}
+    assert all(value > 0 for value in report["on_over_off"].values())
+    refused = subprocess.run([sys.executable, script, "--switch", "nothing", "--out", str(out)], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT, check=False)
+    assert refused.returncode == 2 and "--switch: invalid choice: 'nothing'" in refused.stderr
+
+
 def test_op_counts_counts_each_pass_kinds_operators_per_pass(tmp_path):
     """bench/op_counts.py on the tiny size (two layers): an AR step and a canvas pass each call the C++ layers once
     (`layers`) and, where the layers' attention does not run in their own loops, ATen's attention once per layer

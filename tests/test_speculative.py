@@ -451,6 +451,28 @@ def test_the_draft_replay_counts_the_engines_verifications_exactly(name):
     del model.draft_table
 
 
+def test_the_tree_replay_counts_a_chain_as_the_replay_does_and_keeps_a_trees_longest_branch():
+    """bench/draft_table_acceptance.py --trees: `replay_tree` with a chain (the tree of its prefixes) commits and
+    counts as `replay` does with the same drafts; a tree whose second branch is the one AR wrote commits that branch
+    where the chain would have committed the AR token alone."""
+    bench = bench_module("draft_table_acceptance")
+    model = tiny_model("ring6")
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(9)
+    prefixes = [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(12)]
+    rows = np.array([p + ar_tokens(model, p, max_new_tokens=16) for p in prefixes])
+    table = DraftTable.from_rows(rows, first=4, longest=3)
+    for _ in range(4):
+        prompt = torch.randint(3, vocab, (5,), generator=g).tolist()
+        continuation = ar_tokens(model, prompt, max_new_tokens=20)
+        chain = bench.replay_tree(prompt, continuation, lambda text, m: bench.chain_paths(table, text, m), 5)
+        assert chain == bench.replay(prompt, continuation, lambda text, lookup, m: table.draft(text, m, lookup), 5)
+    prompt, continuation = [3, 4], [5, 6, 7, 8]  # 5 comes from the prompt's pass; the rounds verify 6, 7 and 8
+    second_branch = lambda text, m: [[9], [9, 7], [6], [6, 7]][:m]  # noqa: E731 - the second branch is AR's
+    assert bench.replay_tree(prompt, continuation, second_branch, 4) == (3, 1)  # 6 and 7 kept, 8 from the pass
+    assert bench.replay(prompt, continuation, lambda text, lookup, m: [9, 7][:m], 2) == (3, 3)  # one AR token a round
+
+
 def test_the_draft_length_replay_drafts_and_counts_as_the_engine_does():
     """bench/draft_length.py prices rules for a draft's length by replaying greedy rounds: its drafts are the
     table's (`DraftTable.draft`) and, at the engine's cap, its counts of verifications and tokens the engine's."""

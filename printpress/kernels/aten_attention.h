@@ -1,23 +1,25 @@
 // ATen's CPU flash attention for float32 (at::scaled_dot_product_attention's kernel on a CPU), re-done for the few
-// query rows of an exact pass, where ATen's call costs 3-6x its arithmetic (an AR step's attention of 1 query row and 3
-// heads over ~120 keys: 14 us; 8 rows with a mask: 52 us, of which the mask's conversion to floats, the tensors made
-// and the dispatch are most). Include aten_vec.h first.
+// query rows of an exact pass without the tensors, the bool mask's conversion and the dispatch around it: an AR step's
+// attention (1 query row, 3 heads, ~120 keys) 15 -> 12 us, a verification's (8 rows, a mask) 43 -> 31 us, on an AMD
+// Zen 3; what is left is mostly MKL's two calls per head. Include aten_vec.h first.
 //
 // The same numbers as ATen's, because the same work in the same order: per (batch, query head, block of query rows)
 // the scores are one sgemm call of the BLAS torch links (MKL), with the arguments ATen's cpublas::gemm hands it, into
-// a buffer laid out (and aligned) as ATen's; the scale and the mask (a bool mask: 0 where a key is seen, -inf where not,
-// added after the scale, as ATen's float mask is), each row's maximum, its exponentials and their sum in ATen's vector
+// a buffer laid out (and aligned) as ATen's; the scale and the mask (a bool one as ATen turns it into an additive
+// one: 0 where a key is seen, -inf where not), each row's maximum, its exponentials and their sum in ATen's vector
 // order (at::vec), then the weighted sum of the values as a second sgemm call, and the division by the row's sum. Only
 // one block of keys is taken (ATen splits the keys into blocks of 512, rescaling between them): longer rows of keys go
-// to ATen. Which exponential ATen's kernel runs (ATen's exp_u20 or Sleef's; the scalar tail in float or in double)
-// depends on torch's build: the user checks the forms against ATen once per process and takes the one that matches
-// (layers.cpp, `attention_form`), or ATen's call where none does.
+// to ATen. Which form of the kernel torch's build has (`Form`: ATen's exp_u20 or Sleef's, the scalar tail's exp in
+// float or in double, the mask added in a fused multiply-add or not) is checked against ATen once per process and
+// thread count by the user (layers.cpp, `attention_form`), which takes the one that matches, or ATen's call where none
+// does.
 #pragma once
 
 #ifdef PRINTPRESS_VEC
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -40,8 +42,8 @@ constexpr int64_t kKeyBlock = 512;  // ATen's keys per block below 768 query row
 // ATen's query rows per block: its kernel's three sizes by the number of query rows.
 inline int64_t query_block(int64_t rows) { return rows >= 768 ? 256 : rows >= 192 ? 64 : 32; }
 
-// C = alpha op(A) op(B) + beta C in column-major terms, as cpublas::gemm passes it on to the BLAS: a leading
-// dimension that cannot matter (a single column or row) is first set to the one it normalises it to.
+// C = op(A) B + beta C in column-major terms, as cpublas::gemm passes it on to the BLAS: a leading dimension that
+// cannot matter (a single column or row) is first set to the one cpublas normalises it to.
 inline void blas_gemm(bool transpose_a, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                       int64_t ldb, float beta, float* c, int64_t ldc) {
   if (n == 1) ldc = m;
@@ -132,7 +134,7 @@ inline float* scratch(int64_t floats) {
   return buffer.data;
 }
 
-// softmax(scale q k^T + mask) v for queries q (B, T, heads, D), keys and values (B, kv_heads, S, D) with S <= kKeyBlock,
+// softmax(scale q k^T + mask) v for queries q (B, T, heads, D), keys and values (B, kv_heads, S, D), S <= kKeyBlock,
 // query head h reading key head h / (heads / kv_heads); out: (B, T, heads, D), contiguous. A query row that sees no
 // key gets zeros, as ATen's.
 template <bool U20>

@@ -1573,11 +1573,11 @@ Tensor join(const Tensor& cached, const Tensor& block, bool in_place, int64_t st
 
 // -- the attention in loops -----------------------------------------------------------------------------------------
 //
-// at::scaled_dot_product_attention's CPU flash kernel for float32, re-done without the tensors, a bool mask's conversion
-// and the dispatch around it (aten_attention.h), where it gives the same numbers: keys of one block (at most 512), a
-// bool or float32 (additive) mask or none, shared by the heads, and the form of the kernel's exponentials that matched
-// ATen in this process (`attention_form`). Elsewhere ATen's call runs. `set_attention_in_loops(false)`: always ATen's
-// (A/B measurements).
+// at::scaled_dot_product_attention's CPU flash kernel for float32, re-done without the tensors, a bool mask's
+// conversion and the dispatch around it (aten_attention.h), where it gives the same numbers: keys of one block (at
+// most 512), a bool or float32 (additive) mask or none, shared by the heads, and the form of the kernel that matched
+// ATen in this process at this thread count (`attention_form`). Elsewhere ATen's call runs.
+// `set_attention_in_loops(false)`: always ATen's (A/B measurements).
 std::atomic<bool> attention_loops_on{true};
 
 // Whether `attention_loops` takes at::scaled_dot_product_attention(q, k, v, mask, 0, false, scale, gqa) for q (B,
