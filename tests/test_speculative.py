@@ -429,6 +429,14 @@ def test_greedy_speculative_with_a_draft_table_equals_ar_and_keeps_its_drafts(na
         list(speculative(model, [Request([3], settings(draft_source="table"), 0)], canvas_length=8))
 
 
+def own_table(model: DiffusionGemma, g: torch.Generator, sampled: bool = False) -> DraftTable:
+    """A draft table (contexts of up to 3 tokens) of the model's own greedy continuations of 12 random prefixes (as
+    `printpress draft-table` makes one), drawn with `g`; with `sampled`, those rows as its sampled counts too."""
+    prefixes = [torch.randint(3, model.config.vocab_size, (4,), generator=g).tolist() for _ in range(12)]
+    rows = np.array([p + ar_tokens(model, p, max_new_tokens=16) for p in prefixes])
+    return DraftTable.from_rows(rows, first=4, longest=3, sampled_rows=rows if sampled else None)
+
+
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_the_draft_replay_counts_the_engines_verifications_exactly(name):
     """bench/draft_table_acceptance.py replays greedy rounds on AR's continuation instead of running them: for the
@@ -438,9 +446,7 @@ def test_the_draft_replay_counts_the_engines_verifications_exactly(name):
     model = tiny_model(name)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(7)
-    prefixes = [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(12)]
-    rows = np.array([p + ar_tokens(model, p, max_new_tokens=16) for p in prefixes])
-    table = model.draft_table = DraftTable.from_rows(rows, first=4, longest=3)
+    table = model.draft_table = own_table(model, g)
     for seed in range(4):
         prompt = torch.randint(3, vocab, (5,), generator=g).tolist()
         (result,) = collect(speculative(model, [Request(prompt, settings(max_new_tokens=24, draft_source="table"),
@@ -459,9 +465,7 @@ def test_the_tree_replay_counts_a_chain_as_the_replay_does_and_keeps_a_trees_lon
     model = tiny_model("ring6")
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(9)
-    prefixes = [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(12)]
-    rows = np.array([p + ar_tokens(model, p, max_new_tokens=16) for p in prefixes])
-    table = DraftTable.from_rows(rows, first=4, longest=3)
+    table = own_table(model, g)
     for _ in range(4):
         prompt = torch.randint(3, vocab, (5,), generator=g).tolist()
         continuation = ar_tokens(model, prompt, max_new_tokens=20)
@@ -480,9 +484,7 @@ def test_the_draft_length_replay_drafts_and_counts_as_the_engine_does():
     model = tiny_model("ring6")
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(8)
-    prefixes = [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(12)]
-    rows = np.array([p + ar_tokens(model, p, max_new_tokens=16) for p in prefixes])
-    table = model.draft_table = DraftTable.from_rows(rows, first=4, longest=3, sampled_rows=rows)
+    table = model.draft_table = own_table(model, g, sampled=True)
     drafts = min(7, model.new_cache(1, 32).window - 1)
     for seed in range(4):
         prompt = torch.randint(3, vocab, (5,), generator=g).tolist()
