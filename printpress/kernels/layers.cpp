@@ -1625,11 +1625,10 @@ void attention_loops(int form, const Tensor& q, const Tensor& k, const Tensor& v
 }
 
 // The form of ATen's flash kernel (aten_attention.h) that gives at::scaled_dot_product_attention's numbers on this
-// machine with this many threads, checked once per process and thread count (`attention_form`) on random queries, keys
-// and values of the shapes the passes have
-// (one to 64 query rows, 1 to 512 keys, no mask, bool and additive masks, rows that see no key, grouped-query heads, a
-// cache's strided keys): 1 + (ATen's exp_u20, else Sleef's) + 2 * (the tail in double, else in float) + 4 * (the mask
-// added in a fused multiply-add); 0 if none does.
+// machine with this many threads, checked once per process and thread count (`attention_form`) on random queries,
+// keys and values of the shapes the passes have (one to 64 query rows, 1 to 512 keys, no mask, bool and additive
+// masks, rows that see no key, grouped-query heads, a cache's strided keys): 1 + (ATen's exp_u20, else Sleef's) + 2 *
+// (the tail in double, else in float) + 4 * (the mask added in a fused multiply-add); 0 if none does.
 int attention_form_now() {
 #ifdef PRINTPRESS_VEC
   if (!printpress_attention::blas_found()) return 0;
@@ -1713,12 +1712,19 @@ int attention_form() {
   return form;
 }
 
-// at::scaled_dot_product_attention(q, k, v, mask, 0, false, scale, gqa) into out (B, T, heads, D), contiguous, by
-// `attention_loops` where they apply and give ATen's numbers here; false (nothing written) where ATen's call must run.
+// The form `attention_loops` runs at::scaled_dot_product_attention(q, k, v, mask, 0, false, scale, gqa) in, where
+// they apply, are on and give ATen's numbers here; 0 where ATen's call must run.
+int attention_in_loops_form(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
+                            bool gqa) {
+  if (!attention_loops_on.load(std::memory_order_relaxed) || !attention_loops_apply(q, k, v, mask, gqa)) return 0;
+  return attention_form();
+}
+
+// The attention into out (B, T, heads, D), contiguous, by `attention_loops` where `attention_in_loops_form` says they
+// may run; false (nothing written) where ATen's call must.
 bool attention_in_loops(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
                         double scale, bool gqa, float* out) {
-  if (!attention_loops_on.load(std::memory_order_relaxed) || !attention_loops_apply(q, k, v, mask, gqa)) return false;
-  const int form = attention_form();
+  const int form = attention_in_loops_form(q, k, v, mask, gqa);
   if (form == 0) return false;
   attention_loops(form, q, k, v, mask, scale, out);
   return true;
@@ -1743,9 +1749,10 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k
   Tensor joined_k = join(keys, k, in_place, start, wrap, keep, write_at, slots);
   Tensor joined_v = join(values, v, in_place, start, wrap, keep, write_at, slots);
   const Tensor query = q.transpose(1, 2);
-  if (attention_loops_apply(query, joined_k, joined_v, mask, gqa)) {
+  if (const int form = attention_in_loops_form(query, joined_k, joined_v, mask, gqa); form != 0) {
     Tensor out = at::empty({q.size(0) * q.size(1), q.size(2) * q.size(3)}, q.options());
-    if (attention_in_loops(query, joined_k, joined_v, mask, scale, gqa, out.data_ptr<float>())) return out;
+    attention_loops(form, query, joined_k, joined_v, mask, scale, out.data_ptr<float>());
+    return out;
   }
   Tensor out = at::scaled_dot_product_attention(query, joined_k, joined_v, mask, 0.0, false, scale, gqa);
   return out.transpose(1, 2).reshape({q.size(0) * q.size(1), -1});
