@@ -133,10 +133,11 @@ def trees(pipe, prompts: list[list[int]], args) -> dict:
         paths: list[list[int]] = []
         frontier: list[tuple[float, int, list[int]]] = []  # (-chance of the path, order, path)
         order = 0
+        lookup = ContextLookup(text)  # the committed text's continuations, as the engine's chain reads them
 
         def grow(path: list[int], p: float) -> None:
             nonlocal order
-            for rank, (token, kind) in enumerate(candidates(table, text + path, ContextLookup(text + path))):
+            for rank, (token, kind) in enumerate(candidates(table, text + path, lookup)):
                 heapq.heappush(frontier, (-p * chance.get((rank, kind), 0.0), order, path + [token]))
                 order += 1
 
@@ -157,8 +158,9 @@ def trees(pipe, prompts: list[list[int]], args) -> dict:
                                             for p, c in zip(prompts[half:], continuations[half:]))))
             out[f"{name}, {m} drafts"] = tokens / rounds
             print(f"{name:5s} {m:2d} drafts: {tokens / rounds:.3f} tokens per verification", flush=True)
-    out["chances"] = {f"{rank} {' '.join(map(str, kind))}": [kept, seen] for (rank, kind), (kept, seen)
-                      in sorted(counted.items(), key=lambda item: (item[0][0], str(item[0][1])))}
+    # each candidate kind's [kept + 1, seen + 2] on the first half (Laplace's rule, as the tree used them)
+    out["kept_and_seen_plus_prior"] = {f"{rank} {' '.join(map(str, kind))}": [kept, seen] for (rank, kind), (kept, seen)
+                                       in sorted(counted.items(), key=lambda item: (item[0][0], str(item[0][1])))}
     return out
 
 
