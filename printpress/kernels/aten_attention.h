@@ -17,12 +17,12 @@
 
 #ifdef PRINTPRESS_VEC
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 
 // The BLAS torch links (MKL in the x86 wheels), which ATen's cpublas::gemm calls for float32. Weak: where torch's
@@ -115,23 +115,13 @@ inline float exp_and_sum(float* row, int64_t n, float max, bool tail_double) {
   return sum;
 }
 
-// The calling thread's scratch, 64-byte aligned as ATen's tensors are (MKL's results may depend on its operands'
-// alignment).
+// The calling thread's scratch: a float tensor, so on 64 bytes as ATen's buffer is (MKL's results may depend on its
+// operands' alignment), kept and grown as needed.
 inline float* scratch(int64_t floats) {
-  struct Buffer {
-    float* data = nullptr;
-    int64_t size = 0;
-    ~Buffer() { std::free(data); }
-  };
-  static thread_local Buffer buffer;
-  if (buffer.size < floats) {
-    std::free(buffer.data);
-    const int64_t bytes = (floats * static_cast<int64_t>(sizeof(float)) + 63) / 64 * 64;
-    buffer.data = static_cast<float*>(std::aligned_alloc(64, bytes));
-    TORCH_CHECK(buffer.data != nullptr, "printpress attention: out of memory for ", floats, " floats");
-    buffer.size = floats;
-  }
-  return buffer.data;
+  static thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < floats)
+    buffer = at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
+  return buffer.data_ptr<float>();
 }
 
 // softmax(scale q k^T + mask) v for queries q (B, T, heads, D), keys and values (B, kv_heads, S, D), S <= kKeyBlock,
